@@ -1,0 +1,114 @@
+"""The `jaxserve` command line: `jaxserve generate ...` (more subcommands join here)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags shared by every subcommand that loads a model (vLLM's names)."""
+    parser.add_argument("--model", required=True, help="Hugging Face model folder")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: --model)")
+    parser.add_argument("--dtype", default="auto",
+                        choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="KV-cache size in blocks (default: from the memory budget)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed)
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate completions for prompts (offline)",
+                       description="Generate completions offline and print them.")
+    add_engine_args(p)
+    p.add_argument("prompts", nargs="*", help="prompt strings")
+    p.add_argument("--prompts-file", help="a file with one prompt per line ('-' for stdin)")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat turn")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--min-tokens", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--logprobs", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from jaxserve import LLM, SamplingParams
+
+    prompts = list(args.prompts)
+    if args.prompts_file:
+        stream = sys.stdin if args.prompts_file == "-" else open(args.prompts_file)
+        with stream:
+            prompts += [line.rstrip("\n") for line in stream if line.strip()]
+    if not prompts:
+        raise ValueError("give at least one prompt (as arguments or with --prompts-file).")
+    params = SamplingParams(
+        n=args.n, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty, seed=args.sample_seed, stop=args.stop,
+        ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+    llm = LLM(args.model, **engine_kwargs(args))
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outputs = llm.generate(prompts, params)
+    for prompt, output in zip(prompts, outputs):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "outputs": [
+                {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+                for c in output.outputs]}))
+            continue
+        for completion in output.outputs:
+            print(f"{prompt}{completion.text}")
+            print(f"--- finish_reason={completion.finish_reason} "
+                  f"tokens={len(completion.token_ids)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxserve", description="LLM inference and serving on JAX.")
+    parser.add_argument("--log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _generate_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

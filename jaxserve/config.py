@@ -1,0 +1,183 @@
+"""Engine configuration: one frozen dataclass per concern, composed by EngineConfig.
+
+Argument names follow vLLM's engine arguments so that a vLLM user's call works unchanged.
+Every value is checked here, once, with a message that says what would be accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    tokenizer: str
+    dtype: str  # resolved: float32 | bfloat16 | float16
+    max_model_len: int
+    seed: int
+    hf_config: dict = dataclasses.field(repr=False, compare=False, hash=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from the memory budget
+    gpu_memory_utilization: float = 0.9  # fraction of accelerator memory the engine may use
+    kv_cache_memory_bytes: int | None = None  # explicit KV budget (the CPU default is 1 GiB)
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}.")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(
+                f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}.")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}): every running sequence needs a token slot.")
+
+    @property
+    def token_buckets(self) -> tuple[int, ...]:
+        """T buckets: powers of two from 16 up to max_num_batched_tokens (always included)."""
+        return _power_buckets(16, self.max_num_batched_tokens)
+
+    @property
+    def seq_buckets(self) -> tuple[int, ...]:
+        """R buckets: powers of two from 1 up to max_num_seqs (always included)."""
+        return _power_buckets(1, self.max_num_seqs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Device placement. One device for now: every array still goes through a Mesh, so that
+    sharding later only adds partition specs."""
+
+    data_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.data_parallel_size != 1 or self.tensor_parallel_size != 1:
+            raise ValueError("Only a single-device mesh (1x1) is supported in this version.")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    compilation_cache_dir: str | None = None
+    precompile: bool = True  # compile every bucket at start-up; False: on first use
+
+
+    @classmethod
+    def create(
+        cls,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_memory_bytes: int | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        compilation_cache_dir: str | None = "default",
+        precompile: bool = True,
+        on_accelerator: bool = False,
+    ) -> EngineConfig:
+        """Resolve defaults against the model folder's config.json and validate everything."""
+        hf_config = read_hf_config(model)
+        resolved_dtype = _resolve_dtype(dtype, hf_config)
+        limit = int(hf_config.get("max_position_embeddings") or 2048)
+        if max_model_len is None:
+            max_model_len = min(limit, 8192 if on_accelerator else 2048)
+        if not isinstance(max_model_len, int) or max_model_len < 2:
+            raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}.")
+        if max_model_len > limit:
+            raise ValueError(f"max_model_len ({max_model_len}) is larger than the model's "
+                             f"max_position_embeddings ({limit}); use at most {limit}.")
+        if max_num_seqs is None:
+            max_num_seqs = 256 if on_accelerator else 32
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 2048 if on_accelerator else 512
+        if compilation_cache_dir == "default":
+            compilation_cache_dir = os.path.join(Path.home(), ".cache", "jaxserve", "xla")
+        return cls(
+            model=ModelConfig(model=str(model), tokenizer=str(tokenizer or model),
+                              dtype=resolved_dtype, max_model_len=max_model_len, seed=seed,
+                              hf_config=hf_config),
+            cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
+                              gpu_memory_utilization=gpu_memory_utilization,
+                              kv_cache_memory_bytes=kv_cache_memory_bytes),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len),
+            parallel=ParallelConfig(data_parallel_size=data_parallel_size,
+                                    tensor_parallel_size=tensor_parallel_size),
+            compilation_cache_dir=compilation_cache_dir,
+            precompile=precompile,
+        )
+
+
+def read_hf_config(model: str | os.PathLike) -> dict:
+    folder = Path(model)
+    if not folder.is_dir():
+        raise ValueError(f"model must be a local Hugging Face model folder; {str(model)!r} is not "
+                         "a directory (jaxserve never downloads weights).")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{folder} has no config.json; expected a Hugging Face model folder "
+                         "(config.json, *.safetensors, tokenizer files).")
+    return json.loads(path.read_text())
+
+
+def _resolve_dtype(dtype: str, hf_config: dict) -> str:
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {dtype!r}.")
+    if dtype != "auto":
+        return dtype
+    saved = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+    return saved if saved in SUPPORTED_DTYPES[1:] else "float32"
+
+
+def _power_buckets(low: int, high: int) -> tuple[int, ...]:
+    buckets = []
+    size = low
+    while size < high:
+        buckets.append(size)
+        size *= 2
+    buckets.append(high)
+    return tuple(buckets)

@@ -1,0 +1,249 @@
+"""LLMEngine: validates and admits requests, runs scheduler -> runner -> outputs, step by step.
+
+A request with n > 1 becomes n sequences (children) that share the prompt; each child has
+its own seed (seed + i when a seed is given), detokenizer and finish reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from jaxserve.compilation import compilation_count, enable_persistent_cache, install_counter
+from jaxserve.config import EngineConfig
+from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.input_builder import MAX_BANNED_IDS
+from jaxserve.kv_cache_manager import KVCacheManager
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.request import Request, RequestStatus
+from jaxserve.runner import ModelRunner
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler import Scheduler
+from jaxserve.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Tracked:
+    """One user request: its children sequences and what has been reported."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[Request]
+    detokenizers: list[IncrementalDetokenizer]
+    prompt_logprobs: list | None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.children)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        install_counter()
+        enable_persistent_cache(config.compilation_cache_dir)
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model.tokenizer)
+        self.runner = ModelRunner(config)
+        self.eos_token_ids = frozenset(_eos_token_ids(config, self.tokenizer))
+        blocks, size = self.runner.num_blocks, config.cache.block_size
+        self.kv_cache = KVCacheManager(blocks, size)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        max_len = config.model.max_model_len
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at "
+                    "max_model_len=%d: %.2f", blocks - 1, size, (blocks - 1) * size,
+                    blocks * self.runner.bytes_per_block / 2**20, max_len,
+                    (blocks - 1) / self.runner.blocks_per_seq)
+        if config.precompile:
+            self.runner.warm_up()
+        self._rng = np.random.default_rng(config.model.seed)
+        self._tracked: dict[str, _Tracked] = {}
+        self._by_child: dict[str, _Tracked] = {}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+
+    # ---- admission ----------------------------------------------------------------------
+    @property
+    def num_compilations(self) -> int:
+        return compilation_count()
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field for anything the engine cannot run."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params)}.")
+        max_len, vocab = self.config.model.max_model_len, self.config.model.vocab_size
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt must not be empty (it has 0 tokens).")
+        if len(prompt_token_ids) >= max_len:
+            raise ValueError(f"prompt is {len(prompt_token_ids)} tokens long, but must be shorter "
+                             f"than max_model_len={max_len} to leave room for output.")
+        ids = np.asarray(prompt_token_ids)
+        if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab:
+            bad = [t for t in prompt_token_ids if not (isinstance(t, (int, np.integer))
+                                                       and 0 <= t < vocab)][:3]
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}) (the model's "
+                             f"vocabulary); got {bad}.")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got "
+                             f"{params.stop_token_ids}.")
+        if params.min_tokens and len(self.eos_token_ids | set(params.stop_token_ids)) > \
+                MAX_BANNED_IDS:
+            raise ValueError(f"min_tokens works with at most {MAX_BANNED_IDS} stop_token_ids "
+                             "(EOS included).")
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, priority: int = 0) -> None:
+        if request_id in self._tracked:
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        self.validate(prompt_token_ids, params)
+        prompt_token_ids = [int(t) for t in prompt_token_ids]
+        children, detoks = [], []
+        for i in range(params.n):
+            seed = (params.seed + i if params.seed is not None
+                    else int(self._rng.integers(0, 2**32)))
+            child = Request(f"{request_id}#{i}", prompt_token_ids, params, seed=seed % 2**32,
+                            max_model_len=self.config.model.max_model_len,
+                            eos_token_ids=self.eos_token_ids, priority=priority)
+            children.append(child)
+            detoks.append(IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens))
+        tracked = _Tracked(request_id, prompt, prompt_token_ids, params, children, detoks,
+                           [None] if params.prompt_logprobs is not None else None)
+        self._tracked[request_id] = tracked
+        for child in children:
+            self._by_child[child.request_id] = tracked
+            self.scheduler.add(child)
+        self.stats["prompt_tokens"] += len(prompt_token_ids)
+
+    def abort_request(self, request_id: str) -> None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return
+        for child in tracked.children:
+            if not child.finished:
+                self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+            self._by_child.pop(child.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._tracked)
+
+    # ---- one step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, fold the results in. Returns the outputs of the
+        requests that changed (finished ones are then forgotten)."""
+        out = self.scheduler.schedule()
+        if out.empty:
+            return []
+        targets = self._prompt_score_targets(out)
+        result = self.runner.execute(out, targets)
+        changed: dict[str, _Tracked] = {}
+        start = 0
+        for row, (req, count) in enumerate(zip(out.requests, out.num_scheduled_tokens)):
+            tracked = self._by_child[req.request_id]
+            if result.prompt_scores is not None and tracked.prompt_logprobs is not None \
+                    and req is tracked.children[0]:
+                self._record_prompt_logprobs(tracked, req, start, count, result.prompt_scores)
+            start += count
+            req.num_computed_tokens += count
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk: nothing sampled yet
+            self._append(tracked, req, row, result.sampled)
+            changed[tracked.request_id] = tracked
+        outputs = [self._make_output(t) for t in changed.values()]
+        for output in outputs:
+            if output.finished:
+                tracked = self._tracked.pop(output.request_id)
+                for child in tracked.children:
+                    self._by_child.pop(child.request_id, None)
+        return outputs
+
+    def _append(self, tracked: _Tracked, req: Request, row: int, sampled) -> None:
+        token = int(sampled.token_ids[row])
+        req.append_token(token)
+        self.stats["generation_tokens"] += 1
+        if req.params.logprobs is not None:
+            req.logprobs.append((float(sampled.logprobs[row]), int(sampled.ranks[row]),
+                                 sampled.top_ids[row], sampled.top_logprobs[row]))
+        stopped_by_token = req.check_stop_token()
+        detok = tracked.detokenizers[int(req.request_id.rsplit("#", 1)[1])]
+        stop_str = detok.update(
+            [token], stop_terminated=req.status is RequestStatus.FINISHED_STOPPED)
+        if stop_str is not None:
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+        if stopped_by_token or stop_str is not None:
+            self.scheduler.finish(req, req.status)
+
+    def _prompt_score_targets(self, out) -> np.ndarray | None:
+        wanted = [self._by_child[r.request_id].prompt_logprobs is not None for r in out.requests]
+        if not any(wanted):
+            return None
+        targets = np.full(out.total_num_scheduled_tokens, -1, np.int32)
+        start = 0
+        for req, count, want in zip(out.requests, out.num_scheduled_tokens, wanted):
+            first = req.num_computed_tokens
+            end = min(first + count, req.num_prompt_tokens - 1)
+            if want and end > first:
+                targets[start: start + end - first] = req.token_ids[first + 1: end + 1]
+            start += count
+        return targets
+
+    def _record_prompt_logprobs(self, tracked, req, start, count, scores) -> None:
+        k = tracked.params.prompt_logprobs
+        have = len(tracked.prompt_logprobs)  # positions 0..have-1 are done
+        first = req.num_computed_tokens
+        for pos in range(max(first, have - 1), min(first + count, req.num_prompt_tokens - 1)):
+            i = start + pos - first
+            target = int(req.token_ids[pos + 1])
+            tracked.prompt_logprobs.append(self._logprob_dict(
+                target, float(scores.logprobs[i]), int(scores.ranks[i]),
+                scores.top_ids[i][:k], scores.top_logprobs[i][:k]))
+
+    def _logprob_dict(self, token, logprob, rank, top_ids, top_logprobs) -> dict[int, Logprob]:
+        entries = {int(t): Logprob(float(lp), r + 1, self._decode_one(int(t)))
+                   for r, (t, lp) in enumerate(zip(top_ids, top_logprobs))}
+        if token not in entries:
+            entries = {token: Logprob(logprob, rank, self._decode_one(token)), **entries}
+        return entries
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _make_output(self, tracked: _Tracked) -> RequestOutput:
+        completions = []
+        for i, (child, detok) in enumerate(zip(tracked.children, tracked.detokenizers)):
+            logprobs = cumulative = None
+            if child.params.logprobs is not None:
+                k = child.params.logprobs
+                outs = child.output_token_ids
+                logprobs = [self._logprob_dict(t, lp, rank, ids[:k], lps[:k])
+                            for t, (lp, rank, ids, lps) in zip(outs, child.logprobs)]
+                cumulative = float(sum(lp for lp, *_ in child.logprobs))
+            reason = child.status.value if child.finished else None
+            completions.append(CompletionOutput(i, detok.output_text, child.output_token_ids,
+                                                cumulative, logprobs, reason, child.stop_reason))
+        return RequestOutput(tracked.request_id, tracked.prompt, tracked.prompt_token_ids,
+                             tracked.prompt_logprobs, completions, tracked.finished)
+
+
+def _eos_token_ids(config: EngineConfig, tokenizer) -> set[int]:
+    """EOS ids from generation_config.json, else config.json, else the tokenizer."""
+    path = Path(config.model.model) / "generation_config.json"
+    for source in (json.loads(path.read_text()) if path.is_file() else {},
+                   config.model.hf_config):
+        eos = source.get("eos_token_id")
+        if eos is not None:
+            return set(eos) if isinstance(eos, list) else {int(eos)}
+    return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()

@@ -1,0 +1,143 @@
+"""The offline API, as in vLLM: LLM(model=...).generate(prompts, sampling_params) and .chat()."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import apply_chat_template
+
+logger = logging.getLogger(__name__)
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    Takes vLLM's engine arguments (model, tokenizer, dtype, max_model_len, max_num_seqs,
+    max_num_batched_tokens, block_size, gpu_memory_utilization, seed, ...) plus
+    num_kv_blocks to fix the KV cache size.
+    """
+
+    def __init__(self, model: str, **engine_args) -> None:
+        import jax
+
+        on_accelerator = jax.default_backend() != "cpu"
+        config = EngineConfig.create(model, on_accelerator=on_accelerator, **engine_args)
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] |
+                 None = None, *, use_tqdm: bool = True,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, a list of token ids, a list of token-id
+        lists, or {"prompt": ...} / {"prompt_token_ids": ...} dicts. Outputs come back in the
+        order of the prompts. Every prompt is checked before any is scheduled."""
+        items = _normalise_prompts(prompts)
+        params = _per_prompt(sampling_params, len(items))
+        tokenized = [(text, ids if ids is not None else self._encode(text))
+                     for text, ids in items]
+        for (_, ids), p in zip(tokenized, params):
+            self.engine.validate(ids, p)
+        return self._run(tokenized, params, use_tqdm, priority)
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] |
+             None = None, *, use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """messages: one conversation (a list of {"role", "content"} dicts) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.engine.tokenizer
+        tokenized = []
+        for conversation in conversations:
+            ids = apply_chat_template(tokenizer, list(conversation),
+                                      add_generation_prompt=add_generation_prompt,
+                                      chat_template=chat_template,
+                                      **(chat_template_kwargs or {}))
+            tokenized.append((tokenizer.decode(ids), ids))
+        params = _per_prompt(sampling_params, len(tokenized))
+        for (_, ids), p in zip(tokenized, params):
+            self.engine.validate(ids, p)
+        return self._run(tokenized, params, use_tqdm, None)
+
+    def _encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(text)}.")
+        return self.engine.tokenizer.encode(text)
+
+    def _run(self, tokenized, params, use_tqdm, priority) -> list[RequestOutput]:
+        engine = self.engine
+        order = []
+        for i, ((text, ids), p) in enumerate(zip(tokenized, params)):
+            request_id = str(next(self._ids))
+            engine.add_request(request_id, text, ids, p, priority[i] if priority else 0)
+            order.append(request_id)
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        start = time.perf_counter()
+        prompt_tokens = output_tokens = 0
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+                        prompt_tokens += len(output.prompt_token_ids)
+                        output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                        elapsed = time.perf_counter() - start
+                        bar.set_postfix_str(f"input: {prompt_tokens / elapsed:.1f} toks/s, "
+                                            f"output: {output_tokens / elapsed:.1f} toks/s")
+                        bar.update(1)
+        finally:
+            bar.close()
+            for request_id in order:
+                if request_id not in results:
+                    engine.abort_request(request_id)
+        return [results[r] for r in order]
+
+
+def _normalise_prompts(prompts) -> list[tuple[str | None, list[int] | None]]:
+    """Each prompt as (text or None, token ids or None)."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    elif isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int):
+        prompts = [list(prompts)]
+    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError("prompts must be a string, a list of strings or token-id lists, and "
+                         "not empty.")
+    items = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            items.append((prompt, None))
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            items.append((prompt.get("prompt"), list(prompt["prompt_token_ids"])))
+        elif isinstance(prompt, dict) and "prompt" in prompt:
+            items.append((prompt["prompt"], None))
+        elif isinstance(prompt, Sequence):
+            items.append((None, list(prompt)))
+        else:
+            raise ValueError(f"Unsupported prompt {prompt!r:.80}: use a string, a list of token "
+                             "ids, or a {'prompt': ...} / {'prompt_token_ids': ...} dict.")
+    return items
+
+
+def _per_prompt(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"sampling_params has {len(params)} entries for {count} prompts; give "
+                         "one SamplingParams or one per prompt.")
+    return params

@@ -1,0 +1,42 @@
+"""Result objects shaped like vLLM's (RequestOutput, CompletionOutput, Logprob)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: {token_id: Logprob}, holding the chosen token and the top-k.
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0

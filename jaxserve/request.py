@@ -1,0 +1,92 @@
+"""Request: one sequence's tokens, progress, sampling settings and KV blocks (host side)."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import numpy as np
+
+from jaxserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """One sequence. There is no prefill or decode phase: each step advances
+    num_computed_tokens toward num_tokens by some number of new tokens."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 *, seed: int, max_model_len: int, eos_token_ids: frozenset[int],
+                 priority: int = 0) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.seed = seed
+        self.priority = priority
+        self.arrival_time = time.monotonic()
+        self.num_prompt_tokens = len(prompt_token_ids)
+        budget = max_model_len - self.num_prompt_tokens
+        self.max_output_tokens = min(params.max_tokens or budget, budget)
+        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.stop_token_ids = frozenset(params.stop_token_ids)
+        # i32[max_model_len]: prompt then outputs; the first num_tokens entries are valid.
+        self.token_ids = np.zeros(self.num_prompt_tokens + self.max_output_tokens, np.int32)
+        self.token_ids[: self.num_prompt_tokens] = prompt_token_ids
+        self.num_tokens = self.num_prompt_tokens
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.state_slot = 0  # row of the device-side penalty state; 0 = none held
+        self.needs_state_reset = False  # set when a row is handed out, cleared once sent
+        # Per output token: (sampled logprob, rank, top ids, top logprobs), when asked for.
+        self.logprobs: list[tuple] = []
+        self.prompt_logprobs: list[tuple | None] = []
+        self.first_token_time: float | None = None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens].tolist()
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens: self.num_tokens].tolist()
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids[self.num_tokens] = token_id
+        self.num_tokens += 1
+
+    def check_stop_token(self) -> bool:
+        """After appending a token: finish on EOS / stop_token_ids (after min_tokens) or length."""
+        last = int(self.token_ids[self.num_tokens - 1])
+        if self.num_output_tokens >= max(self.params.min_tokens, 1) and (
+            last in self.eos_token_ids or last in self.stop_token_ids
+        ):
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = None if last in self.eos_token_ids else last
+            return True
+        if self.num_output_tokens >= self.max_output_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

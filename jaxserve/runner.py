@@ -1,0 +1,186 @@
+"""Model runner: owns the weights, the paged KV cache and the compiled step per (T, R) bucket.
+
+The step is one jitted function, compiled for every bucket at start-up:
+
+    step(params, kv_caches, penalty_state, batch, sampling)
+        -> (kv_caches, penalty_state, hidden, sample_result)
+
+kv_caches and penalty_state are donated, so the cache is updated in place. Every device
+array is placed through the engine's Mesh (one device by default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import logging
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from tqdm.auto import tqdm
+
+from jaxserve.batch import Batch, SamplingInputs
+from jaxserve.config import EngineConfig
+from jaxserve.input_builder import build_step_inputs, pick_bucket
+from jaxserve.kernels_pallas.ref import ragged_paged_attention, token_layout
+from jaxserve.models import resolve_architecture
+from jaxserve.models.llama import LlamaArch, LlamaForCausalLM, hf_param_path
+from jaxserve.sampler import PenaltyState, SampleResult, sample, score_tokens, update_penalty_state
+from jaxserve.scheduler import SchedulerOutput
+from jaxserve.weights import load_params
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": (jnp.float32, np.float32), "bfloat16": (jnp.bfloat16, ml_dtypes.bfloat16),
+           "float16": (jnp.float16, np.float16)}
+_CPU_KV_BYTES = 1 << 30
+
+
+@dataclasses.dataclass
+class StepResult:
+    """Host copies of one step's outputs, for the scheduled requests only."""
+
+    sampled: SampleResult  # numpy fields, first num_seqs rows valid
+    prompt_scores: SampleResult | None  # per token of the step, when prompt_logprobs was asked
+
+
+def default_mesh() -> Mesh:
+    return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, mesh: Mesh | None = None) -> None:
+        self.config = config
+        self.mesh = mesh or default_mesh()
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        hf = config.model.hf_config
+        resolve_architecture(hf)
+        self.arch = LlamaArch.from_hf(hf)
+        self.dtype, np_dtype = _DTYPES[config.model.dtype]
+        abstract = nnx.eval_shape(lambda: LlamaForCausalLM(self.arch, self.dtype))
+        model = load_params(abstract, config.model.model,
+                            functools.partial(hf_param_path, arch=self.arch), np_dtype, self.mesh)
+        self.graphdef, self.params = nnx.split(model)
+        self.block_size = config.cache.block_size
+        self.blocks_per_seq = -(-config.model.max_model_len // self.block_size)
+        self.num_blocks = self._num_kv_blocks()
+        shape = (self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        self.kv_caches = [(jnp.zeros(shape, self.dtype, device=self.replicated),
+                           jnp.zeros(shape, self.dtype, device=self.replicated))
+                          for _ in range(self.arch.num_layers)]
+        self.penalty_state = PenaltyState.zeros(config.scheduler.max_num_seqs + 1,
+                                                self.arch.vocab_size, self.replicated)
+        self._step = jax.jit(self._step_fn, donate_argnums=(1, 2))
+        self._score = jax.jit(self._score_fn)
+        self._compiled: dict = {}
+        self._compiled_score: dict = {}
+
+    # ---- sizing -------------------------------------------------------------------------
+    @property
+    def bytes_per_block(self) -> int:
+        a = self.arch
+        itemsize = jnp.dtype(self.dtype).itemsize
+        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * itemsize
+
+    def _num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        needed = self.blocks_per_seq + 1
+        if cache.num_kv_blocks is not None:
+            blocks = cache.num_kv_blocks
+        else:
+            stats = self.mesh.devices.flat[0].memory_stats() or {}
+            if cache.kv_cache_memory_bytes is not None:
+                budget = cache.kv_cache_memory_bytes
+            elif "bytes_limit" in stats:
+                budget = int(stats["bytes_limit"] * cache.gpu_memory_utilization
+                             - stats.get("bytes_in_use", 0))
+            else:
+                budget = _CPU_KV_BYTES
+            blocks = budget // self.bytes_per_block
+            if "bytes_limit" not in stats:
+                # Host memory: no point holding more than every sequence can use at once.
+                blocks = min(blocks, self.config.scheduler.max_num_seqs * self.blocks_per_seq + 1)
+        if blocks < needed:
+            raise ValueError(
+                f"The KV cache has room for {blocks} blocks of {self.block_size} tokens, but one "
+                f"sequence of max_model_len={self.config.model.max_model_len} needs {needed} "
+                "(with the reserved null block). Raise num_kv_blocks / the memory budget, or "
+                "lower max_model_len.")
+        return int(blocks)
+
+    # ---- device functions ---------------------------------------------------------------
+    def _step_fn(self, params, kv_caches, penalty_state, batch: Batch, sampling: SamplingInputs):
+        model = nnx.merge(self.graphdef, params)
+        kv_caches, hidden = model(kv_caches, batch, ragged_paged_attention)
+        logits = model.logits(hidden[batch.logits_indices])  # f32[R, V]
+        seq, _, valid = token_layout(batch, batch.token_ids.shape[0])
+        penalty_state = update_penalty_state(penalty_state, batch, sampling, seq, valid)
+        return kv_caches, penalty_state, hidden, sample(logits, penalty_state, sampling)
+
+    def _score_fn(self, params, hidden, targets):
+        model = nnx.merge(self.graphdef, params)
+        return score_tokens(model.logits(hidden), targets)
+
+    def _abstract_inputs(self, num_tokens: int, num_rows: int):
+        batch, sampling = build_step_inputs(SchedulerOutput([], [], []), num_tokens, num_rows,
+                                            self.block_size, self.blocks_per_seq)
+        spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated)
+        return (Batch(**{k: spec(v) for k, v in batch.items()}),
+                SamplingInputs(**{k: spec(v) for k, v in sampling.items()}))
+
+    def bucket_pairs(self) -> list[tuple[int, int]]:
+        sched = self.config.scheduler
+        return [(t, r) for t, r in itertools.product(sched.token_buckets, sched.seq_buckets)
+                if r <= t]
+
+    def warm_up(self) -> None:
+        """Compile every (T, R) bucket and the prompt-scoring function per T, with progress."""
+        pairs = self.bucket_pairs()
+        token_buckets = self.config.scheduler.token_buckets
+        with tqdm(total=len(pairs) + len(token_buckets), desc="Compiling buckets") as bar:
+            for t, r in pairs:
+                batch, sampling = self._abstract_inputs(t, r)
+                self._compiled[(t, r)] = self._step.lower(
+                    self.params, self.kv_caches, self.penalty_state, batch, sampling).compile()
+                bar.update(1)
+            for t in token_buckets:
+                hidden = jax.ShapeDtypeStruct((t, self.arch.hidden_size), self.dtype,
+                                              sharding=self.replicated)
+                targets = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=self.replicated)
+                self._compiled_score[t] = self._score.lower(self.params, hidden,
+                                                            targets).compile()
+                bar.update(1)
+        logger.info("Compiled %d step buckets (T in %s, R in %s).", len(pairs), token_buckets,
+                    self.config.scheduler.seq_buckets)
+
+    # ---- one step -----------------------------------------------------------------------
+    def execute(self, out: SchedulerOutput, score_targets: np.ndarray | None = None) -> StepResult:
+        """Run one step. score_targets (i32[total tokens], -1 where not wanted) asks for the
+        logprob of given next tokens at each position (prompt_logprobs)."""
+        sched = self.config.scheduler
+        num_tokens = pick_bucket(sched.token_buckets, out.total_num_scheduled_tokens)
+        num_rows = pick_bucket(sched.seq_buckets, len(out.requests))
+        batch, sampling = build_step_inputs(out, num_tokens, num_rows, self.block_size,
+                                            self.blocks_per_seq)
+        batch, sampling = jax.device_put((batch, sampling), self.replicated)
+        step = self._compiled.get((num_tokens, num_rows))
+        if step is None:  # not warmed up: compile on first use
+            step = self._compiled[(num_tokens, num_rows)] = self._step.lower(
+                self.params, self.kv_caches, self.penalty_state, Batch(**batch),
+                SamplingInputs(**sampling)).compile()
+        self.kv_caches, self.penalty_state, hidden, result = step(
+            self.params, self.kv_caches, self.penalty_state, Batch(**batch),
+            SamplingInputs(**sampling))
+        scores = None
+        if score_targets is not None:
+            targets = np.zeros(num_tokens, np.int32)
+            targets[: len(score_targets)] = np.maximum(score_targets, 0)
+            score = self._compiled_score.get(num_tokens) or self._score
+            scores = score(self.params, hidden, jax.device_put(targets, self.replicated))
+        result, scores = jax.device_get((result, scores))
+        return StepResult(result, scores)

@@ -1,0 +1,130 @@
+"""On-device sampling: penalties, temperature, top-k, top-p, min-p, seeded draws, logprobs.
+
+Everything is per-sequence arrays (SamplingInputs), so any mix of settings runs in the same
+compiled step. Randomness is fold_in(key(seed), position): a seeded request draws the same
+tokens whatever else shares its batch.
+
+Penalties need each sequence's prompt-token set and output-token counts. They live on the
+device as a PenaltyState with one row per running request (rows are handed out by the
+scheduler, row 0 is scratch for padding) and are updated from the tokens each step feeds the
+model, so nothing of size V crosses from the host per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.batch import Batch, SamplingInputs
+from jaxserve.sampling_params import MAX_LOGPROBS
+
+_GREEDY_EPS = 1e-5
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PenaltyState:
+    output_counts: jax.Array  # i32[Q, V]   Q = max_num_seqs + 1 rows
+    prompt_mask: jax.Array  # bool[Q, V]
+
+    @classmethod
+    def zeros(cls, rows: int, vocab: int, sharding=None) -> PenaltyState:
+        counts = jnp.zeros((rows, vocab), jnp.int32, device=sharding)
+        mask = jnp.zeros((rows, vocab), jnp.bool_, device=sharding)
+        return cls(counts, mask)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampleResult:
+    token_ids: jax.Array  # i32[R]
+    logprobs: jax.Array  # f32[R]  of the sampled token, from the raw model distribution
+    ranks: jax.Array  # i32[R]     1 = most likely
+    top_ids: jax.Array  # i32[R, 20]
+    top_logprobs: jax.Array  # f32[R, 20]
+
+
+def update_penalty_state(state: PenaltyState, batch: Batch, s: SamplingInputs, seq, valid):
+    """Fold this step's input tokens into the rows of their sequences.
+
+    seq: i32[T] row of each token; valid: bool[T]. Prompt tokens set prompt_mask; output
+    tokens (fed back after being sampled, or recomputed after preemption) add to the counts.
+    """
+    reset_rows = jnp.where(s.reset_state, s.state_slots, 0)
+    counts = state.output_counts.at[reset_rows].set(0)
+    mask = state.prompt_mask.at[reset_rows].set(False)
+    rows = jnp.where(valid, s.state_slots[seq], 0)
+    is_prompt = batch.positions < s.prompt_lens[seq]
+    mask = mask.at[jnp.where(is_prompt, rows, 0), batch.token_ids].set(True)
+    counts = counts.at[jnp.where(is_prompt, 0, rows), batch.token_ids].add(1)
+    return PenaltyState(counts, mask)
+
+
+def apply_penalties(logits, state: PenaltyState, s: SamplingInputs):
+    """logits: f32[R, V]. vLLM semantics: repetition over prompt and output tokens,
+    presence/frequency over output tokens only."""
+    counts = state.output_counts[s.state_slots]  # i32[R, V]
+    seen = state.prompt_mask[s.state_slots] | (counts > 0)
+    rep = s.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - s.frequency_penalty[:, None] * counts
+    return logits - s.presence_penalty[:, None] * (counts > 0)
+
+
+def _truncate(logits, s: SamplingInputs):
+    """Mask tokens outside top-k, then outside the top-p nucleus (on temperature-scaled
+    logits), as vLLM does."""
+    vocab = logits.shape[-1]
+    sorted_desc = -jnp.sort(-logits, axis=-1)
+    k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab)
+    ranks = jnp.arange(vocab)[None, :]
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+    sorted_desc = jnp.where(ranks < k[:, None], sorted_desc, -jnp.inf)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    keep = jnp.sum(before < s.top_p[:, None], axis=-1)  # >= 1: the first is always kept
+    cutoff = jnp.take_along_axis(sorted_desc, (keep - 1)[:, None], axis=-1)
+    return jnp.where(logits < jnp.maximum(kth, cutoff), -jnp.inf, logits)
+
+
+def sample(logits, state: PenaltyState, s: SamplingInputs) -> SampleResult:
+    """logits: f32[R, V] raw model logits for each sequence's last token."""
+    vocab = logits.shape[-1]
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    logits = apply_penalties(logits, state, s)
+    banned = jnp.zeros_like(logits, jnp.bool_).at[
+        jnp.arange(logits.shape[0])[:, None], jnp.maximum(s.banned_ids, 0)].set(
+        s.banned_ids >= 0)
+    logits = jnp.where(banned, -jnp.inf, logits)
+
+    greedy = s.temperature < _GREEDY_EPS
+    greedy_ids = jnp.argmax(logits, axis=-1)
+    scaled = logits / jnp.where(greedy, 1.0, s.temperature)[:, None]
+    needs_truncation = jnp.any(((s.top_k > 0) & (s.top_k < vocab)) | (s.top_p < 1.0))
+    scaled = jax.lax.cond(needs_truncation, _truncate, lambda x, _: x, scaled, s)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    scaled = jnp.where(probs < s.min_p[:, None] * probs.max(-1, keepdims=True), -jnp.inf, scaled)
+
+    def gumbel(seed, position):
+        key = jax.random.fold_in(jax.random.key(seed), position)
+        return jax.random.gumbel(key, (vocab,), jnp.float32)
+
+    noise = jax.vmap(gumbel)(s.seeds, s.sample_positions)
+    drawn = jnp.argmax(scaled + noise, axis=-1)
+    token_ids = jnp.where(greedy, greedy_ids, drawn).astype(jnp.int32)
+
+    chosen = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)[:, 0]
+    ranks = jnp.sum(raw > chosen[:, None], axis=-1).astype(jnp.int32) + 1
+    top_logprobs, top_ids = jax.lax.top_k(raw, min(MAX_LOGPROBS, vocab))
+    return SampleResult(token_ids, chosen, ranks, top_ids.astype(jnp.int32), top_logprobs)
+
+
+def score_tokens(logits, targets) -> SampleResult:
+    """Logprobs of given next tokens (prompt_logprobs): logits f32[X, V], targets i32[X]."""
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(raw, targets[:, None], axis=-1)[:, 0]
+    ranks = jnp.sum(raw > chosen[:, None], axis=-1).astype(jnp.int32) + 1
+    top_logprobs, top_ids = jax.lax.top_k(raw, min(MAX_LOGPROBS, raw.shape[-1]))
+    return SampleResult(targets, chosen, ranks, top_ids.astype(jnp.int32), top_logprobs)

@@ -1,0 +1,118 @@
+"""Scheduler: forms each step's ragged batch under a token budget (host side).
+
+One invariant, as in vLLM v1: every scheduled request moves num_computed_tokens toward
+num_tokens. Running requests go first (oldest first), then waiting ones in FCFS order (by
+priority first, when given). Long prompts are cut into chunks that fit the budget. When the
+KV pool runs dry, the newest running request is preempted: its blocks are freed and it is
+recomputed from scratch later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from jaxserve.config import SchedulerConfig
+from jaxserve.kv_cache_manager import KVCacheManager
+from jaxserve.request import Request, RequestStatus
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    requests: list[Request]  # batch order
+    num_scheduled_tokens: list[int]  # per request, same order
+    preempted: list[Request]
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._free_slots = list(range(config.max_num_seqs, 0, -1))  # penalty-state rows
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, request: Request) -> None:
+        if not self.waiting or self.waiting[-1].priority <= request.priority:
+            self.waiting.append(request)
+            return
+        # Lower value first; FCFS among equals.
+        index = next(i for i, r in enumerate(self.waiting) if r.priority > request.priority)
+        self.waiting.insert(index, request)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[Request] = []
+        counts: list[int] = []
+        preempted: list[Request] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            scheduled.append(request)
+            counts.append(num_new)
+            budget -= num_new
+            index += 1
+
+        # Admit waiting requests only when nothing had to give way this step.
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv_cache.allocate_slots(request, num_new):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.state_slot = self._free_slots.pop()
+            request.needs_state_reset = True
+            self.running.append(request)
+            scheduled.append(request)
+            counts.append(num_new)
+            budget -= num_new
+        return SchedulerOutput(scheduled, counts, preempted)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        self._release_slot(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _release_slot(self, request: Request) -> None:
+        if request.state_slot:
+            self._free_slots.append(request.state_slot)
+            request.state_slot = 0
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Take a request out (finished or aborted) and free what it holds."""
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+            self.kv_cache.free(request)
+            self._release_slot(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)

@@ -1,0 +1,67 @@
+"""Tokenizer and chat template, loaded from the model folder through transformers."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(path: str):
+    """A local tokenizer; never downloads and never runs code from the folder."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False,
+                                             local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"Could not load a tokenizer from {path}: {err}") from None
+
+
+def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
+                        chat_template: str | None = None, **kwargs) -> list[int]:
+    """Render a conversation with the tokenizer's template and tokenize it.
+
+    Special-token strings inside message contents are tokenized as plain text, so a user
+    cannot forge a turn boundary: only the template's own markup becomes special tokens.
+    """
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("This model's tokenizer has no chat template; pass chat_template= or "
+                         "use generate() with a plain prompt.")
+    for message in messages:
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts.")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template,
+                                         add_generation_prompt=add_generation_prompt, **kwargs)
+    return tokenize_rendered_chat(tokenizer, text, messages)
+
+
+def tokenize_rendered_chat(tokenizer, text: str, messages: list[dict]) -> list[int]:
+    """Tokenize a rendered chat, treating special-token text that came from message contents
+    as plain text: the template's markup is split out, and contents are encoded without
+    special-token parsing."""
+    contents = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+    specials = [t for t in tokenizer.all_special_tokens if t]
+    specials += [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+                 if getattr(t, "special", False)]
+    if not any(s in c for c in contents for s in specials):
+        return _encode(tokenizer, text, split_special=True)
+    ids: list[int] = []
+    cursor = 0
+    for content in contents:
+        at = text.find(content, cursor) if content else -1
+        if at < 0:
+            continue
+        ids += _encode(tokenizer, text[cursor:at], split_special=True)
+        ids += _encode(tokenizer, content, split_special=False)
+        cursor = at + len(content)
+    ids += _encode(tokenizer, text[cursor:], split_special=True)
+    return ids
+
+
+def _encode(tokenizer, text: str, split_special: bool) -> list[int]:
+    if not text:
+        return []
+    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=not split_special)

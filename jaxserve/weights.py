@@ -1,0 +1,110 @@
+"""Weight loading: Hugging Face safetensors, shard by shard, straight into placed device arrays.
+
+The safetensors format is read directly (a JSON header, then raw little-endian tensors,
+memory-mapped), so no code from the model folder runs and nothing is unpickled; bfloat16
+comes through ml_dtypes without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+def safetensors_files(folder: str | Path) -> list[Path]:
+    """The checkpoint's shard files, in index order; a clear error when there are none."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return files
+    found = [p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
+    hint = (f" It has {', '.join(sorted(found))}: PyTorch pickles are never loaded (they can run "
+            "code); convert them to safetensors first." if found else "")
+    raise ValueError(f"No *.safetensors weights in {folder}.{hint}")
+
+
+def read_safetensors(path: Path):
+    """Yield (name, numpy array view) for every tensor of one file, memory-mapped."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}.")
+        start, end = info["data_offsets"]
+        dtype = np.dtype(_DTYPES[info["dtype"]])
+        yield name, data[start:end].view(dtype).reshape(info["shape"])
+
+
+def load_params(abstract_model: nnx.Module, folder: str | Path, path_of, dtype, mesh: Mesh,
+                spec_of=lambda path: PartitionSpec()) -> nnx.Module:
+    """Fill an abstract (eval_shape'd) model with the checkpoint's tensors.
+
+    path_of(name) -> (param path, transform) or None (skip); raises KeyError for unknown names.
+    spec_of(path) -> PartitionSpec for that parameter on `mesh`.
+    """
+    graphdef, state = nnx.split(abstract_model)
+    expected = {tuple(path): var for path, var in nnx.to_flat_state(state)}
+    loaded: dict[tuple, jax.Array] = {}
+    files = safetensors_files(folder)
+    total = sum(1 for f in files for _ in _header_names(f))
+    with tqdm(total=total, desc="Loading weights", unit="tensor") as bar:
+        for file in files:
+            for name, array in read_safetensors(file):
+                bar.update(1)
+                try:
+                    target = path_of(name)
+                except KeyError:
+                    raise ValueError(f"{file.name}: unexpected tensor {name!r} for this "
+                                     "architecture; the checkpoint does not match its "
+                                     "config.json.") from None
+                if target is None:
+                    continue
+                path, transform = target
+                if path not in expected:
+                    raise ValueError(f"{file.name}: tensor {name!r} has no place in the model "
+                                     "built from config.json.")
+                value = np.asarray(transform(array) if transform else array).astype(dtype)
+                want = expected[path].get_value().shape
+                if value.shape != want:
+                    raise ValueError(f"{file.name}: tensor {name!r} has shape {array.shape}, "
+                                     f"which does not fit {want} from config.json.")
+                loaded[path] = jax.device_put(value, NamedSharding(mesh, spec_of(path)))
+    missing = sorted(set(expected) - set(loaded))
+    if missing:
+        names = ", ".join(".".join(map(str, p)) for p in missing[:5])
+        raise ValueError(f"The checkpoint in {folder} lacks {len(missing)} weights the model "
+                         f"needs, e.g. {names}.")
+    flat = [(path, var.replace(loaded[path])) for path, var in nnx.to_flat_state(state)]
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _header_names(path: Path):
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    return [name for name in header if name != "__metadata__"]

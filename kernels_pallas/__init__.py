@@ -1,0 +1,1 @@
+"""Attention kernels (Pallas) and their pure-JAX references."""

@@ -1,0 +1,98 @@
+"""Reference ragged paged attention in pure JAX: the semantic definition kernels must match.
+
+One call attends a ragged batch that mixes prefill chunks and decodes: T query tokens from R
+sequences, each sequence's keys and values read through its row of the block table from a
+paged cache. A query token at absolute position p sees the keys at positions 0..p of its own
+sequence (causal inside a chunk), optionally only the last `sliding_window` of them.
+
+The loop walks the block tables a group of pages at a time with an online (flash-style)
+softmax in float32, and stops after the longest sequence's last page, so short contexts do
+not pay for max_model_len.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+KV_TOKENS_PER_STEP = 128  # keys gathered per loop iteration (pages_per_step * block_size)
+
+
+def token_layout(batch, num_tokens: int):
+    """For each of the T tokens: its sequence row, absolute position, and whether it is real.
+
+    Returns (seq i32[T], pos i32[T], valid bool[T]). Positions are derived from cu_q_lens and
+    kv_lens (not batch.positions), as a kernel would.
+    """
+    cu = batch.cu_q_lens  # i32[R+1]
+    num_rows = batch.kv_lens.shape[0]
+    tok = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu[1:], tok, side="right").astype(jnp.int32)
+    seq = jnp.minimum(seq, num_rows - 1)
+    valid = tok < cu[batch.num_seqs[0]]
+    q_len = cu[seq + 1] - cu[seq]
+    pos = batch.kv_lens[seq] - q_len + (tok - cu[seq])
+    return seq, pos, valid
+
+
+def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
+                           sliding_window: int | None = None, soft_cap: float | None = None):
+    """q: [T, N, H]; k_cache, v_cache: [P, S, K, H] (P pages of S slots); returns [T, N, H].
+
+    Rows of padding tokens (beyond cu_q_lens[num_seqs]) come out as zeros, never NaN.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    pages_per_step = max(1, KV_TOKENS_PER_STEP // block_size)
+    step_len = pages_per_step * block_size
+
+    seq, pos, valid = token_layout(batch, num_tokens)
+    tables = batch.block_tables[seq]  # i32[T, B]
+    width = tables.shape[1]
+    padded = -(-width // pages_per_step) * pages_per_step
+    tables = jnp.pad(tables, ((0, 0), (0, padded - width)))
+    live = jnp.arange(batch.kv_lens.shape[0]) < batch.num_seqs[0]
+    longest = jnp.max(jnp.where(live, batch.kv_lens, 0))
+    num_steps = (longest + step_len - 1) // step_len
+
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32) * scale
+
+    def body(i, carry):
+        m, denom, acc = carry  # f32[T, K, G], f32[T, K, G], f32[T, K, G, H]
+        pages = jax.lax.dynamic_slice_in_dim(tables, i * pages_per_step, pages_per_step, 1)
+        k = k_cache[pages].reshape(num_tokens, step_len, num_kv_heads, head_dim)
+        v = v_cache[pages].reshape(num_tokens, step_len, num_kv_heads, head_dim)
+        s = jnp.einsum("tkgh,tlkh->tkgl", qg, k.astype(jnp.float32))
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        kv_pos = i * step_len + jnp.arange(step_len)
+        mask = (kv_pos[None, :] <= pos[:, None]) & valid[:, None]  # [T, L]
+        if sliding_window is not None:
+            mask &= kv_pos[None, :] > pos[:, None] - sliding_window
+        s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1))
+        safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - safe[..., None])
+        alpha = jnp.exp(m - safe)
+        denom = alpha * denom + p.sum(-1)
+        acc = alpha[..., None] * acc + jnp.einsum("tkgl,tlkh->tkgh", p, v.astype(jnp.float32))
+        return m_new, denom, acc
+
+    init = (jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
+            jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+            jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32))
+    _, denom, acc = jax.lax.fori_loop(0, num_steps, body, init)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def write_kv(k_cache, v_cache, k, v, slot_mapping):
+    """Scatter the step's new keys/values ([T, K, H]) into the paged caches at slot_mapping
+    (i32[T], flat slot = page * S + offset). Padding tokens point at the null page 0."""
+    pages, block_size, num_kv_heads, head_dim = k_cache.shape
+    flat = (pages * block_size, num_kv_heads, head_dim)
+    k_cache = k_cache.reshape(flat).at[slot_mapping].set(k.astype(k_cache.dtype))
+    v_cache = v_cache.reshape(flat).at[slot_mapping].set(v.astype(v_cache.dtype))
+    return k_cache.reshape(pages, block_size, num_kv_heads, head_dim), v_cache.reshape(
+        pages, block_size, num_kv_heads, head_dim)

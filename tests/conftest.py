@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny random-weight HF checkpoints, built once and cached on disk."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+
+import pytest
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "make_tiny_checkpoint.py"
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--checkpoint-cache", default=None, metavar="DIR",
+        help="folder for the tiny test checkpoints (default ~/.cache/jaxserve-tests)",
+    )
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("make_tiny_checkpoint", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cache_key() -> str:
+    # The tokenizer is trained on this Python's stdlib and saved by this transformers.
+    import transformers
+
+    h = hashlib.sha256(SCRIPT.read_bytes())
+    h.update(f"{sys.version_info[:2]} {transformers.__version__}".encode())
+    return h.hexdigest()[:16]
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(pytestconfig) -> dict[str, pathlib.Path]:
+    """arch -> folder of a tiny HF checkpoint (config, model.safetensors, tokenizer)."""
+    root = pathlib.Path(
+        pytestconfig.getoption("--checkpoint-cache") or "~/.cache/jaxserve-tests"
+    ).expanduser()
+    final = root / _cache_key()
+    if not final.is_dir():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=".building-", dir=root))
+        tmp.chmod(0o755)
+        try:
+            script = _load_script()
+            for arch in ARCHS:
+                script.make_checkpoint(arch, tmp / arch)
+            os.rename(tmp, final)  # atomic: readers see all four checkpoints or none
+        except OSError:
+            if not final.is_dir():  # not just another process finishing first
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return {arch: final / arch for arch in ARCHS}
+
+
+@pytest.fixture
+def tiny_checkpoint(request, tiny_checkpoints) -> pathlib.Path:
+    """One checkpoint; parametrize indirectly with the arch name (default llama)."""
+    return tiny_checkpoints[getattr(request, "param", "llama")]
