@@ -73,6 +73,8 @@ class LLM:
     def _encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(text)}.")
+        if not text:
+            raise ValueError("prompt must not be empty (got the empty string).")
         return self.engine.tokenizer.encode(text)
 
     def _run(self, tokenized, params, use_tqdm, priority) -> list[RequestOutput]:
