@@ -94,8 +94,9 @@ def sample(logits, state: PenaltyState, s: SamplingInputs) -> SampleResult:
     vocab = logits.shape[-1]
     raw = jax.nn.log_softmax(logits, axis=-1)
     logits = apply_penalties(logits, state, s)
+    # .max, not .set: padding entries (-1) alias token 0 and must not undo a real ban of it.
     banned = jnp.zeros_like(logits, jnp.bool_).at[
-        jnp.arange(logits.shape[0])[:, None], jnp.maximum(s.banned_ids, 0)].set(
+        jnp.arange(logits.shape[0])[:, None], jnp.maximum(s.banned_ids, 0)].max(
         s.banned_ids >= 0)
     logits = jnp.where(banned, -jnp.inf, logits)
 

@@ -46,11 +46,11 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def add(self, request: Request) -> None:
-        if not self.waiting or self.waiting[-1].priority <= request.priority:
-            self.waiting.append(request)
-            return
-        # Lower value first; FCFS among equals.
-        index = next(i for i, r in enumerate(self.waiting) if r.priority > request.priority)
+        # Lower value first, FCFS among equals: insert after the last request that goes
+        # first. Scanning from the back keeps preempted requests (put at the front) in place.
+        index = len(self.waiting)
+        while index and self.waiting[index - 1].priority > request.priority:
+            index -= 1
         self.waiting.insert(index, request)
 
     def schedule(self) -> SchedulerOutput:

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
 from jaxserve.kernels_pallas.ref import write_kv
 
 

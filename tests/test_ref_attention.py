@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxserve.kernels_pallas.ref import KV_TOKENS_PER_STEP, ragged_paged_attention, write_kv
 
 from jaxserve.batch import Batch
+from jaxserve.kernels_pallas.ref import KV_TOKENS_PER_STEP, ragged_paged_attention, write_kv
 
 jax.config.update("jax_enable_x64", False)
 
@@ -147,11 +147,15 @@ def numpy_attention(q, k_cache, v_cache, batch, *, scale, sliding_window=None, s
 
 
 def assert_close(got, want, batch, dtype):
-    """Compare the real tokens' rows, error relative to the expected output's scale."""
+    """Compare the real tokens' rows, error relative to the expected output's scale.
+
+    Rows of padding tokens must be finite; the reference documents them as zeros.
+    """
     real = int(np.asarray(batch.cu_q_lens)[int(np.asarray(batch.num_seqs)[0])])
-    got = f64(got)[:real]
+    got, pad = f64(got)[:real], f64(got)[real:]
     want = want[:real]
-    assert np.all(np.isfinite(got))
+    assert np.all(np.isfinite(got)) and np.all(np.isfinite(pad))
+    np.testing.assert_array_equal(pad, 0.0)
     err = np.abs(got - want).max() / np.abs(want).max()
     assert err <= TOL[str(jnp.dtype(dtype))], f"relative max error {err:.3g}"
 
@@ -199,18 +203,15 @@ def mixed_specs(rng, S):
 SPECS = {"decode": decode_specs, "prefill": prefill_specs, "mixed": mixed_specs}
 
 # (kind, block_size, num_kv_heads, num_heads, head_dim, dtype): every value of each axis
-# appears, and every GQA ratio in both dtypes, without the full product's compile time.
+# appears without paying the full product's compile time (~0.8 s per shape on 2 cores).
 CASES = [
     ("decode", 16, 2, 2, 64, "float32"),
     ("prefill", 32, 2, 4, 128, "float32"),
     ("mixed", 16, 1, 4, 64, "float32"),
-    ("mixed", 32, 1, 8, 64, "float32"),
-    ("decode", 32, 1, 1, 128, "bfloat16"),
-    ("prefill", 16, 2, 4, 64, "bfloat16"),
-    ("mixed", 32, 1, 4, 128, "bfloat16"),
-    ("mixed", 16, 1, 8, 128, "bfloat16"),
+    ("mixed", 32, 1, 8, 128, "float32"),
+    ("decode", 32, 2, 2, 128, "bfloat16"),
+    ("mixed", 16, 1, 8, 64, "bfloat16"),
 ]
-
 
 # ----------------------------------------------------------------------------- attention
 
@@ -219,8 +220,11 @@ CASES = [
 def test_matches_numpy(kind, block_size, kv_heads, heads, head_dim, dtype):
     rng = np.random.default_rng(CASES.index((kind, block_size, kv_heads, heads, head_dim, dtype)))
     specs = SPECS[kind](rng, block_size)
+    padding = kind == "mixed"  # padded to a (T, R) bucket, as the runner does
     case = make_case(rng, specs, block_size=block_size, num_kv_heads=kv_heads,
-                     num_heads=heads, head_dim=head_dim, dtype=dtype)
+                     num_heads=heads, head_dim=head_dim, dtype=dtype,
+                     num_rows=8 if padding else None,
+                     num_tokens=sum(q for q, _ in specs) + 3 if padding else None)
     run_and_check(*case, dtype)
 
 
@@ -236,7 +240,7 @@ def test_long_sequences_span_several_loop_steps(block_size):
     run_and_check(*case, "float32")
 
 
-@pytest.mark.parametrize("window", [1, 5, 37, 128, 1000])
+@pytest.mark.parametrize("window", [1, 37, 200])
 def test_sliding_window(window):
     rng = np.random.default_rng(window)
     S = 16
@@ -246,32 +250,28 @@ def test_sliding_window(window):
     run_and_check(*case, "float32", sliding_window=window)
 
 
-@pytest.mark.parametrize("soft_cap,window,dtype", [
-    (2.0, None, "float32"), (0.5, None, "float32"), (3.0, 48, "float32"),
-    (2.0, 20, "bfloat16"),
-])
+@pytest.mark.parametrize("soft_cap,window,dtype", [(2.0, None, "float32"), (3.0, 48, "bfloat16")])
 def test_soft_cap(soft_cap, window, dtype):
     rng = np.random.default_rng(7)
     S = 32
     specs = [(1, 150), (40, 99), (1, 1), (5, 5)]
     case = make_case(rng, specs, block_size=S, num_kv_heads=1, num_heads=2, head_dim=64,
                      dtype=dtype, max_model_len=160)
-    # scale 1: raw scores ~ N(0, 64), far beyond the cap, so a missing cap cannot pass.
-    run_and_check(*case, dtype, scale=1.0, soft_cap=soft_cap, sliding_window=window)
+    # Scaled scores ~ N(0, 16), far beyond the cap; scale != 1 tells scaled from raw scores.
+    run_and_check(*case, dtype, scale=0.5, soft_cap=soft_cap, sliding_window=window)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_padded_batch(dtype):
+def test_padded_batch():
     """num_seqs < R and T > the real tokens: padding rows come out finite (zeros)."""
     rng = np.random.default_rng(11)
     specs = [(1, 40), (9, 23), (1, 17)]
     q, k_cache, v_cache, batch = make_case(
-        rng, specs, block_size=16, num_kv_heads=2, num_heads=4, head_dim=64, dtype=dtype,
+        rng, specs, block_size=16, num_kv_heads=2, num_heads=4, head_dim=64,
         num_rows=8, num_tokens=32, junk_tables=True)
     q = q.at[11:].mul(1e3)  # loud padding queries must not leak anywhere
-    got = run_and_check(q, k_cache, v_cache, batch, dtype)
+    got = run_and_check(q, k_cache, v_cache, batch, "float32")
     pad = f64(got)[11:]
-    assert np.all(np.isfinite(pad))
+    assert pad.shape[0] == 21 and np.all(np.isfinite(pad))
     np.testing.assert_array_equal(pad, 0.0)
 
 
@@ -293,16 +293,6 @@ def test_jit_traces_once_for_dynamic_batch_contents():
         want = numpy_attention(q, k_cache, v_cache, batch, scale=0.125)
         assert_close(got, want, batch, "float32")
     assert len(traces) == 1
-
-
-def test_eager_call_matches_jit():
-    rng = np.random.default_rng(5)
-    case = make_case(rng, [(1, 20), (6, 6)], block_size=16, num_kv_heads=1, num_heads=2,
-                     head_dim=64, num_rows=4, num_tokens=8)
-    eager = ragged_paged_attention(*case, scale=0.125)
-    jitted = attention_jit(*case, scale=0.125)
-    np.testing.assert_allclose(np.asarray(eager), np.asarray(jitted), rtol=1e-6, atol=1e-6)
-    assert_close(eager, numpy_attention(*case, scale=0.125), case[3], "float32")
 
 
 # ----------------------------------------------------------------------------- write_kv

@@ -1,0 +1,634 @@
+"""Scheduler and KV-block accounting, tested without a model.
+
+A fake runner stands in for the device step. It builds each step's inputs with the real
+input builder, writes the scheduled tokens into a simulated paged KV cache through
+`slot_mapping`, reads each finished row's context back through its block table, and samples
+`next_token(context)`: a hash of the whole context, so every expected output can be computed
+by hand (`expected_outputs`). A block handed to two requests, a stale block table or a
+recompute that skipped the outputs after preemption would change the tokens.
+
+Every step the harness checks the invariants a user would notice: the token budget and the
+sequence cap, running-before-waiting and FCFS order, exact block counts, no shared or null
+blocks, penalty-state slots, and what preemption does to the preempted request.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import numpy as np
+import pytest
+
+from jaxserve.config import SchedulerConfig
+from jaxserve.input_builder import build_step_inputs, pick_bucket
+from jaxserve.kv_cache_manager import BlockPool, KVCacheManager
+from jaxserve.request import Request, RequestStatus
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler import Scheduler, SchedulerOutput
+
+VOCAB = 50_000
+PAD = -2  # what padding tokens write (into the null block)
+
+
+def next_token(context) -> int:
+    """The fake model: the next token is a hash of the whole context."""
+    return zlib.crc32(np.asarray(context, np.int32).tobytes()) % VOCAB
+
+
+def expected_outputs(prompt: list[int], num_outputs: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(num_outputs):
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt):]
+
+
+def prompt_ids(tag: int, length: int) -> list[int]:
+    return [(tag * 7919 + k * 104_729) % VOCAB for k in range(length)]
+
+
+def make_request(rid: str, prompt_len: int, max_tokens: int, *, max_model_len: int = 256,
+                 priority: int = 0, tag: int | None = None) -> Request:
+    tag = zlib.crc32(rid.encode()) if tag is None else tag
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(rid, prompt_ids(tag, prompt_len), params, seed=0,
+                   max_model_len=max_model_len, eos_token_ids=frozenset(), priority=priority)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Harness:
+    """Scheduler + KV manager + fake runner, checking every invariant at every step."""
+
+    def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int = 256) -> None:
+        self.config = SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len)
+        self.kv_cache = KVCacheManager(num_blocks, block_size)
+        self.scheduler = Scheduler(self.config, self.kv_cache)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        self.blocks_per_seq = cdiv(max_model_len, block_size)
+        self.kv = np.full(num_blocks * block_size, -1, np.int64)  # the simulated KV cache
+        self.requests: list[Request] = []  # everything added, in order
+        self.finished: list[Request] = []  # in finishing order
+        self.admitted: list[Request] = []  # in order of (re)admission
+        self.outputs: list[SchedulerOutput] = []
+        self.produced: list[list[Request]] = []  # per step: the requests that got a token
+
+    # ---- driving --------------------------------------------------------------------------
+    def add(self, request: Request) -> Request:
+        self.requests.append(request)
+        self.scheduler.add(request)
+        self.check_state()
+        return request
+
+    def new(self, rid: str, prompt_len: int, max_tokens: int, **kwargs) -> Request:
+        return self.add(make_request(rid, prompt_len, max_tokens,
+                                     max_model_len=self.max_model_len, **kwargs))
+
+    def abort(self, request: Request) -> None:
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        assert request.block_ids == [] and request.state_slot == 0
+        self.finished.append(request)
+        self.check_state()
+
+    def step(self) -> SchedulerOutput:
+        out = self.schedule()
+        self.execute(out)
+        return out
+
+    def run(self, max_steps: int = 100_000) -> int:
+        steps = 0
+        while self.scheduler.num_unfinished:
+            assert steps < max_steps, "the scheduler stopped making progress"
+            self.step()
+            steps += 1
+        self.check_all_free()
+        return steps
+
+    # ---- schedule + checks ---------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        s = self.scheduler
+        prev_running, prev_waiting = list(s.running), list(s.waiting)
+        prev_preemptions = s.num_preemptions
+        prev_counts = {id(r): r.num_preemptions for r in prev_running}
+        out = s.schedule()
+        self.outputs.append(out)
+        self.check_schedule(out, prev_running, prev_waiting)
+
+        m = len(out.preempted)
+        assert s.num_preemptions == prev_preemptions + m
+        assert list(s.waiting)[:m] == out.preempted[::-1], "preempted go to the front, in order"
+        for victim in out.preempted:
+            assert victim.status is RequestStatus.PREEMPTED
+            assert victim.num_computed_tokens == 0
+            assert victim.block_ids == [] and victim.state_slot == 0
+            assert victim.num_preemptions == prev_counts[id(victim)] + 1
+        self.check_state(scheduled=out)
+        return out
+
+    def check_schedule(self, out: SchedulerOutput, prev_running: list[Request],
+                       prev_waiting: list[Request]) -> None:
+        s, cfg = self.scheduler, self.config
+        reqs, counts = out.requests, out.num_scheduled_tokens
+        assert len(reqs) == len(counts)
+        assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+        assert len(reqs) <= cfg.max_num_seqs
+        assert len({id(r) for r in reqs}) == len(reqs), "a request scheduled twice in one step"
+        for req, n in zip(reqs, counts):
+            assert 1 <= n <= req.num_tokens - req.num_computed_tokens
+            assert req.status is RequestStatus.RUNNING
+
+        # Running requests first (oldest first, a prefix of the running list); the preempted
+        # ones are the newest (a suffix, newest first); then waiting ones in queue order.
+        k = sum(1 for r in reqs if any(r is p for p in prev_running))
+        from_running, admitted = reqs[:k], reqs[k:]
+        assert from_running == prev_running[:k], "running requests go first, oldest first"
+        m = len(out.preempted)
+        assert out.preempted == prev_running[::-1][:m], "the newest running request gives way"
+        assert not any(any(p is r for r in reqs) for p in out.preempted)
+        assert admitted == prev_waiting[:len(admitted)], "waiting requests admitted in order"
+        assert not (admitted and out.preempted), "admitted while preempting"
+        left_out = prev_running[k:len(prev_running) - m]
+        assert not left_out or out.total_num_scheduled_tokens == cfg.max_num_batched_tokens, \
+            "a running request was skipped although budget was left"
+        if admitted:
+            assert not left_out, "a waiting request went before a running one"
+        for req in admitted:
+            assert req.needs_state_reset, "a fresh penalty-state slot must be reset"
+        assert s.running == [r for r in prev_running if not any(r is p for p in out.preempted)] \
+            + admitted
+        self.admitted.extend(admitted)
+
+        # Work-conserving: the head of the queue waits only for a reason.
+        budget_left = cfg.max_num_batched_tokens - out.total_num_scheduled_tokens
+        if not out.preempted and s.waiting and budget_left and len(s.running) < cfg.max_num_seqs:
+            head = s.waiting[0]
+            n = min(head.num_tokens - head.num_computed_tokens, budget_left)
+            needed = self.kv_cache.blocks_needed(head.num_computed_tokens + n)
+            missing = needed - len(head.block_ids)
+            assert missing > self.kv_cache.pool.num_free, "the head of the queue waited for nothing"
+
+    def check_state(self, scheduled: SchedulerOutput | None = None) -> None:
+        """Blocks, slots and statuses of every live request (after schedule: counting the
+        tokens scheduled this step as computed)."""
+        s, bs = self.scheduler, self.block_size
+        pending = {}
+        if scheduled is not None:
+            pending = {id(r): n for r, n in zip(scheduled.requests, scheduled.num_scheduled_tokens)}
+        held: list[int] = []
+        for req in s.running:
+            assert req.status is RequestStatus.RUNNING
+            computed = req.num_computed_tokens + pending.get(id(req), 0)
+            assert computed <= req.num_tokens
+            if scheduled is None:
+                assert computed < req.num_tokens, "a running request is owed no work"
+            assert len(req.block_ids) == cdiv(computed, bs), (
+                f"{req.request_id} holds {len(req.block_ids)} blocks for {computed} tokens")
+            if req.num_preemptions == 0 and computed < req.num_prompt_tokens:
+                assert req.num_output_tokens == 0, "a token before the prompt was computed"
+            held += req.block_ids
+        for req in s.waiting:
+            assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert req.block_ids == [] and req.num_computed_tokens == 0
+            assert req.state_slot == 0
+        for req in self.finished:
+            assert req.finished and req.block_ids == [] and req.state_slot == 0
+            assert not any(req is r for r in s.running) and not any(req is r for r in s.waiting)
+
+        pool = self.kv_cache.pool
+        assert 0 not in held, "the null block was handed out"
+        assert len(set(held)) == len(held), "a block is held by two requests (or twice)"
+        assert pool.num_free + len(held) == self.num_blocks - 1, "a block leaked"
+        assert pool.ref_counts[0] == 1
+        assert (pool.ref_counts[held] == 1).all()
+        free = np.ones(self.num_blocks, bool)
+        free[[0, *held]] = False
+        assert (pool.ref_counts[free] == 0).all()
+        assert self.kv_cache.usage == pytest.approx(len(held) / (self.num_blocks - 1))
+
+        slots = [r.state_slot for r in s.running]
+        assert len(set(slots)) == len(slots), "two running requests share a penalty-state slot"
+        assert all(1 <= slot <= self.config.max_num_seqs for slot in slots)
+        assert len(s.running) <= self.config.max_num_seqs
+
+    def check_all_free(self) -> None:
+        assert self.scheduler.num_unfinished == 0
+        assert self.kv_cache.pool.num_free == self.num_blocks - 1
+        assert self.kv_cache.usage == 0
+        assert sorted(self.scheduler._free_slots) == list(range(1, self.config.max_num_seqs + 1))
+        for req in self.requests:
+            assert req.finished and req.block_ids == [] and req.state_slot == 0
+            if req.status is RequestStatus.FINISHED_LENGTH:
+                assert req.num_output_tokens == req.max_output_tokens
+
+    # ---- the fake runner -----------------------------------------------------------------
+    def execute(self, out: SchedulerOutput) -> None:
+        """What engine.step does after scheduling, with the model replaced by next_token."""
+        produced: list[Request] = []
+        self.produced.append(produced)
+        if out.empty:
+            self.check_state()
+            return
+        bs, total, rows = self.block_size, out.total_num_scheduled_tokens, len(out.requests)
+        num_tokens = pick_bucket(self.config.token_buckets, total)
+        num_rows = pick_bucket(self.config.seq_buckets, rows)
+        resets = [r.needs_state_reset for r in out.requests]
+        batch, sampling = build_step_inputs(out, num_tokens, num_rows, bs, self.blocks_per_seq)
+        assert sampling["reset_state"][:rows].tolist() == resets
+        assert not sampling["reset_state"][rows:].any()
+        assert not any(r.needs_state_reset for r in out.requests), "reset is sent once"
+        assert sampling["state_slots"][:rows].tolist() == [r.state_slot for r in out.requests]
+
+        slots = batch["slot_mapping"]
+        assert (slots[total:] < bs).all(), "padding must write into the null block"
+        self.kv[slots[total:]] = PAD
+        self.kv[slots[:total]] = batch["token_ids"][:total]
+        for row, (req, n) in enumerate(zip(out.requests, out.num_scheduled_tokens)):
+            req.num_computed_tokens += n
+            assert batch["kv_lens"][row] == req.num_computed_tokens
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk: nothing sampled yet
+            pos = np.arange(req.num_computed_tokens)
+            context = self.kv[batch["block_tables"][row][pos // bs] * bs + pos % bs]
+            np.testing.assert_array_equal(context, req.token_ids[: req.num_tokens],
+                                          err_msg=f"KV of {req.request_id} read back wrong")
+            req.append_token(next_token(context))
+            produced.append(req)
+            if req.check_stop_token():
+                self.scheduler.finish(req, req.status)
+                self.finished.append(req)
+        self.check_state()
+
+    def check_outputs(self) -> None:
+        for req in self.requests:
+            want = expected_outputs(req.prompt_token_ids, req.num_output_tokens)
+            assert req.output_token_ids == want, f"{req.request_id}: wrong tokens"
+
+
+# ---- budget, caps and order -----------------------------------------------------------------
+def test_budget_and_sequence_cap_hold_under_load():
+    h = Harness(num_blocks=200, block_size=4, max_num_seqs=3, max_num_batched_tokens=20)
+    for i in range(10):
+        h.new(f"r{i}", prompt_len=5 + 3 * i, max_tokens=4 + i % 3)
+    h.run()
+    h.check_outputs()
+    totals = [o.total_num_scheduled_tokens for o in h.outputs]
+    assert max(totals) == 20, "the budget is used in full while there is prefill work"
+    assert max(len(o.requests) for o in h.outputs) == 3
+    assert all(len(o.requests) <= 3 and o.total_num_scheduled_tokens <= 20 for o in h.outputs)
+
+
+def test_running_requests_are_scheduled_before_waiting_ones():
+    h = Harness(num_blocks=100, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    a = h.new("a", prompt_len=10, max_tokens=5)
+    out = h.step()
+    assert out.requests == [a] and out.num_scheduled_tokens == [10]
+    b = h.new("b", prompt_len=30, max_tokens=2)
+    out = h.step()
+    assert out.requests == [a, b] and out.num_scheduled_tokens == [1, 15]
+    out = h.step()
+    assert out.requests == [a, b] and out.num_scheduled_tokens == [1, 15]
+    h.run()
+    h.check_outputs()
+
+
+def test_budget_exhausted_by_running_requests_admits_nobody():
+    h = Harness(num_blocks=100, block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
+    a = h.new("a", prompt_len=20, max_tokens=2)
+    b = h.new("b", prompt_len=3, max_tokens=2)
+    out = h.step()
+    assert out.requests == [a] and out.num_scheduled_tokens == [8]
+    assert list(h.scheduler.waiting) == [b] and b.state_slot == 0
+    h.run()
+    h.check_outputs()
+
+
+def test_waiting_requests_are_admitted_fcfs():
+    h = Harness(num_blocks=100, block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
+    reqs = [h.new(f"r{i}", prompt_len=4 + (7 * i) % 5, max_tokens=1 + (3 * i) % 4)
+            for i in range(8)]
+    h.run()
+    h.check_outputs()
+    assert h.admitted == reqs
+    finish_order = [h.finished.index(r) for r in reqs]
+    assert finish_order != sorted(finish_order), "the workload should reorder finishing"
+
+
+def test_priority_lower_value_first_fcfs_among_equals():
+    h = Harness(num_blocks=100, block_size=4, max_num_seqs=1, max_num_batched_tokens=64)
+    prios = [3, 1, 2, 1, 0, 3, 0, 2]
+    reqs = [h.new(f"r{i}", prompt_len=5, max_tokens=2, priority=p) for i, p in enumerate(prios)]
+    want = sorted(reqs, key=lambda r: (r.priority, reqs.index(r)))
+    assert list(h.scheduler.waiting) == want
+    h.run()
+    assert h.admitted == want
+    h.check_outputs()
+
+
+def test_default_priority_is_plain_fcfs():
+    h = Harness(num_blocks=100, block_size=4, max_num_seqs=1, max_num_batched_tokens=64)
+    reqs = [h.new(f"r{i}", prompt_len=3, max_tokens=1) for i in range(5)]
+    assert list(h.scheduler.waiting) == reqs
+    h.run()
+    assert h.admitted == reqs
+
+
+def test_priority_order_survives_a_preempted_request_at_the_front():
+    h = Harness(num_blocks=5, block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
+    h.new("old", prompt_len=4, max_tokens=12, priority=0)
+    low = h.new("low", prompt_len=4, max_tokens=12, priority=5)
+    h.step()
+    a0 = h.new("a0", prompt_len=4, max_tokens=2, priority=0)  # waits: max_num_seqs is full
+    while not h.scheduler.num_preemptions:
+        h.step()
+    assert list(h.scheduler.waiting) == [low, a0]  # the preempted one in front
+    h.new("c3", prompt_len=4, max_tokens=2, priority=3)
+    b1 = h.new("b1", prompt_len=4, max_tokens=2, priority=1)
+    waiting = list(h.scheduler.waiting)
+    assert waiting.index(a0) < waiting.index(b1), [r.request_id for r in waiting]
+    h.run()
+    assert h.admitted.index(a0) < h.admitted.index(b1)
+
+
+# ---- chunked prefill --------------------------------------------------------------------------
+def test_long_prompt_is_prefilled_in_chunks_that_use_the_budget():
+    h = Harness(num_blocks=100, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    a = h.new("a", prompt_len=50, max_tokens=3)
+    counts = []
+    while not a.finished:
+        out = h.step()
+        counts.append(out.num_scheduled_tokens[0])
+        if a.num_computed_tokens < a.num_prompt_tokens:
+            assert a.num_output_tokens == 0, "a token came out of a partial prompt"
+            assert h.produced[-1] == []
+    assert counts == [16, 16, 16, 2, 1, 1]
+    assert [len(p) for p in h.produced] == [0, 0, 0, 1, 1, 1]
+    h.check_all_free()
+    h.check_outputs()
+
+
+def test_prefill_chunk_shares_the_budget_with_decodes():
+    h = Harness(num_blocks=100, block_size=8, max_num_seqs=4, max_num_batched_tokens=16)
+    a = h.new("a", prompt_len=5, max_tokens=10)
+    b = h.new("b", prompt_len=6, max_tokens=10)
+    h.step()  # both prompts in one step
+    c = h.new("c", prompt_len=40, max_tokens=2)
+    seen = []
+    while c.num_output_tokens == 0:
+        out = h.step()
+        assert out.requests[:2] == [a, b] and out.num_scheduled_tokens[:2] == [1, 1]
+        seen.append(out.num_scheduled_tokens[2])
+    assert seen == [14, 14, 12]
+    h.run()
+    h.check_outputs()
+
+
+def test_prompt_exactly_the_budget_and_one_token_prompts():
+    h = Harness(num_blocks=50, block_size=4, max_num_seqs=8, max_num_batched_tokens=8)
+    a = h.new("a", prompt_len=8, max_tokens=2)
+    out = h.step()
+    assert out.num_scheduled_tokens == [8] and a.num_output_tokens == 1
+    ones = [h.new(f"one{i}", prompt_len=1, max_tokens=1) for i in range(3)]
+    out = h.step()
+    assert out.requests == [a, *ones] and out.num_scheduled_tokens == [1, 1, 1, 1]
+    h.run()
+    h.check_outputs()
+
+
+# ---- block accounting -----------------------------------------------------------------------
+def test_block_pool_reserves_the_null_block():
+    pool = BlockPool(5)
+    assert pool.num_free == 4
+    assert pool.allocate(5) is None and pool.num_free == 4, "all or nothing"
+    got = pool.allocate(4)
+    assert sorted(got) == [1, 2, 3, 4]
+    assert pool.allocate(1) is None
+    pool.release(got)
+    assert pool.num_free == 4
+    with pytest.raises(RuntimeError):
+        pool.release([got[0]])
+    with pytest.raises(RuntimeError):
+        pool.release([0])
+    with pytest.raises(ValueError):
+        BlockPool(1)
+
+
+def test_a_request_holds_exactly_the_blocks_its_computed_tokens_need():
+    h = Harness(num_blocks=50, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    a = h.new("a", prompt_len=10, max_tokens=8)
+    history = []
+    while not a.finished:
+        h.step()
+        history.append((a.num_computed_tokens, len(a.block_ids)))
+    # 10 -> 3 blocks, then one token per step: 11, 12 -> 3; 13..16 -> 4; at 17 the eighth
+    # output finishes it and its blocks go back.
+    assert history == [(10, 3), (11, 3), (12, 3), (13, 4), (14, 4), (15, 4), (16, 4), (17, 0)]
+    assert a.num_output_tokens == 8
+    h.check_all_free()
+    h.check_outputs()
+
+
+def test_every_block_is_free_after_all_requests_finish():
+    h = Harness(num_blocks=40, block_size=4, max_num_seqs=6, max_num_batched_tokens=32)
+    for i in range(12):
+        h.new(f"r{i}", prompt_len=3 + 2 * i, max_tokens=1 + i)
+    h.step()
+    assert h.kv_cache.usage > 0
+    h.run()
+    assert h.kv_cache.pool.num_free == 39 and h.kv_cache.usage == 0
+    h.check_outputs()
+
+
+def test_abort_frees_running_and_waiting_requests():
+    h = Harness(num_blocks=30, block_size=4, max_num_seqs=3, max_num_batched_tokens=16)
+    decoding = h.new("decoding", prompt_len=6, max_tokens=20)
+    h.step()
+    prefilling = h.new("prefilling", prompt_len=40, max_tokens=3)
+    keep = h.new("keep", prompt_len=5, max_tokens=6)
+    waiting = h.new("waiting", prompt_len=5, max_tokens=3)
+    h.step()  # decoding 1 + prefilling 15: the budget is spent, nobody else is admitted
+    assert decoding.num_output_tokens == 2 and decoding.block_ids
+    assert 0 < prefilling.num_computed_tokens < prefilling.num_prompt_tokens
+    assert list(h.scheduler.waiting) == [keep, waiting]
+    free_before = h.kv_cache.pool.num_free
+    held = len(decoding.block_ids) + len(prefilling.block_ids)
+
+    h.abort(decoding)
+    h.abort(prefilling)
+    h.abort(waiting)
+    for req in (decoding, prefilling, waiting):
+        assert req.status is RequestStatus.FINISHED_ABORTED
+    assert h.kv_cache.pool.num_free == free_before + held
+    assert not any(r is waiting for r in h.scheduler.waiting)
+    h.run()
+    assert keep.status is RequestStatus.FINISHED_LENGTH and keep.num_output_tokens == 6
+    h.check_outputs()
+
+
+def test_abort_everything_midway_leaves_an_empty_pool():
+    h = Harness(num_blocks=12, block_size=4, max_num_seqs=3, max_num_batched_tokens=32)
+    reqs = [h.new(f"r{i}", prompt_len=6, max_tokens=20) for i in range(6)]
+    for _ in range(10):
+        h.step()
+    assert any(r.status is RequestStatus.PREEMPTED for r in h.scheduler.waiting)
+    assert h.scheduler.running
+    for req in reqs:
+        if not req.finished:
+            h.abort(req)
+    h.check_all_free()
+    h.check_outputs()
+
+
+# ---- preemption -----------------------------------------------------------------------------
+def test_the_newest_running_request_is_preempted_when_blocks_run_out():
+    # 6 usable blocks of 4 tokens; three 7-token prompts take 2 blocks each.
+    h = Harness(num_blocks=7, block_size=4, max_num_seqs=3, max_num_batched_tokens=64)
+    a, b, c = (h.new(n, prompt_len=7, max_tokens=8) for n in "abc")
+    d = h.new("d", prompt_len=4, max_tokens=3)
+    out = h.step()
+    assert out.requests == [a, b, c] and h.kv_cache.pool.num_free == 0
+    out = h.step()  # 8 computed tokens still fit in 2 blocks
+    assert out.requests == [a, b, c] and not out.preempted
+    outputs_before = c.output_token_ids
+    out = h.step()  # a needs a third block: c, the newest, gives way
+    assert out.preempted == [c] and out.requests == [a, b]
+    assert c.status is RequestStatus.PREEMPTED and c.num_computed_tokens == 0
+    assert c.block_ids == [] and c.state_slot == 0 and c.num_preemptions == 1
+    assert list(h.scheduler.waiting) == [c, d], "the preempted request waits in front"
+    assert h.scheduler.num_preemptions == 1
+    assert c.output_token_ids == outputs_before and len(outputs_before) == 2, "outputs kept"
+    h.run()
+    assert c.num_preemptions >= 1
+    h.check_outputs()
+
+
+def test_preemption_does_not_change_any_token():
+    def workload(num_blocks):
+        h = Harness(num_blocks=num_blocks, block_size=4, max_num_seqs=4,
+                    max_num_batched_tokens=24)
+        for i in range(10):
+            h.new(f"r{i}", prompt_len=3 + (5 * i) % 11, max_tokens=6 + (7 * i) % 13)
+        h.run()
+        h.check_outputs()
+        return h, {r.request_id: r.output_token_ids for r in h.requests}
+
+    roomy, want = workload(200)
+    tight, got = workload(8)
+    assert roomy.scheduler.num_preemptions == 0
+    assert tight.scheduler.num_preemptions >= 3
+    assert sum(r.num_preemptions for r in tight.requests) == tight.scheduler.num_preemptions
+    assert got == want
+    for r in tight.requests:
+        assert r.num_output_tokens == r.max_output_tokens
+
+
+def test_preempted_request_recomputes_prompt_and_outputs_in_chunks():
+    h = Harness(num_blocks=9, block_size=4, max_num_seqs=2, max_num_batched_tokens=8)
+    a = h.new("a", prompt_len=8, max_tokens=20)
+    b = h.new("b", prompt_len=8, max_tokens=12)
+    while not h.scheduler.num_preemptions:
+        h.step()
+    assert a.status is RequestStatus.RUNNING, "the older request keeps running"
+    assert b.status is RequestStatus.PREEMPTED and b.num_output_tokens > 0
+    length = b.num_tokens
+    assert length > 8, "recomputing prompt + outputs takes more than one budget"
+    chunks = []
+    while b.num_tokens == length:
+        out = h.step()
+        if any(r is b for r in out.preempted):
+            chunks = []  # preempted again mid-recompute: it starts over
+        chunks += [n for r, n in zip(out.requests, out.num_scheduled_tokens) if r is b]
+        if b.num_tokens == length:
+            assert b.num_computed_tokens < length
+    assert b.num_computed_tokens == length
+    assert sum(chunks) == length and len(chunks) >= 2, chunks
+    h.run()
+    h.check_outputs()
+
+
+# ---- penalty-state slots --------------------------------------------------------------------
+def test_state_slots_are_unique_released_and_reset_when_handed_out():
+    h = Harness(num_blocks=100, block_size=4, max_num_seqs=3, max_num_batched_tokens=64)
+    short = h.new("short", prompt_len=4, max_tokens=1)
+    mid = h.new("mid", prompt_len=4, max_tokens=5)
+    long = h.new("long", prompt_len=4, max_tokens=9)
+    late = h.new("late", prompt_len=4, max_tokens=2)
+    out = h.schedule()
+    assert {r.state_slot for r in (short, mid, long)} == {1, 2, 3}
+    assert all(r.needs_state_reset for r in out.requests)
+    assert late.state_slot == 0
+    short_slot = short.state_slot
+    h.execute(out)  # the inputs carried the reset; short finished and gave its slot back
+    assert short.finished and short.state_slot == 0
+    assert not mid.needs_state_reset and not long.needs_state_reset
+    out = h.schedule()
+    assert out.requests == [mid, long, late]
+    assert late.state_slot == short_slot and late.needs_state_reset
+    assert not mid.needs_state_reset
+    h.execute(out)
+    h.run()
+
+
+def test_state_slot_is_released_on_preemption_and_reset_on_readmission():
+    h = Harness(num_blocks=7, block_size=4, max_num_seqs=3, max_num_batched_tokens=64)
+    a, b, c = (h.new(n, prompt_len=7, max_tokens=8) for n in "abc")
+    for _ in range(3):
+        h.step()
+    assert c.status is RequestStatus.PREEMPTED and c.state_slot == 0
+    while c.status is not RequestStatus.RUNNING:
+        out = h.schedule()
+        if any(r is c for r in out.requests):
+            assert c.needs_state_reset and c.state_slot != 0
+        h.execute(out)
+    h.run()
+    h.check_outputs()
+
+
+# ---- randomized soak ------------------------------------------------------------------------
+def soak(seed: int, num_requests: int) -> Harness:
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4, 8, 16])
+    max_model_len = rng.choice([16, 32, 48, 64, 100])
+    max_num_seqs = rng.randint(1, 8)
+    budget = rng.randint(max_num_seqs, 64)
+    # The runner guarantees one max_model_len sequence fits; beyond that, random tightness.
+    min_blocks = cdiv(max_model_len, block_size) + 1
+    num_blocks = rng.randint(min_blocks, 3 * min_blocks)
+    use_priority = rng.random() < 0.5
+    h = Harness(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=budget, max_model_len=max_model_len)
+    added = 0
+    steps = 0
+    while added < num_requests or h.scheduler.num_unfinished:
+        assert steps < 50_000, "no progress"
+        for _ in range(rng.choice([0, 0, 1, 1, 2, 4])):
+            if added == num_requests:
+                break
+            prompt_len = rng.randint(1, max_model_len - 1)
+            max_tokens = rng.randint(1, max_model_len - prompt_len)
+            h.new(f"s{seed}-{added}", prompt_len, max_tokens,
+                  priority=rng.randint(0, 3) if use_priority else 0)
+            added += 1
+        live = list(h.scheduler.running) + list(h.scheduler.waiting)
+        if live and rng.random() < 0.015:
+            h.abort(rng.choice(live))
+        h.step()
+        steps += 1
+    h.check_all_free()
+    h.check_outputs()
+    for req in h.requests:
+        assert req.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+    return h
+
+
+def test_randomized_soak_keeps_every_invariant():
+    preemptions = 0
+    for seed in range(12):
+        preemptions += soak(seed, num_requests=30).scheduler.num_preemptions
+    assert preemptions > 0, "the soak should exercise preemption"
