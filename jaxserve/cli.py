@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         return args.func(args)
     except ValueError as err:

@@ -11,6 +11,8 @@ import json
 import os
 from pathlib import Path
 
+from jaxserve.models import resolve_architecture
+
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -120,6 +122,7 @@ class EngineConfig:
     ) -> EngineConfig:
         """Resolve defaults against the model folder's config.json and validate everything."""
         hf_config = read_hf_config(model)
+        resolve_architecture(hf_config)
         resolved_dtype = _resolve_dtype(dtype, hf_config)
         limit = int(hf_config.get("max_position_embeddings") or 2048)
         if max_model_len is None:

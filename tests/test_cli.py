@@ -1,0 +1,73 @@
+"""The `jaxserve` console script, run as a user would."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = pathlib.Path(sys.executable).parent / "jaxserve"
+SMALL = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "128"]
+
+
+def run(*args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_every_subcommand():
+    out = run("--help")
+    assert out.returncode == 0
+    assert "generate" in out.stdout
+    sub = run("generate", "--help")
+    for flag in ("--max-model-len", "--dtype", "--num-kv-blocks", "--temperature", "--top-p",
+                 "--max-tokens", "--seed"):
+        assert flag in sub.stdout
+
+
+def test_generate_prints_completions(tiny_checkpoints):
+    out = run("generate", "--model", str(tiny_checkpoints["llama"]), *SMALL, "--max-tokens", "5",
+              "--ignore-eos", "--json", "def fibonacci(n):", "import os")
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [line["prompt"] for line in lines] == ["def fibonacci(n):", "import os"]
+    assert all(len(line["outputs"][0]["token_ids"]) == 5 for line in lines)
+    assert "KV cache" in out.stderr  # start-up log says what it sized
+
+
+@pytest.mark.parametrize("flags, field", [
+    (["--temperature", "-1"], "temperature"),
+    (["--max-tokens", "0"], "max_tokens"),
+    (["--max-model-len", "100000"], "max_model_len"),
+])
+def test_bad_flags_fail_with_a_message(tiny_checkpoints, flags, field):
+    args = ["generate", "--model", str(tiny_checkpoints["llama"]), *SMALL, *flags, "hi"]
+    if flags[0] == "--max-model-len":
+        args = ["generate", "--model", str(tiny_checkpoints["llama"]), *flags, "hi"]
+    out = run(*args)
+    assert out.returncode == 2
+    assert field in out.stderr and "Traceback" not in out.stderr
+
+
+def test_model_folder_without_safetensors_is_refused(tmp_path, tiny_checkpoints):
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tiny_checkpoints["llama"] / name).read_bytes())
+    (folder / "pytorch_model.bin").write_bytes(b"not loaded")
+    out = run("generate", "--model", str(folder), *SMALL, "hi")
+    assert out.returncode == 2
+    assert "pytorch_model.bin" in out.stderr and "safetensors" in out.stderr
+
+
+def test_unknown_architecture_is_refused(tmp_path, tiny_checkpoints):
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    config = json.loads((tiny_checkpoints["llama"] / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (folder / "config.json").write_text(json.dumps(config))
+    out = run("generate", "--model", str(folder), *SMALL, "hi")
+    assert out.returncode == 2
+    assert "GPT2LMHeadModel" in out.stderr and "LlamaForCausalLM" in out.stderr
