@@ -71,9 +71,30 @@ class SchedulerConfig:
         return _power_buckets(16, self.max_num_batched_tokens)
 
     @property
-    def seq_buckets(self) -> tuple[int, ...]:
-        """R buckets: powers of two from 1 up to max_num_seqs (always included)."""
-        return _power_buckets(1, self.max_num_seqs)
+    def step_buckets(self) -> tuple[tuple[int, int], ...]:
+        """The compiled (T, R) shapes.
+
+        R follows T (R = min(T, max_num_seqs)): a step of T tokens rarely has far fewer
+        sequences than tokens, except prefill-heavy steps, where the extra rows cost little
+        next to the T-token forward pass. Only the smallest T, where decode steps of a few
+        sequences land, gets every power-of-two R, so that one or two streams do not pay
+        for sampling a full row set. This keeps start-up compilation to about
+        len(T buckets) + log2(R) functions instead of their product.
+        """
+        tokens = self.token_buckets
+        smallest = min(tokens[0], self.max_num_seqs)
+        pairs = [(tokens[0], r) for r in _power_buckets(1, smallest)]
+        pairs += [(t, min(t, self.max_num_seqs)) for t in tokens[1:]]
+        return tuple(dict.fromkeys(pairs))
+
+    def pick_bucket(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        """The smallest compiled (T, R) that holds a step of num_tokens from num_seqs."""
+        for t, r in self.step_buckets:
+            if t >= num_tokens and r >= num_seqs:
+                return t, r
+        raise ValueError(f"a step of {num_tokens} tokens from {num_seqs} sequences exceeds "
+                         f"max_num_batched_tokens={self.max_num_batched_tokens} / "
+                         f"max_num_seqs={self.max_num_seqs}")
 
 
 @dataclasses.dataclass(frozen=True)

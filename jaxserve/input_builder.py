@@ -14,13 +14,6 @@ from jaxserve.scheduler import SchedulerOutput
 MAX_BANNED_IDS = 16  # stop tokens masked while a request is below min_tokens
 
 
-def pick_bucket(buckets: tuple[int, ...], size: int) -> int:
-    for bucket in buckets:
-        if bucket >= size:
-            return bucket
-    raise ValueError(f"{size} exceeds the largest bucket {buckets[-1]}")
-
-
 def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, block_size: int,
                       blocks_per_seq: int) -> tuple[dict, dict]:
     """Returns (batch arrays, sampling arrays) as dicts of numpy arrays."""

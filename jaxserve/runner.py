@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import logging
 
 import jax
@@ -26,7 +25,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.batch import Batch, SamplingInputs
 from jaxserve.config import EngineConfig
-from jaxserve.input_builder import build_step_inputs, pick_bucket
+from jaxserve.input_builder import build_step_inputs
 from jaxserve.kernels_pallas.ref import ragged_paged_attention, token_layout
 from jaxserve.models import resolve_architecture
 from jaxserve.models.llama import LlamaArch, LlamaForCausalLM, hf_param_path
@@ -133,14 +132,9 @@ class ModelRunner:
         return (Batch(**{k: spec(v) for k, v in batch.items()}),
                 SamplingInputs(**{k: spec(v) for k, v in sampling.items()}))
 
-    def bucket_pairs(self) -> list[tuple[int, int]]:
-        sched = self.config.scheduler
-        return [(t, r) for t, r in itertools.product(sched.token_buckets, sched.seq_buckets)
-                if r <= t]
-
     def warm_up(self) -> None:
         """Compile every (T, R) bucket and the prompt-scoring function per T, with progress."""
-        pairs = self.bucket_pairs()
+        pairs = self.config.scheduler.step_buckets
         token_buckets = self.config.scheduler.token_buckets
         with tqdm(total=len(pairs) + len(token_buckets), desc="Compiling buckets") as bar:
             for t, r in pairs:
@@ -155,16 +149,15 @@ class ModelRunner:
                 self._compiled_score[t] = self._score.lower(self.params, hidden,
                                                             targets).compile()
                 bar.update(1)
-        logger.info("Compiled %d step buckets (T in %s, R in %s).", len(pairs), token_buckets,
-                    self.config.scheduler.seq_buckets)
+        logger.info("Compiled %d step buckets (T, R): %s.", len(pairs), pairs)
 
     # ---- one step -----------------------------------------------------------------------
     def execute(self, out: SchedulerOutput, score_targets: np.ndarray | None = None) -> StepResult:
         """Run one step. score_targets (i32[total tokens], -1 where not wanted) asks for the
         logprob of given next tokens at each position (prompt_logprobs)."""
         sched = self.config.scheduler
-        num_tokens = pick_bucket(sched.token_buckets, out.total_num_scheduled_tokens)
-        num_rows = pick_bucket(sched.seq_buckets, len(out.requests))
+        num_tokens, num_rows = sched.pick_bucket(out.total_num_scheduled_tokens,
+                                                 len(out.requests))
         batch, sampling = build_step_inputs(out, num_tokens, num_rows, self.block_size,
                                             self.blocks_per_seq)
         batch, sampling = jax.device_put((batch, sampling), self.replicated)

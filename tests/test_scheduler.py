@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from jaxserve.config import SchedulerConfig
-from jaxserve.input_builder import build_step_inputs, pick_bucket
+from jaxserve.input_builder import build_step_inputs
 from jaxserve.kv_cache_manager import BlockPool, KVCacheManager
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
@@ -236,8 +236,7 @@ class Harness:
             self.check_state()
             return
         bs, total, rows = self.block_size, out.total_num_scheduled_tokens, len(out.requests)
-        num_tokens = pick_bucket(self.config.token_buckets, total)
-        num_rows = pick_bucket(self.config.seq_buckets, rows)
+        num_tokens, num_rows = self.config.pick_bucket(total, rows)
         resets = [r.needs_state_reset for r in out.requests]
         batch, sampling = build_step_inputs(out, num_tokens, num_rows, bs, self.blocks_per_seq)
         assert sampling["reset_state"][:rows].tolist() == resets
