@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import time
@@ -30,6 +31,12 @@ class LLM:
         import jax
 
         on_accelerator = jax.default_backend() != "cpu"
+        accepted = set(inspect.signature(EngineConfig.create).parameters) - {"cls", "model",
+                                                                               "on_accelerator"}
+        unknown = sorted(set(engine_args) - accepted)
+        if unknown:
+            raise ValueError(f"Unsupported engine argument(s) {', '.join(unknown)}; jaxserve "
+                             f"accepts {', '.join(sorted(accepted))}.")
         config = EngineConfig.create(model, on_accelerator=on_accelerator, **engine_args)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

@@ -1,6 +1,8 @@
 """The tiny test checkpoints load in transformers and have what parity tests rely on."""
 
+import importlib.util
 import json
+import pathlib
 
 import pytest
 
@@ -58,7 +60,21 @@ def test_tokenizer_round_trip_and_chat_template(tiny_checkpoints):
         "<|begin_of_text|><|im_start|>user\nhi<|im_end|>\n"
         "<|im_start|>assistant\nyo<|im_end|>\n<|im_start|>assistant\n"
     )
+    # transformers 5 returns a BatchEncoding here, 4.x a list
     chat_ids = tok.apply_chat_template(chat, add_generation_prompt=True)
-    chat_ids = chat_ids["input_ids"] if isinstance(chat_ids, dict) or hasattr(chat_ids, "keys") else chat_ids
+    chat_ids = chat_ids if isinstance(chat_ids, list) else chat_ids["input_ids"]
     assert chat_ids[:2] == [0, tok.convert_tokens_to_ids("<|im_start|>")]
     assert chat_ids.count(0) == 1  # bos comes from the template only
+
+
+def test_greedy_margins_on_check_prompts(tiny_checkpoints):
+    """Parity tests may compare greedy tokens on check_prompts(): no near-ties there."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "make_tiny_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("make_tiny_checkpoint", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with script.torch_threads(1):
+        for arch, ckpt in tiny_checkpoints.items():
+            results = script.greedy_margins(ckpt, script.check_prompts())
+            assert min(r["rel_gap"] for r in results) > 1.5e-3, arch
+            assert min(len(set(r["tokens"])) for r in results) >= 20, arch
