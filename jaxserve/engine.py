@@ -66,7 +66,6 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.model.seed)
         self._tracked: dict[str, _Tracked] = {}
         self._by_child: dict[str, _Tracked] = {}
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
 
     # ---- admission ----------------------------------------------------------------------
     @property
@@ -126,7 +125,6 @@ class LLMEngine:
         for child in children:
             self._by_child[child.request_id] = tracked
             self.scheduler.add(child)
-        self.stats["prompt_tokens"] += len(prompt_token_ids)
 
     def abort_request(self, request_id: str) -> None:
         tracked = self._tracked.pop(request_id, None)
@@ -173,7 +171,6 @@ class LLMEngine:
     def _append(self, tracked: _Tracked, req: Request, row: int, sampled) -> None:
         token = int(sampled.token_ids[row])
         req.append_token(token)
-        self.stats["generation_tokens"] += 1
         if req.params.logprobs is not None:
             req.logprobs.append((float(sampled.logprobs[row]), int(sampled.ranks[row]),
                                  sampled.top_ids[row], sampled.top_logprobs[row]))

@@ -67,3 +67,9 @@ def tiny_checkpoints(pytestconfig) -> dict[str, pathlib.Path]:
 def tiny_checkpoint(request, tiny_checkpoints) -> pathlib.Path:
     """One checkpoint; parametrize indirectly with the arch name (default llama)."""
     return tiny_checkpoints[getattr(request, "param", "llama")]
+
+
+@pytest.fixture(scope="session")
+def checkpoint_script():
+    """scripts/make_tiny_checkpoint.py as a module (check_prompts, greedy_margins, ...)."""
+    return _load_script()
