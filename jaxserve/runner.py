@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,9 @@ from jaxserve.input_builder import build_step_inputs
 from jaxserve.kernels_pallas.ref import ragged_paged_attention, token_layout
 from jaxserve.models import resolve_architecture
 from jaxserve.models.llama import LlamaArch, LlamaForCausalLM, hf_param_path
+from jaxserve.packing import Layout, layout_of, pack, pack_device, unpack, unpack_host
 from jaxserve.sampler import PenaltyState, SampleResult, sample, score_tokens, update_penalty_state
+from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.weights import load_params
 
@@ -38,6 +41,7 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": (jnp.float32, np.float32), "bfloat16": (jnp.bfloat16, ml_dtypes.bfloat16),
            "float16": (jnp.float16, np.float16)}
 _CPU_KV_BYTES = 1 << 30
+_BATCH_FIELDS = tuple(f.name for f in dataclasses.fields(Batch))
 
 
 @dataclasses.dataclass
@@ -74,7 +78,7 @@ class ModelRunner:
                           for _ in range(self.arch.num_layers)]
         self.penalty_state = PenaltyState.zeros(config.scheduler.max_num_seqs + 1,
                                                 self.arch.vocab_size, self.replicated)
-        self._step = jax.jit(self._step_fn, donate_argnums=(1, 2))
+        self._step = jax.jit(self._step_fn, donate_argnums=(1, 2), static_argnames=("layout",))
         self._score = jax.jit(self._score_fn)
         self._compiled: dict = {}
         self._compiled_score: dict = {}
@@ -113,24 +117,50 @@ class ModelRunner:
         return int(blocks)
 
     # ---- device functions ---------------------------------------------------------------
-    def _step_fn(self, params, kv_caches, penalty_state, batch: Batch, sampling: SamplingInputs):
+    def _step_fn(self, params, kv_caches, penalty_state, packed, layout: Layout):
+        arrays = unpack(packed, layout)
+        batch = Batch(**{f: arrays.pop(f) for f in _BATCH_FIELDS})
+        sampling = SamplingInputs(**arrays)
         model = nnx.merge(self.graphdef, params)
         kv_caches, hidden = model(kv_caches, batch, ragged_paged_attention)
         logits = model.logits(hidden[batch.logits_indices])  # f32[R, V]
         seq, _, valid = token_layout(batch, batch.token_ids.shape[0])
         penalty_state = update_penalty_state(penalty_state, batch, sampling, seq, valid)
-        return kv_caches, penalty_state, hidden, sample(logits, penalty_state, sampling)
+        result = sample(logits, penalty_state, sampling)
+        return kv_caches, penalty_state, hidden, pack_device(result)
 
     def _score_fn(self, params, hidden, targets):
         model = nnx.merge(self.graphdef, params)
-        return score_tokens(model.logits(hidden), targets)
+        return pack_device(score_tokens(model.logits(hidden), targets))
 
-    def _abstract_inputs(self, num_tokens: int, num_rows: int):
+    def _layout(self, num_tokens: int, num_rows: int) -> Layout:
         batch, sampling = build_step_inputs(SchedulerOutput([], [], []), num_tokens, num_rows,
                                             self.block_size, self.blocks_per_seq)
-        spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated)
-        return (Batch(**{k: spec(v) for k, v in batch.items()}),
-                SamplingInputs(**{k: spec(v) for k, v in sampling.items()}))
+        return layout_of({**batch, **sampling})
+
+    def _result_like(self, rows: int) -> SampleResult:
+        k = min(MAX_LOGPROBS, self.arch.vocab_size)
+        i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
+        shape = jax.ShapeDtypeStruct
+        return SampleResult(shape((rows,), i32), shape((rows,), f32), shape((rows,), i32),
+                            shape((rows, k), i32), shape((rows, k), f32))
+
+    def _compile_step(self, num_tokens: int, num_rows: int):
+        layout = self._layout(num_tokens, num_rows)
+        size = sum(math.prod(shape) for _, shape, _ in layout)
+        packed = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=self.replicated)
+        compiled = self._step.lower(self.params, self.kv_caches, self.penalty_state, packed,
+                                    layout=layout).compile()
+        self._compiled[(num_tokens, num_rows)] = compiled
+        return compiled
+
+    def _compile_score(self, num_tokens: int):
+        hidden = jax.ShapeDtypeStruct((num_tokens, self.arch.hidden_size), self.dtype,
+                                      sharding=self.replicated)
+        targets = jax.ShapeDtypeStruct((num_tokens,), jnp.int32, sharding=self.replicated)
+        compiled = self._score.lower(self.params, hidden, targets).compile()
+        self._compiled_score[num_tokens] = compiled
+        return compiled
 
     def warm_up(self) -> None:
         """Compile every (T, R) bucket and the prompt-scoring function per T, with progress."""
@@ -138,16 +168,10 @@ class ModelRunner:
         token_buckets = self.config.scheduler.token_buckets
         with tqdm(total=len(pairs) + len(token_buckets), desc="Compiling buckets") as bar:
             for t, r in pairs:
-                batch, sampling = self._abstract_inputs(t, r)
-                self._compiled[(t, r)] = self._step.lower(
-                    self.params, self.kv_caches, self.penalty_state, batch, sampling).compile()
+                self._compile_step(t, r)
                 bar.update(1)
             for t in token_buckets:
-                hidden = jax.ShapeDtypeStruct((t, self.arch.hidden_size), self.dtype,
-                                              sharding=self.replicated)
-                targets = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=self.replicated)
-                self._compiled_score[t] = self._score.lower(self.params, hidden,
-                                                            targets).compile()
+                self._compile_score(t)
                 bar.update(1)
         logger.info("Compiled %d step buckets (T, R): %s.", len(pairs), pairs)
 
@@ -160,20 +184,19 @@ class ModelRunner:
                                                  len(out.requests))
         batch, sampling = build_step_inputs(out, num_tokens, num_rows, self.block_size,
                                             self.blocks_per_seq)
-        batch, sampling = jax.device_put((batch, sampling), self.replicated)
-        step = self._compiled.get((num_tokens, num_rows))
-        if step is None:  # not warmed up: compile on first use
-            step = self._compiled[(num_tokens, num_rows)] = self._step.lower(
-                self.params, self.kv_caches, self.penalty_state, Batch(**batch),
-                SamplingInputs(**sampling)).compile()
+        packed = jax.device_put(pack({**batch, **sampling}), self.replicated)
+        step = self._compiled.get((num_tokens, num_rows)) or self._compile_step(num_tokens,
+                                                                                num_rows)
         self.kv_caches, self.penalty_state, hidden, result = step(
-            self.params, self.kv_caches, self.penalty_state, Batch(**batch),
-            SamplingInputs(**sampling))
+            self.params, self.kv_caches, self.penalty_state, packed)
         scores = None
         if score_targets is not None:
             targets = np.zeros(num_tokens, np.int32)
             targets[: len(score_targets)] = np.maximum(score_targets, 0)
-            score = self._compiled_score.get(num_tokens) or self._score
+            score = self._compiled_score.get(num_tokens) or self._compile_score(num_tokens)
             scores = score(self.params, hidden, jax.device_put(targets, self.replicated))
         result, scores = jax.device_get((result, scores))
+        result = unpack_host(result, self._result_like(num_rows))
+        if scores is not None:
+            scores = unpack_host(scores, self._result_like(num_tokens))
         return StepResult(result, scores)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jaxserve.batch import Batch, SamplingInputs
 from jaxserve.sampling_params import MAX_LOGPROBS
 
-_GREEDY_EPS = 1e-5
+_GREEDY_EPS = 1e-5  # as vLLM: temperatures below this are greedy
 
 
 @jax.tree_util.register_dataclass
@@ -89,6 +89,27 @@ def _truncate(logits, s: SamplingInputs):
     return jnp.where(logits < jnp.maximum(kth, cutoff), -jnp.inf, logits)
 
 
+def _draw(logits, s: SamplingInputs):
+    """Temperature, top-k/top-p, min-p, then one draw per row by inverse CDF from one
+    uniform u = uniform(fold_in(key(seed), position)): the draw depends only on the request."""
+    vocab = logits.shape[-1]
+    greedy = s.temperature < _GREEDY_EPS
+    scaled = logits / jnp.where(greedy, 1.0, s.temperature)[:, None]
+    needs_truncation = jnp.any(((s.top_k > 0) & (s.top_k < vocab)) | (s.top_p < 1.0))
+    scaled = jax.lax.cond(needs_truncation, _truncate, lambda x, _: x, scaled, s)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    probs = jnp.where(probs < s.min_p[:, None] * probs.max(-1, keepdims=True), 0.0, probs)
+
+    def uniform(seed, position):
+        key = jax.random.fold_in(jax.random.key(seed), position)
+        return 1.0 - jax.random.uniform(key, (), jnp.float32)  # in (0, 1]: never picks p = 0
+
+    u = jax.vmap(uniform)(s.seeds, s.sample_positions)
+    cdf = jnp.cumsum(probs, axis=-1)
+    below = cdf < (u * cdf[:, -1])[:, None]
+    return jnp.minimum(jnp.sum(below, axis=-1), vocab - 1)
+
+
 def sample(logits, state: PenaltyState, s: SamplingInputs) -> SampleResult:
     """logits: f32[R, V] raw model logits for each sequence's last token."""
     vocab = logits.shape[-1]
@@ -102,18 +123,8 @@ def sample(logits, state: PenaltyState, s: SamplingInputs) -> SampleResult:
 
     greedy = s.temperature < _GREEDY_EPS
     greedy_ids = jnp.argmax(logits, axis=-1)
-    scaled = logits / jnp.where(greedy, 1.0, s.temperature)[:, None]
-    needs_truncation = jnp.any(((s.top_k > 0) & (s.top_k < vocab)) | (s.top_p < 1.0))
-    scaled = jax.lax.cond(needs_truncation, _truncate, lambda x, _: x, scaled, s)
-    probs = jax.nn.softmax(scaled, axis=-1)
-    scaled = jnp.where(probs < s.min_p[:, None] * probs.max(-1, keepdims=True), -jnp.inf, scaled)
-
-    def gumbel(seed, position):
-        key = jax.random.fold_in(jax.random.key(seed), position)
-        return jax.random.gumbel(key, (vocab,), jnp.float32)
-
-    noise = jax.vmap(gumbel)(s.seeds, s.sample_positions)
-    drawn = jnp.argmax(scaled + noise, axis=-1)
+    # An all-greedy batch skips the random path entirely.
+    drawn = jax.lax.cond(jnp.all(greedy), lambda *_: greedy_ids, _draw, logits, s)
     token_ids = jnp.where(greedy, greedy_ids, drawn).astype(jnp.int32)
 
     chosen = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)[:, 0]
