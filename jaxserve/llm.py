@@ -86,17 +86,15 @@ class LLM:
 
     def _run(self, tokenized, params, use_tqdm, priority) -> list[RequestOutput]:
         engine = self.engine
-        order = []
-        for i, ((text, ids), p) in enumerate(zip(tokenized, params)):
-            request_id = str(next(self._ids))
-            engine.add_request(request_id, text, ids, p, priority[i] if priority else 0)
-            order.append(request_id)
+        order = [str(next(self._ids)) for _ in tokenized]
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm,
                    dynamic_ncols=True)
         start = time.perf_counter()
         prompt_tokens = output_tokens = 0
         try:
+            for i, (request_id, (text, ids), p) in enumerate(zip(order, tokenized, params)):
+                engine.add_request(request_id, text, ids, p, priority[i] if priority else 0)
             while engine.has_unfinished_requests():
                 for output in engine.step():
                     if output.finished:

@@ -77,8 +77,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
                 raise bad(name, f"an integer in [0, {MAX_LOGPROBS}] or None", value)
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", "a list of non-empty strings", self.stop)
+        if any(not isinstance(s, str) or not s or "\ufffd" in s for s in self.stop):
+            raise bad("stop", "a list of non-empty strings (without U+FFFD)", self.stop)
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "an integer or None", self.seed)
 

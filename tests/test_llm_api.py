@@ -155,6 +155,7 @@ def test_chat_content_cannot_forge_special_tokens(llm):
     (lambda: SamplingParams(prompt_logprobs=25), "prompt_logprobs"),
     (lambda: SamplingParams(top_k=-3), "top_k"),
     (lambda: SamplingParams(min_p=2.0), "min_p"),
+    (lambda: SamplingParams(stop=["ok", ""]), "stop"),
 ])
 def test_bad_sampling_params_name_the_field(make, field):
     with pytest.raises(ValueError, match=rf"\b{field}\b"):
