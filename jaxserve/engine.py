@@ -175,7 +175,7 @@ class LLMEngine:
             req.logprobs.append((float(sampled.logprobs[row]), int(sampled.ranks[row]),
                                  sampled.top_ids[row], sampled.top_logprobs[row]))
         stopped_by_token = req.check_stop_token()
-        detok = tracked.detokenizers[int(req.request_id.rsplit("#", 1)[1])]
+        detok = tracked.detokenizers[tracked.children.index(req)]
         stop_str = detok.update(
             [token], stop_terminated=req.status is RequestStatus.FINISHED_STOPPED)
         if stop_str is not None:

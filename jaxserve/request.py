@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 
 import numpy as np
 
@@ -35,7 +34,6 @@ class Request:
         self.params = params
         self.seed = seed
         self.priority = priority
-        self.arrival_time = time.monotonic()
         self.num_prompt_tokens = len(prompt_token_ids)
         budget = max_model_len - self.num_prompt_tokens
         self.max_output_tokens = min(params.max_tokens or budget, budget)
@@ -55,7 +53,6 @@ class Request:
         # Per output token: (sampled logprob, rank, top ids, top logprobs), when asked for.
         self.logprobs: list[tuple] = []
         self.prompt_logprobs: list[tuple | None] = []
-        self.first_token_time: float | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:
