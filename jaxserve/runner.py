@@ -2,11 +2,15 @@
 
 The step is one jitted function, compiled for every bucket at start-up:
 
-    step(params, kv_caches, penalty_state, batch, sampling)
-        -> (kv_caches, penalty_state, hidden, sample_result)
+    step(params, kv_caches, penalty_state, packed_inputs)
+        -> (kv_caches, penalty_state, hidden, packed_sample_result)
 
-kv_caches and penalty_state are donated, so the cache is updated in place. Every device
-array is placed through the engine's Mesh (one device by default).
+It is DESIGN.md's step(params, kv_caches, batch, sampling) with two additions: the Batch and
+SamplingInputs travel packed into one int32 buffer (one host-to-device transfer; unpacked
+inside by static slices, see packing.py), and the penalty state (per-request token counts)
+rides along with the KV cache. kv_caches and penalty_state are donated, so both are updated
+in place. hidden (the final hidden states, [T, D]) stays on the device for prompt_logprobs.
+Every device array is placed through the engine's Mesh (one device by default).
 """
 
 from __future__ import annotations
