@@ -126,14 +126,17 @@ class LLMEngine:
             self._by_child[child.request_id] = tracked
             self.scheduler.add(child)
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks. Returns its last output (unfinished choices
+        end with finish_reason 'abort'), or None if it is not (or no longer) known."""
         tracked = self._tracked.pop(request_id, None)
         if tracked is None:
-            return
+            return None
         for child in tracked.children:
             if not child.finished:
                 self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
             self._by_child.pop(child.request_id, None)
+        return self._make_output(tracked)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._tracked)
@@ -172,8 +175,11 @@ class LLMEngine:
         token = int(sampled.token_ids[row])
         req.append_token(token)
         if req.params.logprobs is not None:
-            req.logprobs.append((float(sampled.logprobs[row]), int(sampled.ranks[row]),
-                                 sampled.top_ids[row], sampled.top_logprobs[row]))
+            k = req.params.logprobs
+            req.logprobs.append(self._logprob_dict(
+                token, float(sampled.logprobs[row]), int(sampled.ranks[row]),
+                sampled.top_ids[row][:k], sampled.top_logprobs[row][:k]))
+            req.cumulative_logprob += float(sampled.logprobs[row])
         stopped_by_token = req.check_stop_token()
         detok = tracked.detokenizers[tracked.children.index(req)]
         stop_str = detok.update(
@@ -223,14 +229,13 @@ class LLMEngine:
         for i, (child, detok) in enumerate(zip(tracked.children, tracked.detokenizers)):
             logprobs = cumulative = None
             if child.params.logprobs is not None:
-                k = child.params.logprobs
-                outs = child.output_token_ids
-                logprobs = [self._logprob_dict(t, lp, rank, ids[:k], lps[:k])
-                            for t, (lp, rank, ids, lps) in zip(outs, child.logprobs)]
-                cumulative = float(sum(lp for lp, *_ in child.logprobs))
+                logprobs, cumulative = list(child.logprobs), child.cumulative_logprob
+            # Safe text: while running, the tail that could still become a stop string (or
+            # an incomplete character) is held back, so streamed deltas never retract.
+            text = detok.get_next_output_text(finished=child.finished, delta=False)
             reason = child.status.value if child.finished else None
-            completions.append(CompletionOutput(i, detok.output_text, child.output_token_ids,
-                                                cumulative, logprobs, reason, child.stop_reason))
+            completions.append(CompletionOutput(i, text, child.output_token_ids, cumulative,
+                                                logprobs, reason, child.stop_reason))
         return RequestOutput(tracked.request_id, tracked.prompt, tracked.prompt_token_ids,
                              tracked.prompt_logprobs, completions, tracked.finished)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 
 import numpy as np
 
@@ -34,6 +35,8 @@ class Request:
         self.params = params
         self.seed = seed
         self.priority = priority
+        self.arrival_time = time.monotonic()
+        self.scheduled_time: float | None = None  # first admitted to running (queue time)
         self.num_prompt_tokens = len(prompt_token_ids)
         budget = max_model_len - self.num_prompt_tokens
         self.max_output_tokens = min(params.max_tokens or budget, budget)
@@ -50,9 +53,9 @@ class Request:
         self.num_preemptions = 0
         self.state_slot = 0  # row of the device-side penalty state; 0 = none held
         self.needs_state_reset = False  # set when a row is handed out, cleared once sent
-        # Per output token: (sampled logprob, rank, top ids, top logprobs), when asked for.
-        self.logprobs: list[tuple] = []
-        self.prompt_logprobs: list[tuple | None] = []
+        # Per output token {token_id: Logprob} (chosen + top-k), when logprobs are asked for.
+        self.logprobs: list[dict] = []
+        self.cumulative_logprob = 0.0
 
     @property
     def prompt_token_ids(self) -> list[int]:

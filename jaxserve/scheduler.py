@@ -10,6 +10,7 @@ recomputed from scratch later.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 
 from jaxserve.config import SchedulerConfig
@@ -85,6 +86,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            if request.scheduled_time is None:
+                request.scheduled_time = time.monotonic()
             request.state_slot = self._free_slots.pop()
             request.needs_state_reset = True
             self.running.append(request)
