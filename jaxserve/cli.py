@@ -90,6 +90,48 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                       description="Serve /v1/completions, /v1/chat/completions and friends.")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the --model argument)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every API route")
+    p.add_argument("--metrics-require-auth", action="store_true",
+                   help="with --api-key, protect /metrics too")
+    p.add_argument("--allowed-origins", default="",
+                   help="comma-separated CORS origins (default: no CORS headers)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="admission cap: beyond it new requests get 429")
+    p.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM")
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import jax
+
+    from jaxserve.config import EngineConfig
+    from jaxserve.server.app import ServerConfig
+    from jaxserve.server.launch import serve
+    from jaxserve.server.protocol import RequestLimits
+
+    server_config = ServerConfig(
+        host=args.host, port=args.port, served_model_name=args.served_model_name or args.model,
+        api_key=args.api_key, metrics_require_auth=args.metrics_require_auth,
+        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+        max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
+        shutdown_timeout=args.shutdown_timeout, limits=RequestLimits(max_n=args.max_n))
+    engine_config = EngineConfig.create(args.model, on_accelerator=jax.default_backend() != "cpu",
+                                        **engine_kwargs(args))
+    return serve(engine_config, server_config, args.log_level)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxserve", description="LLM inference and serving on JAX.")
@@ -97,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _generate_parser(sub)
+    _serve_parser(sub)
     return parser
 
 

@@ -18,7 +18,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.input_builder import MAX_BANNED_IDS
 from jaxserve.kv_cache_manager import KVCacheManager
-from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
@@ -236,8 +236,12 @@ class LLMEngine:
             reason = child.status.value if child.finished else None
             completions.append(CompletionOutput(i, text, child.output_token_ids, cumulative,
                                                 logprobs, reason, child.stop_reason))
+        scheduled = [c.scheduled_time for c in tracked.children if c.scheduled_time is not None]
+        metrics = RequestMetrics(tracked.children[0].arrival_time,
+                                 min(scheduled) if scheduled else None)
         return RequestOutput(tracked.request_id, tracked.prompt, tracked.prompt_token_ids,
-                             tracked.prompt_logprobs, completions, tracked.finished)
+                             tracked.prompt_logprobs, completions, tracked.finished,
+                             metrics=metrics)
 
 
 def _eos_token_ids(config: EngineConfig, tokenizer) -> set[int]:

@@ -32,6 +32,18 @@ class CompletionOutput:
 
 
 @dataclasses.dataclass
+class RequestMetrics:
+    arrival_time: float  # time.monotonic() when the request was added
+    first_scheduled_time: float | None  # when it first ran (None: still waiting)
+
+    @property
+    def time_in_queue(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+
+@dataclasses.dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -40,3 +52,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

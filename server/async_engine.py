@@ -1,0 +1,249 @@
+"""AsyncLLMEngine: the engine stepping in one background thread, shared by many requests.
+
+The HTTP side lives on an asyncio loop; the engine (JAX calls that block) runs in a thread of
+its own. Requests and aborts cross to the engine thread through a queue; each request's
+outputs come back through its own asyncio.Queue. Every step serves every connection at once
+(continuous batching across connections). A request whose consumer goes away (client
+disconnect, cancelled task) is aborted and its KV blocks are freed on the next loop turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from jaxserve.engine import LLMEngine
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.metrics import EngineMetrics
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05
+_LOG_INTERVAL_S = 10.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an error; the server can no longer generate."""
+
+
+class OverloadedError(RuntimeError):
+    """Too many requests are waiting; the client should retry later."""
+
+
+@dataclasses.dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival: float
+    num_prompt_tokens: int
+    first_token: float | None = None
+    last_token: float | None = None
+    num_tokens: int = 0
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, *, max_waiting_requests: int = 1024,
+                 metrics: EngineMetrics | None = None) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.metrics = metrics
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # guards _streams between the two threads
+        self._pending = 0  # adds sent to the engine thread, not yet taken in
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._last_log = time.monotonic()
+        self._logged_tokens = (0, 0)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    # ---- the HTTP side ------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes. Validation errors raise ValueError
+        before anything is queued; leaving the iteration early aborts the request."""
+        if not self.is_running:
+            raise EngineDeadError("the engine loop has stopped")
+        self.engine.validate(prompt_token_ids, params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic(),
+                         len(prompt_token_ids))
+        with self._lock:
+            waiting = len(self.engine.scheduler.waiting) + self._pending
+            if waiting >= self.max_waiting_requests:
+                raise OverloadedError(f"{waiting} requests are already waiting; retry later")
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+            self._pending += 1
+        self._inbox.put(("add", (request_id, prompt, prompt_token_ids, params)))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def abort_all(self) -> None:
+        with self._lock:
+            ids = list(self._streams)
+        for request_id in ids:
+            self._inbox.put(("abort-report", request_id))
+        self._wake.set()
+
+    # ---- the engine thread --------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._take_inbox()
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    now = time.monotonic()
+                    for output in outputs:
+                        self._deliver(output, now)
+                else:
+                    self._wake.wait(_IDLE_WAIT_S)
+                    self._wake.clear()
+                self._update_gauges()
+        except BaseException as err:  # noqa: BLE001 - reported to every waiting request
+            self.error = err
+            logger.exception("The engine loop died; failing all requests")
+            with self._lock:
+                streams = list(self._streams.values())
+                self._streams.clear()
+            for stream in streams:
+                stream.loop.call_soon_threadsafe(
+                    stream.queue.put_nowait, EngineDeadError("the engine loop has stopped"))
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                request_id = payload[0]
+                with self._lock:
+                    self._pending -= 1
+                    stream = self._streams.get(request_id)
+                try:
+                    self.engine.add_request(*payload)
+                except ValueError as err:
+                    self._close(request_id, err)
+                    continue
+                if stream is not None and self.metrics:
+                    self.metrics.prompt_tokens.inc(stream.num_prompt_tokens)
+            elif kind == "abort":
+                self.engine.abort_request(payload)
+                self._forget(payload)
+            elif kind == "abort-report":  # end the request and tell its consumer
+                output = self.engine.abort_request(payload)
+                if output is not None:
+                    self._deliver(output, time.monotonic())
+
+    def _deliver(self, output: RequestOutput, now: float) -> None:
+        with self._lock:
+            stream = self._streams.get(output.request_id)
+        if stream is None:
+            return
+        tokens = sum(len(c.token_ids) for c in output.outputs)
+        new = tokens - stream.num_tokens
+        if new > 0:
+            self._record_tokens(stream, new, now)
+        if output.finished:
+            self._record_finish(output, stream, now)
+            self._forget(output.request_id)
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+
+    def _close(self, request_id: str, err: BaseException) -> None:
+        stream = self._forget(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, err)
+
+    def _forget(self, request_id: str) -> _Stream | None:
+        with self._lock:
+            return self._streams.pop(request_id, None)
+
+    # ---- metrics and logs ---------------------------------------------------------------
+    def _record_tokens(self, stream: _Stream, new: int, now: float) -> None:
+        if self.metrics:
+            self.metrics.generation_tokens.inc(new)
+            if stream.first_token is None:
+                self.metrics.time_to_first_token.observe(now - stream.arrival)
+            else:
+                self.metrics.token_gap((now - stream.last_token) / new)
+        if stream.first_token is None:
+            stream.first_token = now
+        stream.last_token = now
+        stream.num_tokens += new
+
+    def _record_finish(self, output: RequestOutput, stream: _Stream, now: float) -> None:
+        reasons = ",".join(sorted({c.finish_reason or "abort" for c in output.outputs}))
+        ttft = (stream.first_token - stream.arrival) if stream.first_token else float("nan")
+        logger.info("request %s: prompt %d tokens, output %d tokens, TTFT %.3f s, total %.3f s, "
+                    "finish %s", output.request_id, stream.num_prompt_tokens, stream.num_tokens,
+                    ttft, now - stream.arrival, reasons)
+        if self.metrics:
+            self.metrics.e2e_latency.observe(now - stream.arrival)
+            for reason in reasons.split(","):
+                self.metrics.finished(reason)
+            queued = output.metrics.time_in_queue if output.metrics else None
+            if queued is not None:
+                self.metrics.queue_time.observe(queued)
+
+    def _update_gauges(self) -> None:
+        engine = self.engine
+        scheduler = engine.scheduler
+        if self.metrics:
+            self.metrics.update_gauges(running=len(scheduler.running),
+                                       waiting=len(scheduler.waiting),
+                                       kv_usage=engine.kv_cache.usage,
+                                       preemptions=scheduler.num_preemptions)
+        now = time.monotonic()
+        if now - self._last_log >= _LOG_INTERVAL_S and self.metrics:
+            prompt, gen = self.metrics.token_totals()
+            elapsed = now - self._last_log
+            if (prompt, gen) != self._logged_tokens or scheduler.num_unfinished:
+                logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: "
+                            "%.1f tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache "
+                            "usage: %.1f%%", (prompt - self._logged_tokens[0]) / elapsed,
+                            (gen - self._logged_tokens[1]) / elapsed, len(scheduler.running),
+                            len(scheduler.waiting), 100 * engine.kv_cache.usage)
+            self._logged_tokens = (prompt, gen)
+            self._last_log = now

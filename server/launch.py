@@ -1,0 +1,79 @@
+"""`jaxserve serve`: build the engine, start its loop, run uvicorn, drain on SIGTERM.
+
+SIGTERM (or Ctrl-C) stops admission (new requests get 503), lets in-flight requests finish
+for up to --shutdown-timeout seconds, ends the rest with finish_reason "abort", then exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import uvicorn
+
+from jaxserve.server.app import ServerConfig, create_app
+from jaxserve.server.async_engine import AsyncLLMEngine
+from jaxserve.server.metrics import EngineMetrics
+
+logger = logging.getLogger(__name__)
+
+_FLUSH_S = 2.0  # after aborting, time for the last chunks to reach clients
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first exit signal drains instead of cutting connections."""
+
+    def __init__(self, config: uvicorn.Config, state, engine: AsyncLLMEngine,
+                 timeout: float) -> None:
+        super().__init__(config)
+        self.state, self.engine, self.timeout = state, engine, timeout
+        self._draining_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._draining_task is not None or self._loop is None:
+            return super().handle_exit(sig, frame)  # second signal: stop now
+        logger.info("Received signal %s: draining (up to %.0f s)", sig, self.timeout)
+        self.state.draining = True
+        self._draining_task = self._loop.create_task(self._drain(sig, frame))
+
+    async def _drain(self, sig, frame) -> None:
+        deadline = time.monotonic() + self.timeout
+        while self.engine.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.engine.num_in_flight:
+            logger.info("Shutdown timeout: aborting %d requests", self.engine.num_in_flight)
+            self.engine.abort_all()
+            flush = time.monotonic() + _FLUSH_S
+            while self.engine.num_in_flight and time.monotonic() < flush:
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)  # let the last responses leave
+        super().handle_exit(sig, frame)
+
+
+def serve(engine_config, server_config: ServerConfig, log_level: str = "info") -> int:
+    from jaxserve.engine import LLMEngine
+
+    engine = LLMEngine(engine_config)
+    metrics = EngineMetrics(server_config.served_model_name)
+    async_engine = AsyncLLMEngine(engine, max_waiting_requests=server_config.max_waiting_requests,
+                                  metrics=metrics)
+    async_engine.start()
+    app = create_app(async_engine, server_config)
+    config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
+                            log_level=log_level.lower(), access_log=False,
+                            timeout_graceful_shutdown=5)
+    server = _DrainingServer(config, app.state.jaxserve, async_engine,
+                             server_config.shutdown_timeout)
+    logger.info("Serving %s on http://%s:%d", server_config.served_model_name,
+                server_config.host, server_config.port)
+    try:
+        server.run()
+    finally:
+        async_engine.stop()
+    return 0

@@ -1,0 +1,331 @@
+"""/v1/completions and /v1/chat/completions: requests in, JSON or SSE streams out.
+
+A completion request with several prompts becomes one engine request per prompt; choice
+index = prompt index * n + sample index, as in the OpenAI API. Streams send only text the
+detokenizer has released (never part of a stop string), exactly one chunk per choice with a
+finish_reason, and, with stream_options.include_usage, a last chunk with the usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.server.async_engine import AsyncLLMEngine, EngineDeadError, OverloadedError
+from jaxserve.server.errors import APIError, from_value_error
+from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, RequestLimits
+from jaxserve.tokenizer import apply_chat_template
+
+_DISCONNECT_POLL_S = 0.5
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, limits: RequestLimits) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.limits = limits
+        self.tokenizer = engine.engine.tokenizer
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model {name[:64]!r} does not exist; this server serves "
+                           f"{self.model_name!r}.", param="model", code="model_not_found")
+
+    # ---- endpoints ----------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, raw: Request):
+        self.check_model(body.model)
+        params = _params(body, self.limits, "prompt")
+        prompts = self._completion_prompts(body.prompt)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = self._start(request_id, prompts, params, "prompt")
+        view = _View("text_completion", request_id, self.model_name, body, prompts, self)
+        if body.stream:
+            return _sse(self._stream(view, streams))
+        return await self._respond(view, streams, raw)
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request):
+        self.check_model(body.model)
+        params = _params(body, self.limits, "messages")
+        try:
+            ids = apply_chat_template(self.tokenizer, body.template_messages(),
+                                      add_generation_prompt=body.add_generation_prompt)
+        except ValueError as err:
+            raise from_value_error(err, "messages") from None
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        prompts = [(None, ids)]
+        streams = self._start(request_id, prompts, params, "messages")
+        view = _View("chat.completion", request_id, self.model_name, body, prompts, self)
+        if body.stream:
+            return _sse(self._stream(view, streams))
+        return await self._respond(view, streams, raw)
+
+    # ---- plumbing -----------------------------------------------------------------------
+    def _completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError(400, "prompt must not be empty.", param="prompt")
+        out = []
+        for item in prompt:
+            if isinstance(item, str):
+                if not item:
+                    raise APIError(400, "prompt must not be empty.", param="prompt")
+                out.append((item, self.tokenizer.encode(item)))
+            else:
+                out.append((None, list(item)))
+        return out
+
+    def _start(self, request_id, prompts, params, prompt_param) -> list[AsyncIterator]:
+        """Validate every prompt, then queue them all; nothing is queued if one is bad."""
+        for _, ids in prompts:
+            try:
+                self.engine.engine.validate(ids, params)
+            except ValueError as err:
+                raise from_value_error(err, prompt_param) from None
+        try:
+            return [self.engine.generate(f"{request_id}-{i}", text, ids, params)
+                    for i, (text, ids) in enumerate(prompts)]
+        except OverloadedError as err:
+            raise APIError(429, str(err), code="overloaded") from None
+        except EngineDeadError as err:
+            raise APIError(503, str(err), code="engine_dead") from None
+
+    async def _respond(self, view, streams, raw: Request) -> JSONResponse:
+        async def last(stream):
+            final = None
+            async for output in stream:
+                final = output
+            return final
+
+        task = asyncio.gather(*(last(s) for s in streams))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+                if done:
+                    break
+                if await raw.is_disconnected():
+                    task.cancel()
+                    return JSONResponse({}, status_code=499)
+            finals = task.result()
+        except (OverloadedError, EngineDeadError, ValueError) as err:
+            raise _api_error(err) from None
+        finally:
+            if not task.done():
+                task.cancel()
+        return JSONResponse(view.full_response(finals))
+
+    async def _stream(self, view, streams) -> AsyncIterator[str]:
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index, stream):
+            try:
+                async for output in stream:
+                    await merged.put((index, output))
+            except BaseException as err:  # noqa: BLE001 - forwarded to the response
+                await merged.put((index, err))
+            finally:
+                await merged.put((index, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        open_streams = len(tasks)
+        try:
+            for chunk in view.opening_chunks():
+                yield _event(chunk)
+            while open_streams:
+                index, item = await merged.get()
+                if item is None:
+                    open_streams -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    for chunk in view.chunks(index, item):
+                        yield _event(chunk)
+            usage = view.usage_chunk()
+            if usage is not None:
+                yield _event(usage)
+        except Exception as err:  # noqa: BLE001 - the stream has started: report in-band
+            yield _event(_api_error(err).body())
+        finally:
+            for task in tasks:
+                task.cancel()
+        yield "data: [DONE]\n\n"
+
+
+def _params(body, limits: RequestLimits, prompt_param: str):
+    try:
+        return body.sampling_params(limits)
+    except ValueError as err:
+        raise from_value_error(err, prompt_param) from None
+
+
+def _api_error(err: BaseException) -> APIError:
+    if isinstance(err, APIError):
+        return err
+    if isinstance(err, OverloadedError):
+        return APIError(429, str(err), code="overloaded")
+    if isinstance(err, EngineDeadError):
+        return APIError(503, str(err), code="engine_dead")
+    if isinstance(err, ValueError):
+        return from_value_error(err)
+    return APIError(500, "internal error while generating", code="internal_error")
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+class _View:
+    """Turns engine outputs into OpenAI response objects for one HTTP request."""
+
+    def __init__(self, kind: str, request_id: str, model: str, body, prompts, serving) -> None:
+        self.chat = kind == "chat.completion"
+        self.kind, self.id, self.model, self.body = kind, request_id, model, body
+        self.created = int(time.time())
+        self.n = body.n
+        self.prompts = prompts
+        self.serving = serving
+        self.echo = bool(getattr(body, "echo", False))
+        total = len(prompts) * self.n
+        self.sent_text = [0] * total
+        self.sent_tokens = [0] * total
+        self.finished = [False] * total
+        self.completion_tokens = [0] * total
+
+    # ---- non-streamed -------------------------------------------------------------------
+    def full_response(self, finals: list[RequestOutput]) -> dict:
+        choices = []
+        for p, output in enumerate(finals):
+            for c in output.outputs:
+                index = p * self.n + c.index
+                self.completion_tokens[index] = len(c.token_ids)
+                if self.chat:
+                    choices.append({"index": index, "message": {"role": "assistant",
+                                                                "content": c.text},
+                                    "logprobs": self._chat_logprobs(c, 0),
+                                    "finish_reason": c.finish_reason,
+                                    "stop_reason": c.stop_reason})
+                else:
+                    text, logprobs = c.text, self._completion_logprobs(output, c, 0, True)
+                    if self.echo:
+                        text = self._prompt_text(p) + text
+                    choices.append({"index": index, "text": text, "logprobs": logprobs,
+                                    "finish_reason": c.finish_reason,
+                                    "stop_reason": c.stop_reason})
+        return {"id": self.id, "object": self.kind, "created": self.created,
+                "model": self.model, "choices": choices, "usage": self._usage()}
+
+    # ---- streamed -----------------------------------------------------------------------
+    def opening_chunks(self) -> list[dict]:
+        if self.chat:
+            return [self._chunk(i, {"role": "assistant", "content": ""}, None, None)
+                    for i in range(self.n)]
+        return []
+
+    def chunks(self, p: int, output: RequestOutput) -> list[dict]:
+        out = []
+        for c in output.outputs:
+            index = p * self.n + c.index
+            if self.finished[index]:
+                continue
+            delta = c.text[self.sent_text[index]:]
+            first = self.sent_tokens[index] == 0 and self.sent_text[index] == 0
+            if self.echo and first:
+                delta = self._prompt_text(p) + delta
+            start = self.sent_tokens[index]
+            done = c.finish_reason is not None
+            if not delta and not done and (c.logprobs is None or len(c.token_ids) == start):
+                continue  # nothing to show yet (text held back, or no new tokens)
+            logprobs = (self._chat_logprobs(c, start) if self.chat else
+                        self._completion_logprobs(output, c, start, first))
+            self.sent_text[index] = len(c.text)
+            self.sent_tokens[index] = len(c.token_ids)
+            self.completion_tokens[index] = len(c.token_ids)
+            self.finished[index] = done
+            payload = {"content": delta} if self.chat else delta
+            out.append(self._chunk(index, payload, logprobs, c.finish_reason, c.stop_reason))
+        return out
+
+    def usage_chunk(self) -> dict | None:
+        if not self.body.include_usage:
+            return None
+        return {"id": self.id, "object": self._chunk_kind(), "created": self.created,
+                "model": self.model, "choices": [], "usage": self._usage()}
+
+    def _chunk_kind(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _chunk(self, index, payload, logprobs, finish_reason, stop_reason=None) -> dict:
+        choice = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
+        if self.chat:
+            choice["delta"] = payload
+        else:
+            choice["text"] = payload
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        return {"id": self.id, "object": self._chunk_kind(), "created": self.created,
+                "model": self.model, "choices": [choice]}
+
+    # ---- pieces -------------------------------------------------------------------------
+    def _usage(self) -> dict:
+        prompt = sum(len(ids) for _, ids in self.prompts)
+        completion = sum(self.completion_tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def _prompt_text(self, p: int) -> str:
+        text, ids = self.prompts[p]
+        return text if text is not None else self.serving.tokenizer.decode(ids)
+
+    def _chat_logprobs(self, c: CompletionOutput, start: int) -> dict | None:
+        if c.logprobs is None:
+            return None
+        content = []
+        for token, entry in zip(c.token_ids[start:], c.logprobs[start:]):
+            chosen = entry[token]
+            top = sorted(entry.values(), key=lambda lp: lp.rank or 0)
+            content.append({**_token_entry(chosen), "top_logprobs": [
+                _token_entry(lp) for lp in top if lp.rank is not None
+                and lp.rank <= self.body.top_logprobs][: self.body.top_logprobs or 0]})
+        return {"content": content}
+
+    def _completion_logprobs(self, output: RequestOutput, c: CompletionOutput, start: int,
+                             with_prompt: bool) -> dict | None:
+        if c.logprobs is None:
+            return None
+        rows = []  # (token text, logprob, {token text: logprob}) per position
+        if self.echo and with_prompt and output.prompt_logprobs is not None:
+            for token, entry in zip(output.prompt_token_ids, output.prompt_logprobs):
+                rows.append(_completion_row(token, entry) if entry is not None else
+                            (self.serving.tokenizer.decode([token]), None, None))
+        rows += [_completion_row(t, e) for t, e in zip(c.token_ids[start:], c.logprobs[start:])]
+        offsets, position = [], 0
+        for token, _, _ in rows:
+            offsets.append(position)
+            position += len(token)
+        return {"tokens": [r[0] for r in rows], "token_logprobs": [r[1] for r in rows],
+                "top_logprobs": [r[2] for r in rows], "text_offset": offsets}
+
+
+def _completion_row(token: int, entry: dict) -> tuple:
+    return (entry[token].decoded_token or "", entry[token].logprob,
+            {lp.decoded_token: lp.logprob for lp in entry.values()})
+
+
+def _token_entry(lp) -> dict:
+    token = lp.decoded_token or ""
+    return {"token": token, "logprob": max(lp.logprob, -9999.0),
+            "bytes": list(token.encode("utf-8"))}
