@@ -1,0 +1,75 @@
+"""Start a real `jaxserve serve` process on a free loopback port, for server tests."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+JAXSERVE = pathlib.Path(sys.executable).parent / "jaxserve"
+# Small buckets: start-up compiles 7 step shapes (cached on disk after the first run).
+SMALL_ENGINE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "128",
+                "--max-model-len", "512"]
+
+
+@dataclasses.dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+    log_path: pathlib.Path
+
+    @property
+    def api(self) -> str:
+        return f"{self.url}/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(model, *args: str, log_dir: pathlib.Path, ready_timeout: float = 240.0):
+    """Yield a Server once /ready answers 200; SIGTERM it (then kill) on exit."""
+    port = free_port()
+    log_path = log_dir / f"server-{port}.log"
+    cmd = [str(JAXSERVE), "serve", "--model", str(model), "--port", str(port),
+           "--served-model-name", "tiny", *SMALL_ENGINE, *args]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = Server(f"http://127.0.0.1:{port}", process, log_path)
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+            try:
+                if httpx.get(f"{server.url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server not ready after {ready_timeout} s:\n{server.log()}")
+            time.sleep(0.25)
+        yield server
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
