@@ -75,7 +75,7 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     state = ServerState(engine, config)
     app.state.jaxserve = state
     _install_errors(app)
-    _install_guards(app, state)
+    app.add_middleware(_Guard, state=state)
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"])
@@ -107,30 +107,50 @@ def _install_errors(app: FastAPI) -> None:
         return APIError(500, "internal server error", code="internal_error").response()
 
 
-def _install_guards(app: FastAPI, state: ServerState) -> None:
-    config = state.config
-    expected = f"Bearer {config.api_key}".encode() if config.api_key else None
+class _Guard:
+    """Pure ASGI middleware (so streaming and disconnect detection pass through untouched):
+    API key, draining, and the body-size cap, before any route runs."""
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        path = request.url.path
+    def __init__(self, app, state: ServerState) -> None:
+        self.app, self.state = app, state
+        key = state.config.api_key
+        self.expected = f"Bearer {key}".encode() if key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        config, path = self.state.config, scope["path"]
+        headers = dict(scope["headers"])
         open_path = path in _OPEN_PATHS or (path == "/metrics" and not config.metrics_require_auth)
-        if expected is not None and not open_path and request.method != "OPTIONS":
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return APIError(401, "Missing or invalid API key: send 'Authorization: Bearer "
-                                "<key>'.", code="invalid_api_key").response()
-        if state.draining and path not in _OPEN_PATHS and path != "/metrics":
-            return APIError(503, "The server is shutting down.", code="draining").response()
-        if request.method in ("POST", "PUT", "PATCH"):
-            length = request.headers.get("content-length")
-            if length is not None and (not length.isdigit() or int(length) >
-                                       config.max_body_bytes):
-                return _too_large(config)
-            body = await request.body()  # cached by Starlette for the route
-            if len(body) > config.max_body_bytes:
-                return _too_large(config)
-        return await call_next(request)
+        if self.expected is not None and not open_path and scope["method"] != "OPTIONS":
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                error = APIError(401, "Missing or invalid API key: send 'Authorization: Bearer "
+                                 "<key>'.", code="invalid_api_key")
+                return await error.response()(scope, receive, send)
+        if self.state.draining and path not in _OPEN_PATHS and path != "/metrics":
+            error = APIError(503, "The server is shutting down.", code="draining")
+            return await error.response()(scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        length = headers.get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > config.max_body_bytes:
+            return await _too_large(config)(scope, receive, send)
+        body, messages = 0, []
+        while True:  # read the whole body first, stopping at the cap
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            body += len(message.get("body", b""))
+            if body > config.max_body_bytes:
+                return await _too_large(config)(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+
+        return await self.app(scope, replay, send)
 
 
 def _too_large(config: ServerConfig) -> JSONResponse:

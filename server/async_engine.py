@@ -83,10 +83,11 @@ class AsyncLLMEngine:
             return len(self._streams)
 
     # ---- the HTTP side ------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs until it finishes. Validation errors raise ValueError
-        before anything is queued; leaving the iteration early aborts the request."""
+    def submit(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+               params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Queue a request now (raising ValueError, OverloadedError or EngineDeadError at
+        once) and return the iterator of its outputs. Leaving the iteration before the
+        request finishes aborts it. Call from the event loop."""
         if not self.is_running:
             raise EngineDeadError("the engine loop has stopped")
         self.engine.validate(prompt_token_ids, params)
@@ -102,6 +103,9 @@ class AsyncLLMEngine:
             self._pending += 1
         self._inbox.put(("add", (request_id, prompt, prompt_token_ids, params)))
         self._wake.set()
+        return self._outputs(request_id, stream)
+
+    async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:

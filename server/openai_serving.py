@@ -91,13 +91,15 @@ class OpenAIServing:
                 self.engine.engine.validate(ids, params)
             except ValueError as err:
                 raise from_value_error(err, prompt_param) from None
+        streams = []
         try:
-            return [self.engine.generate(f"{request_id}-{i}", text, ids, params)
-                    for i, (text, ids) in enumerate(prompts)]
-        except OverloadedError as err:
-            raise APIError(429, str(err), code="overloaded") from None
-        except EngineDeadError as err:
-            raise APIError(503, str(err), code="engine_dead") from None
+            for i, (text, ids) in enumerate(prompts):
+                streams.append(self.engine.submit(f"{request_id}-{i}", text, ids, params))
+        except (OverloadedError, EngineDeadError, ValueError) as err:
+            for i in range(len(streams)):  # all or nothing
+                self.engine.abort(f"{request_id}-{i}")
+            raise _api_error(err) from None
+        return streams
 
     async def _respond(self, view, streams, raw: Request) -> JSONResponse:
         async def last(stream):
