@@ -173,9 +173,11 @@ class AsyncLLMEngine:
                     continue
                 if stream is not None and self.metrics:
                     self.metrics.prompt_tokens.inc(stream.num_prompt_tokens)
-            elif kind == "abort":
-                self.engine.abort_request(payload)
-                self._forget(payload)
+            elif kind == "abort":  # the consumer is gone: nobody to tell
+                output = self.engine.abort_request(payload)
+                stream = self._forget(payload)
+                if output is not None and stream is not None:
+                    self._record_finish(output, stream, time.monotonic())
             elif kind == "abort-report":  # end the request and tell its consumer
                 output = self.engine.abort_request(payload)
                 if output is not None:

@@ -20,7 +20,7 @@ def run(*args, timeout=300) -> subprocess.CompletedProcess:
 def test_help_lists_every_subcommand():
     out = run("--help")
     assert out.returncode == 0
-    assert "generate" in out.stdout
+    assert "generate" in out.stdout and "serve" in out.stdout
     sub = run("generate", "--help")
     for flag in ("--max-model-len", "--dtype", "--num-kv-blocks", "--temperature", "--top-p",
                  "--max-tokens", "--seed"):
