@@ -1,0 +1,106 @@
+"""The engine loop behind the server, driven in-process (no HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from starlette.testclient import TestClient
+
+from jaxserve import SamplingParams
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.server.app import ServerConfig, create_app
+from jaxserve.server.async_engine import AsyncLLMEngine, EngineDeadError, OverloadedError
+from jaxserve.server.metrics import EngineMetrics
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoints):
+    config = EngineConfig.create(str(tiny_checkpoints["llama"]), max_model_len=128,
+                                 max_num_seqs=4, max_num_batched_tokens=64, precompile=False)
+    return LLMEngine(config)
+
+
+@pytest.fixture
+def running(engine):
+    async_engine = AsyncLLMEngine(engine, max_waiting_requests=3, metrics=EngineMetrics("t"))
+    async_engine.start()
+    yield async_engine
+    async_engine.stop()
+    assert not engine.has_unfinished_requests()
+
+
+async def collect(stream):
+    return [output async for output in stream]
+
+
+def test_concurrent_requests_share_steps_and_match_offline(running, engine):
+    async def main():
+        streams = [running.submit(f"r{i}", None, [5 + i, 6, 7], PARAMS) for i in range(3)]
+        return await asyncio.gather(*(collect(s) for s in streams))
+
+    results = asyncio.run(main())
+    for i, outputs in enumerate(results):
+        assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 6
+    engine.add_request("offline", None, [5, 6, 7], PARAMS)
+    while engine.has_unfinished_requests():
+        final = [o for o in engine.step() if o.finished]
+    assert final[0].outputs[0].token_ids == results[0][-1].outputs[0].token_ids
+
+
+def test_leaving_early_aborts_and_frees_blocks(running, engine):
+    async def main():
+        stream = running.submit("early", None, [5, 6, 7], SamplingParams(max_tokens=100,
+                                                                         ignore_eos=True))
+        async for _ in stream:
+            break
+        await stream.aclose()
+        for _ in range(100):
+            if running.num_in_flight == 0 and not engine.has_unfinished_requests():
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+    assert asyncio.run(main())
+    assert engine.kv_cache.usage == 0
+
+
+def test_admission_cap_raises_overloaded(engine):
+    idle = AsyncLLMEngine(engine, max_waiting_requests=2)  # not started: nothing drains
+
+    async def main():
+        idle._thread = type("Alive", (), {"is_alive": lambda self: True})()
+        for i in range(2):
+            idle.submit(f"w{i}", None, [5, 6], PARAMS)
+        with pytest.raises(OverloadedError):
+            idle.submit("w2", None, [5, 6], PARAMS)
+
+    asyncio.run(main())
+
+
+def test_dead_loop_fails_requests_and_health(engine, monkeypatch):
+    async_engine = AsyncLLMEngine(engine)
+
+    def broken_step():
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine, "step", broken_step)
+    async_engine.start()
+
+    async def main():
+        with pytest.raises(EngineDeadError):
+            await collect(async_engine.submit("doomed", None, [5, 6, 7], PARAMS))
+
+    asyncio.run(main())
+    assert not async_engine.is_running
+    with pytest.raises(EngineDeadError):
+        asyncio.run(collect(async_engine.submit("late", None, [5], PARAMS)))
+    client = TestClient(create_app(async_engine, ServerConfig(served_model_name="t")))
+    assert client.get("/health").status_code == 503
+    assert client.get("/ready").status_code == 503
+    body = client.post("/v1/completions", json={"prompt": "hi"}).json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    engine.abort_request("doomed")
