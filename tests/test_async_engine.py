@@ -43,7 +43,7 @@ def test_concurrent_requests_share_steps_and_match_offline(running, engine):
         return await asyncio.gather(*(collect(s) for s in streams))
 
     results = asyncio.run(main())
-    for i, outputs in enumerate(results):
+    for outputs in results:
         assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 6
     engine.add_request("offline", None, [5, 6, 7], PARAMS)
     while engine.has_unfinished_requests():
