@@ -12,6 +12,7 @@ import numpy as np
 from jaxserve.scheduler import SchedulerOutput
 
 MAX_BANNED_IDS = 16  # stop tokens masked while a request is below min_tokens
+_INT32_MAX = 2**31 - 1
 
 
 def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, block_size: int,
@@ -56,7 +57,7 @@ def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, bloc
 
         p = req.params
         temperature[row] = p.temperature
-        top_k[row] = p.top_k
+        top_k[row] = min(p.top_k, _INT32_MAX)  # k >= V means all tokens anyway
         top_p[row] = p.top_p
         min_p[row] = p.min_p
         presence[row] = p.presence_penalty

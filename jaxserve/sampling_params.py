@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 MAX_LOGPROBS = 20  # top-k logprobs the device step computes; logprobs/prompt_logprobs cap
 
@@ -50,8 +51,8 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "an integer >= 1", self.n)
-        if self.temperature < 0.0:
-            raise bad("temperature", ">= 0 (0 means greedy)", self.temperature)
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise bad("temperature", "a finite number >= 0 (0 means greedy)", self.temperature)
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "in (0, 1]", self.top_p)
         if not isinstance(self.top_k, int) or self.top_k < 0:

@@ -158,12 +158,18 @@ def _too_large(config: ServerConfig) -> JSONResponse:
                     code="body_too_large").response()
 
 
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
 async def _json_body(request: Request, model):
     """Parse the body ourselves so that every malformed input gets the 400 envelope."""
     try:
-        data = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError):
-        raise APIError(400, "The request body is not valid JSON.", code="invalid_json") from None
+        data = json.loads(await request.body(), parse_constant=_reject_constant)
+        json.dumps(data, ensure_ascii=False).encode("utf-8")  # no lone surrogates
+    except (ValueError, UnicodeError):
+        raise APIError(400, "The request body is not valid JSON (UTF-8, no NaN or Infinity).",
+                       code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
     try:

@@ -164,13 +164,15 @@ class AsyncLLMEngine:
             if kind == "add":
                 request_id = payload[0]
                 with self._lock:
-                    self._pending -= 1
                     stream = self._streams.get(request_id)
                 try:
                     self.engine.add_request(*payload)
                 except ValueError as err:
                     self._close(request_id, err)
                     continue
+                finally:
+                    with self._lock:  # only now is it counted in scheduler.waiting
+                        self._pending -= 1
                 if stream is not None and self.metrics:
                     self.metrics.prompt_tokens.inc(stream.num_prompt_tokens)
             elif kind == "abort":  # the consumer is gone: nobody to tell

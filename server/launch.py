@@ -53,7 +53,9 @@ class _DrainingServer(uvicorn.Server):
             while self.engine.num_in_flight and time.monotonic() < flush:
                 await asyncio.sleep(0.05)
         await asyncio.sleep(0.1)  # let the last responses leave
-        super().handle_exit(sig, frame)
+        # Not super().handle_exit: uvicorn would re-raise the captured SIGTERM on the way out
+        # and the process would die by the signal instead of exiting 0.
+        self.should_exit = True
 
 
 def serve(engine_config, server_config: ServerConfig, log_level: str = "info") -> int:

@@ -295,13 +295,13 @@ class _View:
     def _chat_logprobs(self, c: CompletionOutput, start: int) -> dict | None:
         if c.logprobs is None:
             return None
+        k = self.body.top_logprobs or 0
         content = []
         for token, entry in zip(c.token_ids[start:], c.logprobs[start:]):
-            chosen = entry[token]
-            top = sorted(entry.values(), key=lambda lp: lp.rank or 0)
-            content.append({**_token_entry(chosen), "top_logprobs": [
-                _token_entry(lp) for lp in top if lp.rank is not None
-                and lp.rank <= self.body.top_logprobs][: self.body.top_logprobs or 0]})
+            top = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= k),
+                         key=lambda lp: lp.rank)
+            content.append({**_token_entry(entry[token]),
+                            "top_logprobs": [_token_entry(lp) for lp in top[:k]]})
         return {"content": content}
 
     def _completion_logprobs(self, output: RequestOutput, c: CompletionOutput, start: int,

@@ -151,7 +151,11 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs needs logprobs=true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        max_tokens = self.max_completion_tokens or self.max_tokens
+        max_tokens = self.max_tokens
+        if self.max_completion_tokens is not None:
+            if self.max_completion_tokens < 1:
+                raise ParamError("max_completion_tokens", "max_completion_tokens must be >= 1")
+            max_tokens = self.max_completion_tokens
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self._common(limits))
 
     def template_messages(self) -> list[dict]:
