@@ -65,7 +65,6 @@ class ServerState:
         self.config = config
         self.serving = OpenAIServing(engine, config.served_model_name, config.limits)
         self.draining = False
-        self.ready = True
         self.started = time.time()
 
 
@@ -236,7 +235,8 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/ready")
     async def ready():
-        if not (state.ready and engine.is_running) or state.draining:
+        # The app is built after warm-up, so "ready" is: the loop runs and we are not draining.
+        if not engine.is_running or state.draining:
             return APIError(503, "Not ready.", code="not_ready").response()
         return {"status": "ready"}
 
