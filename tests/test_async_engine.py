@@ -37,17 +37,24 @@ async def collect(stream):
     return [output async for output in stream]
 
 
-def test_concurrent_requests_share_steps_and_match_offline(running, engine):
-    async def main():
-        streams = [running.submit(f"r{i}", None, [5 + i, 6, 7], PARAMS) for i in range(3)]
-        return await asyncio.gather(*(collect(s) for s in streams))
-
-    results = asyncio.run(main())
-    for outputs in results:
-        assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 6
+def test_concurrent_requests_share_steps_and_match_offline(engine):
+    # The offline reference first: the engine must not be stepped from two threads.
     engine.add_request("offline", None, [5, 6, 7], PARAMS)
     while engine.has_unfinished_requests():
         final = [o for o in engine.step() if o.finished]
+    async_engine = AsyncLLMEngine(engine)
+    async_engine.start()
+
+    async def main():
+        streams = [async_engine.submit(f"r{i}", None, [5 + i, 6, 7], PARAMS) for i in range(3)]
+        return await asyncio.gather(*(collect(s) for s in streams))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        async_engine.stop()
+    for outputs in results:
+        assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 6
     assert final[0].outputs[0].token_ids == results[0][-1].outputs[0].token_ids
 
 
