@@ -44,15 +44,20 @@ def safetensors_files(folder: str | Path) -> list[Path]:
     raise ValueError(f"No *.safetensors weights in {folder}.{hint}")
 
 
-def read_safetensors(path: Path):
-    """Yield (name, numpy array view) for every tensor of one file, memory-mapped."""
+def _read_header(path: Path) -> tuple[int, dict]:
+    """(header length, {tensor name: info}) of a safetensors file, metadata dropped."""
     with open(path, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(header_len))
+    header.pop("__metadata__", None)
+    return header_len, header
+
+
+def read_safetensors(path: Path):
+    """Yield (name, numpy array view) for every tensor of one file, memory-mapped."""
+    header_len, header = _read_header(path)
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
     for name, info in header.items():
-        if name == "__metadata__":
-            continue
         if info["dtype"] not in _DTYPES:
             raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}.")
         start, end = info["data_offsets"]
@@ -71,7 +76,7 @@ def load_params(abstract_model: nnx.Module, folder: str | Path, path_of, dtype, 
     expected = {tuple(path): var for path, var in nnx.to_flat_state(state)}
     loaded: dict[tuple, jax.Array] = {}
     files = safetensors_files(folder)
-    total = sum(1 for f in files for _ in _header_names(f))
+    total = sum(len(_read_header(f)[1]) for f in files)
     with tqdm(total=total, desc="Loading weights", unit="tensor") as bar:
         for file in files:
             for name, array in read_safetensors(file):
@@ -102,9 +107,3 @@ def load_params(abstract_model: nnx.Module, folder: str | Path, path_of, dtype, 
     flat = [(path, var.replace(loaded[path])) for path, var in nnx.to_flat_state(state)]
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
-
-def _header_names(path: Path):
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-    return [name for name in header if name != "__metadata__"]
