@@ -10,7 +10,8 @@ import sys
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags shared by every subcommand that loads a model (vLLM's names)."""
-    parser.add_argument("--model", required=True, help="Hugging Face model folder")
+    parser.add_argument("--model", default=None,
+                        help="Hugging Face model folder (default: the built-in model)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: --model)")
     parser.add_argument("--dtype", default="auto",
                         choices=["auto", "float32", "bfloat16", "float16"])
@@ -72,7 +73,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty, seed=args.sample_seed, stop=args.stop,
         ignore_eos=args.ignore_eos, logprobs=args.logprobs)
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(args.model, **engine_kwargs(args))  # None: the built-in model
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:
@@ -116,18 +117,21 @@ def _serve_parser(sub) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     import jax
 
+    from jaxserve import resolve_model
     from jaxserve.config import EngineConfig
     from jaxserve.server.app import ServerConfig
     from jaxserve.server.launch import serve
     from jaxserve.server.protocol import RequestLimits
 
+    model = resolve_model(args.model, logging.getLogger("jaxserve.serve"))
+    name = args.served_model_name or args.model or "jaxserve-default"
     server_config = ServerConfig(
-        host=args.host, port=args.port, served_model_name=args.served_model_name or args.model,
+        host=args.host, port=args.port, served_model_name=name,
         api_key=args.api_key, metrics_require_auth=args.metrics_require_auth,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
         shutdown_timeout=args.shutdown_timeout, limits=RequestLimits(max_n=args.max_n))
-    engine_config = EngineConfig.create(args.model, on_accelerator=jax.default_backend() != "cpu",
+    engine_config = EngineConfig.create(model, on_accelerator=jax.default_backend() != "cpu",
                                         **engine_kwargs(args))
     return serve(engine_config, server_config, args.log_level)
 
@@ -147,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))
+    logging.getLogger("jaxserve").setLevel(args.log_level)
     try:
         return args.func(args)
     except ValueError as err:
