@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from jaxserve import resolve_model
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.outputs import RequestOutput
@@ -22,14 +23,16 @@ logger = logging.getLogger(__name__)
 class LLM:
     """An engine for offline batched generation.
 
+    With no model, loads the built-in default model (jaxserve.default_model_path()).
     Takes vLLM's engine arguments (model, tokenizer, dtype, max_model_len, max_num_seqs,
     max_num_batched_tokens, block_size, gpu_memory_utilization, seed, ...) plus
     num_kv_blocks to fix the KV cache size.
     """
 
-    def __init__(self, model: str, **engine_args) -> None:
+    def __init__(self, model: str | None = None, **engine_args) -> None:
         import jax
 
+        model = resolve_model(model, logger)
         on_accelerator = jax.default_backend() != "cpu"
         accepted = set(inspect.signature(EngineConfig.create).parameters) - {"cls", "model",
                                                                                "on_accelerator"}

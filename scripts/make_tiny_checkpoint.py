@@ -120,8 +120,9 @@ def _corpus_files() -> list[pathlib.Path]:
     return files
 
 
-def train_tokenizer(out_dir) -> None:
-    """Train the byte-level BPE and save it as a PreTrainedTokenizerFast in out_dir."""
+def train_tokenizer(out_dir, files=None, vocab_size: int = VOCAB_SIZE) -> None:
+    """Train the byte-level BPE (on `files`, default a fixed stdlib subset) and save it as a
+    PreTrainedTokenizerFast in out_dir. The special tokens take ids 0..4."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -129,16 +130,17 @@ def train_tokenizer(out_dir) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         min_frequency=2,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    texts = (p.read_text(encoding="utf-8", errors="replace") for p in _corpus_files())
+    texts = (p.read_text(encoding="utf-8", errors="replace")
+             for p in (files if files is not None else _corpus_files()))
     tok.train_from_iterator(texts, trainer=trainer)
-    if tok.get_vocab_size() != VOCAB_SIZE:
-        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, want {VOCAB_SIZE}")
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, want {vocab_size}")
     for i, t in enumerate(SPECIAL_TOKENS):
         assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
     # Like Llama 3: prepend bos when add_special_tokens=True.

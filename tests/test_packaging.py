@@ -39,6 +39,8 @@ def test_wheel_holds_every_module(tmp_path):
     assert expected - modules == set(), "modules missing from the wheel (list them in pyproject)"
     top_level = {n.split("/")[0] for n in names}
     assert all(t == "jaxserve" or t.endswith(".dist-info") for t in top_level), top_level
+    for data in ("config.json", "model.safetensors", "tokenizer.json", "README.md"):
+        assert f"jaxserve/default_model/{data}" in names, data
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "jaxserve = jaxserve.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
