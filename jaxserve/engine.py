@@ -46,12 +46,14 @@ class _Tracked:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
+        """runner: the device side; built from config when not given (benchmarks pass a
+        null runner to measure the host side alone)."""
         install_counter()
         enable_persistent_cache(config.compilation_cache_dir)
         self.config = config
         self.tokenizer = load_tokenizer(config.model.tokenizer)
-        self.runner = ModelRunner(config)
+        self.runner = runner if runner is not None else ModelRunner(config)
         self.eos_token_ids = frozenset(_eos_token_ids(config, self.tokenizer))
         blocks, size = self.runner.num_blocks, config.cache.block_size
         self.kv_cache = KVCacheManager(blocks, size)

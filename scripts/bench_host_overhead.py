@@ -1,0 +1,92 @@
+"""Host-side cost of one engine step, with the model replaced by a null step.
+
+    python scripts/bench_host_overhead.py [--seqs 1 64 256] [--steps 200]
+
+Runs the real LLMEngine.step (scheduling, input building and packing, output processing,
+detokenization, output objects) with a runner that does the host work of a real step
+(build_step_inputs + pack) but returns made-up tokens instead of calling the device. Each
+case first admits N requests and finishes their prefill, then times decode steps with all N
+running. Prints microseconds per step (median and p90 over the timed steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from jaxserve import SamplingParams, default_model_path
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.input_builder import build_step_inputs
+from jaxserve.packing import pack
+from jaxserve.runner import StepResult
+from jaxserve.sampler import SampleResult
+from jaxserve.scheduler import SchedulerOutput
+
+
+class NullRunner:
+    """The host half of ModelRunner.execute; the device half returns random tokens."""
+
+    def __init__(self, config: EngineConfig, vocab: int) -> None:
+        self.config = config
+        self.block_size = config.cache.block_size
+        self.blocks_per_seq = -(-config.model.max_model_len // self.block_size)
+        self.num_blocks = config.scheduler.max_num_seqs * self.blocks_per_seq + 1
+        self.bytes_per_block = 1
+        self.vocab = vocab
+        self.rng = np.random.default_rng(0)
+
+    def warm_up(self) -> None:
+        pass
+
+    def execute(self, out: SchedulerOutput, score_targets=None) -> StepResult:
+        sched = self.config.scheduler
+        num_tokens, num_rows = sched.pick_bucket(out.total_num_scheduled_tokens,
+                                                 len(out.requests))
+        batch, sampling = build_step_inputs(out, num_tokens, num_rows, self.block_size,
+                                            self.blocks_per_seq)
+        pack({**batch, **sampling})
+        tokens = self.rng.integers(5, self.vocab, num_rows).astype(np.int32)
+        zeros = np.zeros(num_rows, np.float32)
+        top = np.zeros((num_rows, 20), np.int32)
+        return StepResult(SampleResult(tokens, zeros, zeros.astype(np.int32) + 1, top,
+                                       top.astype(np.float32)), None)
+
+
+def measure(num_seqs: int, steps: int) -> tuple[float, float]:
+    model = str(default_model_path())
+    config = EngineConfig.create(model, max_model_len=1024, max_num_seqs=max(num_seqs, 1),
+                                 max_num_batched_tokens=max(2048, num_seqs),
+                                 compilation_cache_dir=None, precompile=False)
+    engine = LLMEngine(config, runner=NullRunner(config, config.model.vocab_size))
+    params = SamplingParams(temperature=0.8, max_tokens=steps + 64, ignore_eos=True)
+    rng = np.random.default_rng(1)
+    for i in range(num_seqs):
+        engine.add_request(str(i), None, rng.integers(5, 4000, 64).tolist(), params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in
+              list(engine.scheduler.running) + list(engine.scheduler.waiting)):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    assert len(engine.scheduler.running) == num_seqs
+    return float(np.median(times)) * 1e6, float(np.percentile(times, 90)) * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    print(f"{'running seqs':>14}{'median us/step':>16}{'p90 us/step':>14}{'us/seq':>10}")
+    for n in args.seqs:
+        median, p90 = measure(n, args.steps)
+        print(f"{n:14d}{median:16.0f}{p90:14.0f}{median / n:10.1f}")
+
+
+if __name__ == "__main__":
+    main()
