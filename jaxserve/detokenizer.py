@@ -59,10 +59,23 @@ def _as_token_ids(token_ids: Sequence[int], what: str) -> list[int]:
     return ids
 
 
+def _fast_decoder(tokenizer, kwargs: dict):
+    """The Rust `tokenizers` decode of a fast tokenizer, called directly: it is what
+    tokenizer.decode does when no clean-up of spaces is configured, at a quarter of the cost
+    of the Python wrapper (this runs twice per generated token). None when not equivalent."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True)
+            or set(kwargs) != {"skip_special_tokens"}):
+        return None
+    skip = kwargs["skip_special_tokens"]
+    return lambda ids: backend.decode(ids, skip_special_tokens=skip)
+
+
 class IncrementalDetokenizer:
     """Detokenizes one request's output as it grows and checks its stop strings.
 
-    Only `tokenizer.decode(ids, skip_special_tokens=...)` is used.
+    Only `tokenizer.decode(ids, skip_special_tokens=...)` is used (or, for a fast
+    tokenizer without space clean-up, the same call on its Rust backend).
     """
 
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int], *,
@@ -76,6 +89,8 @@ class IncrementalDetokenizer:
             # Passed only when not the default: fast tokenizers ignore it, and custom
             # tokenizers' decode may not accept it.
             self._decode_kwargs["spaces_between_special_tokens"] = False
+        self._decode_ids = _fast_decoder(tokenizer, self._decode_kwargs) or (
+            lambda ids: tokenizer.decode(ids, **self._decode_kwargs))
         # Characters to hold back while streaming. When the stop string is included in
         # the output nothing needs hiding: a match never truncates text already shown.
         self._stop_buffer_length = (
@@ -155,7 +170,7 @@ class IncrementalDetokenizer:
         return out
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, **self._decode_kwargs) if ids else ""
+        return self._decode_ids(ids) if ids else ""
 
     def _detokenize(self, new: list[int], flush: bool) -> str:
         """Appends `new` to the window; returns the text that became complete.

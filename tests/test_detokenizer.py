@@ -393,3 +393,23 @@ def test_module_imports_only_the_standard_library():
         elif isinstance(node, ast.ImportFrom):
             roots.add((node.module or "").split(".")[0])
     assert roots <= {"__future__", "collections", "operator"}
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_rust_fast_path_equals_tokenizer_decode(tok, skip_special_tokens):
+    """Without space clean-up, decoding goes straight to the Rust backend; it must give
+    exactly what tokenizer.decode gives (specials kept or skipped alike)."""
+    from jaxserve.detokenizer import _fast_decoder
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer,
+                                   bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   clean_up_tokenization_spaces=False)
+    assert _fast_decoder(fast, {"skip_special_tokens": skip_special_tokens}) is not None
+    assert _fast_decoder(tok, {"skip_special_tokens": True}) is None or \
+        not tok.clean_up_tokenization_spaces
+    rng = random.Random(7 + skip_special_tokens)
+    for _ in range(40):
+        ids = [rng.randrange(len(fast)) for _ in range(rng.randint(1, 30))]
+        detok = IncrementalDetokenizer(fast, [], skip_special_tokens=skip_special_tokens)
+        deltas, _ = stream(detok, chunked(ids, rng, 3))
+        assert "".join(deltas) == fast.decode(ids, skip_special_tokens=skip_special_tokens)
