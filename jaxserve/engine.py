@@ -144,9 +144,10 @@ class LLMEngine:
         return bool(self._tracked)
 
     # ---- one step -----------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Schedule, run the model once, fold the results in. Returns the outputs of the
-        requests that changed (finished ones are then forgotten)."""
+        requests that changed (finished ones are then forgotten); with final_only, only of
+        those that finished (offline generation needs no intermediate outputs)."""
         out = self.scheduler.schedule()
         if out.empty:
             return []
@@ -165,7 +166,8 @@ class LLMEngine:
                 continue  # a prefill chunk: nothing sampled yet
             self._append(tracked, req, row, result.sampled)
             changed[tracked.request_id] = tracked
-        outputs = [self._make_output(t) for t in changed.values()]
+        outputs = [self._make_output(t) for t in changed.values()
+                   if not final_only or t.finished]
         for output in outputs:
             if output.finished:
                 tracked = self._tracked.pop(output.request_id)

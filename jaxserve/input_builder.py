@@ -15,6 +15,27 @@ MAX_BANNED_IDS = 16  # stop tokens masked while a request is below min_tokens
 _INT32_MAX = 2**31 - 1
 
 
+def _fill_tokens(reqs, counts, firsts, starts, block_size, token_ids, positions, slot_mapping):
+    """Token ids, positions and KV slots: decode rows (one token) in one pass, prefill
+    chunks by slices."""
+    single = counts == 1
+    rows = np.flatnonzero(single)
+    if len(rows):
+        where, pos = starts[rows], firsts[rows]
+        token_ids[where] = [reqs[i].token_ids[p] for i, p in zip(rows.tolist(), pos.tolist())]
+        positions[where] = pos
+        pages = [reqs[i].block_ids[p] for i, p in zip(rows.tolist(), (pos // block_size).tolist())]
+        slot_mapping[where] = np.asarray(pages, np.int32) * block_size + pos % block_size
+    for row in np.flatnonzero(~single).tolist():
+        req, first, start, count = reqs[row], int(firsts[row]), int(starts[row]), int(counts[row])
+        pos = np.arange(first, first + count, dtype=np.int32)
+        blocks = np.asarray(req.block_ids, np.int32)
+        token_ids[start: start + count] = req.token_ids[first: first + count]
+        positions[start: start + count] = pos
+        slot_mapping[start: start + count] = blocks[pos // block_size] * block_size + \
+            pos % block_size
+
+
 def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, block_size: int,
                       blocks_per_seq: int) -> tuple[dict, dict]:
     """Returns (batch arrays, sampling arrays) as dicts of numpy arrays."""
@@ -40,39 +61,36 @@ def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, bloc
     prompt_lens = np.zeros(num_rows, np.int32)
     banned_ids = np.full((num_rows, MAX_BANNED_IDS), -1, np.int32)
 
-    start = 0
-    for row, (req, count) in enumerate(zip(out.requests, out.num_scheduled_tokens)):
-        first = req.num_computed_tokens
-        end = start + count
-        pos = np.arange(first, first + count, dtype=np.int32)
-        blocks = np.asarray(req.block_ids, np.int32)
-        token_ids[start:end] = req.token_ids[first: first + count]
-        positions[start:end] = pos
-        slot_mapping[start:end] = blocks[pos // block_size] * block_size + pos % block_size
-        block_tables[row, : len(blocks)] = blocks
-        kv_lens[row] = first + count
-        cu_q_lens[row + 1] = end
-        logits_indices[row] = end - 1
-        start = end
+    reqs, n = out.requests, len(out.requests)
+    if n:
+        counts = np.asarray(out.num_scheduled_tokens, np.int32)
+        firsts = np.fromiter((r.num_computed_tokens for r in reqs), np.int32, n)
+        ends = np.cumsum(counts, dtype=np.int32)
+        cu_q_lens[1: n + 1] = ends
+        cu_q_lens[n + 1:] = ends[-1]
+        kv_lens[:n] = firsts + counts
+        logits_indices[:n] = ends - 1
+        sample_positions[:n] = firsts + counts
+        _fill_tokens(reqs, counts, firsts, ends - counts, block_size, token_ids, positions,
+                     slot_mapping)
+        for row, req in enumerate(reqs):
+            block_tables[row, : len(req.block_ids)] = req.block_ids
 
-        p = req.params
-        temperature[row] = p.temperature
-        top_k[row] = min(p.top_k, _INT32_MAX)  # k >= V means all tokens anyway
-        top_p[row] = p.top_p
-        min_p[row] = p.min_p
-        presence[row] = p.presence_penalty
-        frequency[row] = p.frequency_penalty
-        repetition[row] = p.repetition_penalty
-        seeds[row] = req.seed
-        sample_positions[row] = first + count
-        state_slots[row] = req.state_slot
-        reset_state[row] = req.needs_state_reset
-        req.needs_state_reset = False
-        prompt_lens[row] = req.num_prompt_tokens
-        if req.num_output_tokens < p.min_tokens:
-            stops = sorted(req.eos_token_ids | req.stop_token_ids)[:MAX_BANNED_IDS]
-            banned_ids[row, : len(stops)] = stops
-    cu_q_lens[len(out.requests) + 1:] = start
+        # Per-request constants, gathered in one conversion each.
+        floats = np.array([r.sampling_floats for r in reqs], np.float32)
+        temperature[:n], top_p[:n], min_p[:n] = floats[:, 0], floats[:, 1], floats[:, 2]
+        presence[:n], frequency[:n], repetition[:n] = floats[:, 3], floats[:, 4], floats[:, 5]
+        ints = np.array([(r.sampling_top_k, r.seed, r.num_prompt_tokens, r.state_slot)
+                         for r in reqs], np.int64)
+        top_k[:n] = np.minimum(ints[:, 0], _INT32_MAX)  # k >= V means all tokens anyway
+        seeds[:n], prompt_lens[:n], state_slots[:n] = ints[:, 1], ints[:, 2], ints[:, 3]
+        for row, req in enumerate(reqs):
+            if req.needs_state_reset:
+                reset_state[row] = True
+                req.needs_state_reset = False
+            if req.num_output_tokens < req.params.min_tokens:
+                stops = sorted(req.eos_token_ids | req.stop_token_ids)[:MAX_BANNED_IDS]
+                banned_ids[row, : len(stops)] = stops
 
     batch = dict(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
                  cu_q_lens=cu_q_lens, kv_lens=kv_lens, block_tables=block_tables,

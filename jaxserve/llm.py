@@ -99,7 +99,7 @@ class LLM:
             for i, (request_id, (text, ids), p) in enumerate(zip(order, tokenized, params)):
                 engine.add_request(request_id, text, ids, p, priority[i] if priority else 0)
             while engine.has_unfinished_requests():
-                for output in engine.step():
+                for output in engine.step(final_only=True):
                     if output.finished:
                         results[output.request_id] = output
                         prompt_tokens += len(output.prompt_token_ids)

@@ -41,6 +41,11 @@ class Request:
         budget = max_model_len - self.num_prompt_tokens
         self.max_output_tokens = min(params.max_tokens or budget, budget)
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        # Sampling settings as the step's input builder reads them, row by row.
+        self.sampling_floats = (params.temperature, params.top_p, params.min_p,
+                                params.presence_penalty, params.frequency_penalty,
+                                params.repetition_penalty)
+        self.sampling_top_k = params.top_k
         self.stop_token_ids = frozenset(params.stop_token_ids)
         # i32[max_model_len]: prompt then outputs; the first num_tokens entries are valid.
         self.token_ids = np.zeros(self.num_prompt_tokens + self.max_output_tokens, np.int32)

@@ -6,7 +6,9 @@ Runs the real LLMEngine.step (scheduling, input building and packing, output pro
 detokenization, output objects) with a runner that does the host work of a real step
 (build_step_inputs + pack) but returns made-up tokens instead of calling the device. Each
 case first admits N requests and finishes their prefill, then times decode steps with all N
-running. Prints microseconds per step (median and p90 over the timed steps).
+running. Prints microseconds per step (median and p90 over the timed steps), as the server
+runs it (an output object per request per step) and as LLM.generate runs it (final outputs
+only).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class NullRunner:
                                        top.astype(np.float32)), None)
 
 
-def measure(num_seqs: int, steps: int) -> tuple[float, float]:
+def measure(num_seqs: int, steps: int, final_only: bool) -> tuple[float, float]:
     model = str(default_model_path())
     config = EngineConfig.create(model, max_model_len=1024, max_num_seqs=max(num_seqs, 1),
                                  max_num_batched_tokens=max(2048, num_seqs),
@@ -71,7 +73,7 @@ def measure(num_seqs: int, steps: int) -> tuple[float, float]:
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        engine.step()
+        engine.step(final_only=final_only)
         times.append(time.perf_counter() - start)
     assert len(engine.scheduler.running) == num_seqs
     return float(np.median(times)) * 1e6, float(np.percentile(times, 90)) * 1e6
@@ -82,10 +84,13 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
-    print(f"{'running seqs':>14}{'median us/step':>16}{'p90 us/step':>14}{'us/seq':>10}")
+    print(f"{'running seqs':>14}{'outputs':>10}{'median us/step':>16}{'p90 us/step':>14}"
+          f"{'us/seq':>10}")
     for n in args.seqs:
-        median, p90 = measure(n, args.steps)
-        print(f"{n:14d}{median:16.0f}{p90:14.0f}{median / n:10.1f}")
+        for final_only in (False, True):
+            median, p90 = measure(n, args.steps, final_only)
+            kind = "final" if final_only else "every"
+            print(f"{n:14d}{kind:>10}{median:16.0f}{p90:14.0f}{median / n:10.1f}")
 
 
 if __name__ == "__main__":
