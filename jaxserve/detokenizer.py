@@ -121,11 +121,14 @@ class IncrementalDetokenizer:
         stop token). The list is the detokenizer's own: do not mutate it."""
         return self._token_ids
 
-    def update(self, new_token_ids: Sequence[int], stop_terminated: bool) -> str | None:
+    def update(self, new_token_ids: Sequence[int], stop_terminated: bool,
+               check_stop: bool = True) -> str | None:
         """Add newly sampled token ids.
 
         stop_terminated=True means the last of them is an EOS / stop token id that ends
         the request: unless include_stop_str_in_output, that token is not detokenized.
+        check_stop=False detokenizes without looking for stop strings (while the request is
+        still below min_tokens, as in vLLM).
         Returns the stop string matched, if any (the request must then finish with
         finish_reason 'stop'), else None. After a match, output_text ends right before
         the stop string (right after it when include_stop_str_in_output).
@@ -146,7 +149,7 @@ class IncrementalDetokenizer:
         if stop_terminated:
             # No later token can complete pending bytes: emit them as the decoder does.
             self._text += self._detokenize([], flush=True)
-        return self._check_stop(offset)
+        return self._check_stop(offset) if check_stop else None
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """For streaming: the text that is safe to show.

@@ -187,14 +187,19 @@ class LLMEngine:
         stopped_by_token = req.check_stop_token()
         detok = tracked.detokenizers[tracked.children.index(req)]
         stop_str = detok.update(
-            [token], stop_terminated=req.status is RequestStatus.FINISHED_STOPPED)
+            [token], stop_terminated=req.status is RequestStatus.FINISHED_STOPPED,
+            check_stop=req.num_output_tokens > req.params.min_tokens)
         if stop_str is not None:
             req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
         if stopped_by_token or stop_str is not None:
             self.scheduler.finish(req, req.status)
 
     def _prompt_score_targets(self, out) -> np.ndarray | None:
-        wanted = [self._by_child[r.request_id].prompt_logprobs is not None for r in out.requests]
+        wanted = []
+        for req in out.requests:
+            tracked = self._by_child[req.request_id]
+            wanted.append(tracked.prompt_logprobs is not None and req is tracked.children[0]
+                          and req.num_computed_tokens < req.num_prompt_tokens - 1)
         if not any(wanted):
             return None
         targets = np.full(out.total_num_scheduled_tokens, -1, np.int32)

@@ -100,6 +100,63 @@ def test_stop_token_ids_and_min_tokens(llm):
     assert len(late.token_ids) >= first_at + 3
 
 
+def test_min_tokens_holds_back_stop_strings(llm):
+    prompt = random_prompts(1, 10, 11, seed=9)[0]
+    full = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
+    start = next(i for i in range(2, len(full.text) - 3) if "\ufffd" not in full.text[i:i + 3])
+    stop = full.text[start:start + 3]
+    early = llm.generate([prompt], GREEDY.clone(stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert early.finish_reason == "stop"
+    late = llm.generate([prompt], GREEDY.clone(stop=[stop], min_tokens=len(early.token_ids) + 2),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(late.token_ids) > len(early.token_ids) + 2
+    assert late.token_ids[: len(early.token_ids)] == early.token_ids
+
+
+def penalized_greedy(hf_model, prompt, steps, rep=1.0, pres=0.0, freq=0.0) -> list[int]:
+    """Greedy decoding on HF logits with vLLM's penalty rules applied by hand."""
+    import torch
+
+    tokens: list[int] = []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = hf_model(torch.tensor([prompt + tokens])).logits[0, -1].double()
+            seen = torch.zeros_like(logits, dtype=torch.bool)
+            seen[prompt + tokens] = True  # repetition: prompt and output tokens
+            counts = torch.zeros_like(logits)
+            for t in tokens:  # presence / frequency: output tokens only
+                counts[t] += 1
+            logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep),
+                                 logits)
+            tokens.append(int((logits - freq * counts - pres * (counts > 0)).argmax()))
+    return tokens
+
+
+def test_penalties_match_a_reference_on_transformers_logits(tiny_checkpoints, hf_model):
+    """Greedy with repetition/presence/frequency penalties equals a plain loop that applies
+    vLLM's penalty rules to HF logits, also when preemption forces recomputation."""
+    rep, pres, freq, steps = 1.5, 1.0, 0.5, 16
+    for seed in range(20):  # a prompt on which the penalties change the greedy path
+        prompt = random_prompts(1, 12, 13, seed=100 + seed)[0] * 3
+        expected = penalized_greedy(hf_model, prompt, steps, rep, pres, freq)
+        if expected != penalized_greedy(hf_model, prompt, steps):
+            break
+    else:
+        pytest.fail("no prompt found on which the penalties matter")
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True,
+                            repetition_penalty=rep, presence_penalty=pres,
+                            frequency_penalty=freq)
+    small = LLM(str(tiny_checkpoints["llama"]), dtype="float32", max_model_len=128,
+                max_num_seqs=4, max_num_batched_tokens=32, block_size=16, num_kv_blocks=12,
+                precompile=False)
+    crowd = random_prompts(3, 40, 60, seed=22)
+    # Last in: the newest running request is the one preempted and recomputed.
+    outs = small.generate(crowd + [prompt], [GREEDY.clone(max_tokens=40)] * 3 + [params],
+                          use_tqdm=False)
+    assert small.engine.num_preemptions > 0
+    assert outs[-1].outputs[0].token_ids == expected
+
+
 def test_logprobs_match_transformers(llm, hf_model):
     import torch
 
