@@ -7,6 +7,7 @@ its own seed (seed + i when a seed is given), detokenizer and finish reason.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 from pathlib import Path
@@ -66,6 +67,8 @@ class LLMEngine:
         if config.precompile:
             self.runner.warm_up()
         self._rng = np.random.default_rng(config.model.seed)
+        # A token's text for logprob entries (up to 21 per sampled token), cached per engine.
+        self._decode_one = functools.lru_cache(maxsize=65536)(self._decode_token)
         self._tracked: dict[str, _Tracked] = {}
         self._by_child: dict[str, _Tracked] = {}
 
@@ -230,7 +233,7 @@ class LLMEngine:
             entries = {token: Logprob(logprob, rank, self._decode_one(token)), **entries}
         return entries
 
-    def _decode_one(self, token_id: int) -> str:
+    def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
     def _make_output(self, tracked: _Tracked) -> RequestOutput:

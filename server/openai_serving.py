@@ -206,6 +206,7 @@ class _View:
         self.sent_tokens = [0] * total
         self.finished = [False] * total
         self.completion_tokens = [0] * total
+        self.text_offsets = [0] * total
 
     # ---- non-streamed -------------------------------------------------------------------
     def full_response(self, finals: list[RequestOutput]) -> dict:
@@ -221,7 +222,8 @@ class _View:
                                     "finish_reason": c.finish_reason,
                                     "stop_reason": c.stop_reason})
                 else:
-                    text, logprobs = c.text, self._completion_logprobs(output, c, 0, True)
+                    text, logprobs = c.text, self._completion_logprobs(output, c, 0, True,
+                                                                       index)
                     if self.echo:
                         text = self._prompt_text(p) + text
                     choices.append({"index": index, "text": text, "logprobs": logprobs,
@@ -252,7 +254,7 @@ class _View:
             if not delta and not done and (c.logprobs is None or len(c.token_ids) == start):
                 continue  # nothing to show yet (text held back, or no new tokens)
             logprobs = (self._chat_logprobs(c, start) if self.chat else
-                        self._completion_logprobs(output, c, start, first))
+                        self._completion_logprobs(output, c, start, first, index))
             self.sent_text[index] = len(c.text)
             self.sent_tokens[index] = len(c.token_ids)
             self.completion_tokens[index] = len(c.token_ids)
@@ -305,7 +307,7 @@ class _View:
         return {"content": content}
 
     def _completion_logprobs(self, output: RequestOutput, c: CompletionOutput, start: int,
-                             with_prompt: bool) -> dict | None:
+                             with_prompt: bool, index: int) -> dict | None:
         if c.logprobs is None:
             return None
         rows = []  # (token text, logprob, {token text: logprob}) per position
@@ -314,10 +316,11 @@ class _View:
                 rows.append(_completion_row(token, entry) if entry is not None else
                             (self.serving.tokenizer.decode([token]), None, None))
         rows += [_completion_row(t, e) for t, e in zip(c.token_ids[start:], c.logprobs[start:])]
-        offsets, position = [], 0
+        offsets, position = [], self.text_offsets[index]  # continues across stream chunks
         for token, _, _ in rows:
             offsets.append(position)
             position += len(token)
+        self.text_offsets[index] = position
         return {"tokens": [r[0] for r in rows], "token_logprobs": [r[1] for r in rows],
                 "top_logprobs": [r[2] for r in rows], "text_offset": offsets}
 

@@ -581,3 +581,15 @@ def test_huge_top_k_means_no_limit_and_does_not_kill_the_engine(auth_server):
     finally:
         assert httpx.get(url + "/health", timeout=30).status_code == 200
         assert httpx.post(url + C, json=NORMAL, headers=good, timeout=30).status_code == 200
+
+
+def test_streamed_text_offsets_continue_across_chunks(client):
+    kwargs = dict(model="tiny", prompt="def main():", max_tokens=12, temperature=0, logprobs=1,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    streamed = []
+    for chunk in client.completions.create(stream=True, **kwargs):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.text_offset
+    assert streamed == whole.text_offset
+    assert whole.text_offset == sorted(whole.text_offset) and whole.text_offset[0] == 0
