@@ -7,6 +7,7 @@ Every value is checked here, once, with a message that says what would be accept
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from pathlib import Path
@@ -65,12 +66,12 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}): every running sequence needs a token slot.")
 
-    @property
+    @functools.cached_property  # read every step by pick_bucket: computed once
     def token_buckets(self) -> tuple[int, ...]:
         """T buckets: powers of two from 16 up to max_num_batched_tokens (always included)."""
         return _power_buckets(16, self.max_num_batched_tokens)
 
-    @property
+    @functools.cached_property
     def step_buckets(self) -> tuple[tuple[int, int], ...]:
         """The compiled (T, R) shapes.
 

@@ -32,9 +32,6 @@ class BlockPool:
         self.ref_counts[blocks] = 1
         return blocks
 
-    def share(self, block_ids: list[int]) -> None:
-        self.ref_counts[block_ids] += 1
-
     def release(self, block_ids: list[int]) -> None:
         for block in block_ids:
             if block == 0 or self.ref_counts[block] <= 0:
