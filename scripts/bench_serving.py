@@ -2,6 +2,9 @@
 
     python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --max-concurrency 16 \
         --num-prompts 200 --input-len 128 --output-len 128 [--request-rate 8] [--json out.json]
+    python scripts/bench_serving.py --sweep 2 4 8 16 --num-prompts 100 --output-len 64 \
+        [--plot sweep.png] [--json sweep.json]
+    python scripts/bench_serving.py --launch-model [DIR] [--server-args "--max-num-seqs 64"] ...
 
 Random prompts of --input-len tokens (token ids for completions, words for chat) are streamed
 with ignore_eos, so every answer has --output-len tokens. Requests start at Poisson arrival
@@ -9,6 +12,12 @@ times (--request-rate, default: all at once), at most --max-concurrency at a tim
 --num-prompts have been sent or --duration seconds have passed. Measures time to first token
 (TTFT), time per output token after the first (TPOT), inter-token latency (ITL, the gap
 between streamed chunks) and end-to-end latency (E2E), with request and token throughput.
+
+--sweep RATE [RATE ...] (or a comma list; "inf" for all at once) runs the benchmark once per
+request rate against the same server, prints one summary line per rate and writes a PNG
+(--plot, needs matplotlib) of latency against output token throughput, one point per rate.
+--launch-model starts `jaxserve serve` (on DIR, or the built-in model without DIR) on a free
+loopback port, waits for /health, and stops it at the end.
 Only loopback addresses are accepted: this is a local load generator, not a remote one.
 """
 
@@ -16,14 +25,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import importlib.util
 import ipaddress
 import json
 import math
 import random
+import shlex
 import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from urllib.parse import urlsplit
 
@@ -32,6 +46,8 @@ import httpx
 WORDS = ("def class return import self value list dict for while yield print data file name "
          "index count result error open close read write start stop the of and to in is it "
          "that with as on be at by this from or an").split()
+MATPLOTLIB_MISSING = ("--sweep writes a PNG plot with matplotlib, which is not installed: "
+                      "pip install matplotlib")
 
 
 @dataclasses.dataclass
@@ -47,7 +63,7 @@ class Result:
 
 
 # ---- arguments and safety ---------------------------------------------------------------
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000",
                    help="server root (loopback only), e.g. http://127.0.0.1:8000")
@@ -71,26 +87,65 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--percentiles", default="50,90,99")
     p.add_argument("--json", metavar="OUT", default=None, help="also save the results as JSON")
+    p.add_argument("--sweep", nargs="+", metavar="RATE", default=None,
+                   help="run once per request rate (replaces --request-rate), e.g. 2 4 8 or "
+                   "2,4,8,inf; prints one line per rate and writes --plot")
+    p.add_argument("--plot", metavar="OUT.png", default="bench_serving_sweep.png",
+                   help="with --sweep: latency-vs-throughput PNG (default %(default)s)")
+    p.add_argument("--launch-model", nargs="?", const="", default=None, metavar="DIR",
+                   help="start `jaxserve serve [--model DIR]` on a free loopback port for the "
+                   "run (no DIR: the built-in model); --base-url is then ignored")
+    p.add_argument("--server-args", default="",
+                   help="with --launch-model: extra `jaxserve serve` flags, one string")
+    p.add_argument("--launch-timeout", type=float, default=900.0,
+                   help="with --launch-model: seconds to wait for /health")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
-    for name in ("num_prompts", "input_len", "output_len"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        p.error("--max-concurrency must be >= 1")
-    if not args.request_rate > 0:
-        p.error("--request-rate must be > 0 (inf for all at once)")
-    if not 0 <= args.range_ratio < 1:
-        p.error("--range-ratio must be in [0, 1)")
-    if not args.duration > 0 or not args.timeout > 0:
-        p.error("--duration and --timeout must be > 0")
     try:
-        check_loopback(args.base_url)
+        check_args(args)
     except ValueError as err:
         p.error(str(err))
     args.base_url = args.base_url.rstrip("/")
     if args.base_url.endswith("/v1"):
         args.base_url = args.base_url[:-3]
     return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Raise ValueError on a bad combination; parse --sweep into floats."""
+    for name in ("num_prompts", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be >= 1")
+    if not args.request_rate > 0:
+        raise ValueError("--request-rate must be > 0 (inf for all at once)")
+    if not 0 <= args.range_ratio < 1:
+        raise ValueError("--range-ratio must be in [0, 1)")
+    if not args.duration > 0 or not args.timeout > 0:
+        raise ValueError("--duration and --timeout must be > 0")
+    if not all(0 <= float(q) <= 100 for q in args.percentiles.split(",")):
+        raise ValueError("--percentiles must be in [0, 100]")
+    if args.sweep is not None:
+        args.sweep = parse_rates(args.sweep)
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ValueError(MATPLOTLIB_MISSING)
+    check_loopback(args.base_url)
+
+
+def parse_rates(values: list[str]) -> list[float]:
+    """'2 4,8 inf' -> [2.0, 4.0, 8.0, inf]."""
+    try:
+        rates = [float(v) for value in values for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--sweep takes numbers (or inf), got {' '.join(values)!r}") from None
+    if not rates or not all(rate > 0 for rate in rates):
+        raise ValueError("--sweep needs request rates > 0 (inf for all at once)")
+    return rates
 
 
 def check_loopback(url: str) -> None:
@@ -337,14 +392,159 @@ def print_table(out: dict, qs: list[float]) -> None:
         print(f"error: {error}", file=sys.stderr)
 
 
+# ---- sweep over request rates -----------------------------------------------------------
+def run_sweep(args) -> list[dict]:
+    """One benchmark per rate in args.sweep, each printed as one line as it finishes."""
+    top = max(float(q) for q in args.percentiles.split(","))
+    print(sweep_header(top), flush=True)
+    results = []
+    for rate in args.sweep:
+        out = asyncio.run(benchmark(argparse.Namespace(**{**vars(args), "request_rate": rate})))
+        print(sweep_line(out, top), flush=True)
+        results.append(out)
+    return results
+
+
+def sweep_header(top: float) -> str:
+    p = f"p{top:g}"
+    return (f"{'rate':>6} {'ok/sent':>9} {'req/s':>7} {'out tok/s':>10} | "
+            f"{'TTFT mean':>9} {p:>7} | {'TPOT mean':>9} {p:>7} | {'ITL ' + p:>8} | "
+            f"{'E2E mean':>9} {p:>8}   (latencies in ms)")
+
+
+def sweep_line(out: dict, top: float) -> str:
+    def ms(stat: str, key: str, width: int) -> str:
+        return f"{out[f'{stat}_{key}_ms']:>{width}.1f}"
+    p = f"p{top:g}"
+    ok = f"{out['completed']}/{out['sent']}"
+    return (f"{rate_label(out):>6} {ok:>9} {out['request_throughput']:>7.2f} "
+            f"{out['output_throughput']:>10.1f} | {ms('mean', 'ttft', 9)} {ms(p, 'ttft', 7)} | "
+            f"{ms('mean', 'tpot', 9)} {ms(p, 'tpot', 7)} | {ms(p, 'itl', 8)} | "
+            f"{ms('mean', 'e2e', 9)} {ms(p, 'e2e', 8)}")
+
+
+def rate_label(out: dict) -> str:
+    rate = out["request_rate"]
+    return "inf" if rate is None else f"{rate:g}"
+
+
+def plot_sweep(results: list[dict], path: str, qs: list[float]) -> None:
+    """Latency (ms) against achieved output token throughput, one point per rate."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit(MATPLOTLIB_MISSING) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stats = ["mean"] + [f"p{q:g}" for q in sorted({50.0, max(qs)} & set(qs))]
+    x = [r["output_throughput"] for r in results]
+    panels = (("ttft", "Time to first token"), ("tpot", "Time per output token"),
+              ("e2e", "End-to-end latency"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(16, 4.8))
+    for ax, (key, title) in zip(axes, panels):
+        for stat, style in zip(stats, ("o-", "s--", "^:")):
+            ax.plot(x, [r[f"{stat}_{key}_ms"] for r in results], style, label=stat)
+        for r, xi in zip(results, x):  # label the points of the top series by their rate
+            ax.annotate(f"{rate_label(r)}/s", (xi, r[f"{stats[-1]}_{key}_ms"]),
+                        textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.set(title=title, xlabel="output token throughput (tok/s)", ylabel="ms")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    first = results[0]
+    fig.suptitle(f"{first['model']} / {first['endpoint']}: input {first['input_len']}, "
+                 f"output {first['output_len']}, max concurrency "
+                 f"{first['max_concurrency'] or 'none'} (points labelled by request rate)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- optional local server ----------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def launched_server(args):
+    """With --launch-model: run `jaxserve serve` on a free loopback port for the block (and
+    point args.base_url at it); without it, do nothing."""
+    if args.launch_model is None:
+        yield
+        return
+    port = free_port()
+    cmd = [sys.executable, "-c", "import sys; from jaxserve.cli import main; sys.exit(main())",
+           "serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += (["--model", args.launch_model] if args.launch_model else [])
+    cmd += shlex.split(args.server_args)
+    with tempfile.NamedTemporaryFile(prefix="jaxserve-bench-", suffix=".log",
+                                     delete=False) as log:
+        print(f"starting: jaxserve {shlex.join(cmd[3:])} (log: {log.name})", file=sys.stderr)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        args.base_url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(proc, args.base_url, args.launch_timeout, log.name)
+            yield
+        finally:
+            stop_server(proc)
+
+
+def wait_healthy(proc: subprocess.Popen, base_url: str, timeout: float, log: str) -> None:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with code {proc.returncode}:\n{tail(log)}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2.0, trust_env=False).status_code == 200:
+                print(f"server up at {base_url} after {time.monotonic() - start:.0f} s",
+                      file=sys.stderr)
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"the server was not healthy after {timeout:g} s:\n{tail(log)}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM (the server drains), then SIGKILL if it is still there after a minute."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def tail(path: str, lines: int = 20) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+
+
+# ---- entry point --------------------------------------------------------------------------
 def main(argv=None) -> int:
     args = parse_args(argv)
-    out = asyncio.run(benchmark(args))
-    print_table(out, [float(q) for q in args.percentiles.split(",")])
+    qs = [float(q) for q in args.percentiles.split(",")]
+    with launched_server(args):
+        if args.sweep:
+            results = run_sweep(args)
+        else:
+            results = [asyncio.run(benchmark(args))]
+            print_table(results[0], qs)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-    return 0 if out["failed"] == 0 else 1
+            json.dump({"sweep": results} if args.sweep else results[0], f, indent=2)
+    if args.sweep:
+        plot_sweep(results, args.plot, qs)
+        print(f"wrote {args.plot}")
+        for out in results:
+            for error in out["errors"]:
+                print(f"error at rate {rate_label(out)}: {error}", file=sys.stderr)
+    return 0 if all(out["failed"] == 0 for out in results) else 1
 
 
 if __name__ == "__main__":
