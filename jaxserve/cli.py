@@ -22,6 +22,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=None,
                         help="KV-cache size in blocks (default: from the memory budget)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True, help="reuse the KV cache of shared prompt prefixes "
+                        "(default: on; --no-enable-prefix-caching turns it off)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -29,7 +32,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed)
+                gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+                enable_prefix_caching=args.enable_prefix_caching)
 
 
 def _generate_parser(sub) -> None:

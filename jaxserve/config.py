@@ -37,6 +37,7 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # None: sized from the memory budget
     gpu_memory_utilization: float = 0.9  # fraction of accelerator memory the engine may use
     kv_cache_memory_bytes: int | None = None  # explicit KV budget (the CPU default is 1 GiB)
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks shared by prompts
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -50,6 +51,9 @@ class CacheConfig:
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(
                 f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}.")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError("enable_prefix_caching must be True or False, got "
+                             f"{self.enable_prefix_caching!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +138,7 @@ class EngineConfig:
         num_kv_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9,
         kv_cache_memory_bytes: int | None = None,
+        enable_prefix_caching: bool = True,
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         tensor_parallel_size: int = 1,
@@ -166,7 +171,8 @@ class EngineConfig:
                               hf_config=hf_config),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               gpu_memory_utilization=gpu_memory_utilization,
-                              kv_cache_memory_bytes=kv_cache_memory_bytes),
+                              kv_cache_memory_bytes=kv_cache_memory_bytes,
+                              enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len),

@@ -18,7 +18,7 @@ from jaxserve.compilation import compilation_count, enable_persistent_cache, ins
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.input_builder import MAX_BANNED_IDS
-from jaxserve.kv_cache_manager import KVCacheManager
+from jaxserve.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner import ModelRunner
@@ -57,13 +57,15 @@ class LLMEngine:
         self.runner = runner if runner is not None else ModelRunner(config)
         self.eos_token_ids = frozenset(_eos_token_ids(config, self.tokenizer))
         blocks, size = self.runner.num_blocks, config.cache.block_size
-        self.kv_cache = KVCacheManager(blocks, size)
+        self.kv_cache = KVCacheManager(blocks, size,
+                                       enable_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         max_len = config.model.max_model_len
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at "
-                    "max_model_len=%d: %.2f", blocks - 1, size, (blocks - 1) * size,
-                    blocks * self.runner.bytes_per_block / 2**20, max_len,
-                    (blocks - 1) / self.runner.blocks_per_seq)
+                    "max_model_len=%d: %.2f; prefix caching %s", blocks - 1, size,
+                    (blocks - 1) * size, blocks * self.runner.bytes_per_block / 2**20, max_len,
+                    (blocks - 1) / self.runner.blocks_per_seq,
+                    "on" if config.cache.enable_prefix_caching else "off")
         if config.precompile:
             self.runner.warm_up()
         self._rng = np.random.default_rng(config.model.seed)
@@ -80,6 +82,11 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Tokens looked up in the prefix cache and tokens served from it, so far."""
+        return self.kv_cache.stats
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the field for anything the engine cannot run."""
@@ -155,7 +162,13 @@ class LLMEngine:
         if out.empty:
             return []
         targets = self._prompt_score_targets(out)
-        result = self.runner.execute(out, targets)
+        try:
+            result = self.runner.execute(out, targets)
+        except BaseException:
+            # Scheduling registered the blocks this step fills; if the step did not run
+            # (an error, Ctrl-C), their KV may be missing, so no later request may hit them.
+            self.kv_cache.reset_prefix_cache()
+            raise
         changed: dict[str, _Tracked] = {}
         start = 0
         for row, (req, count) in enumerate(zip(out.requests, out.num_scheduled_tokens)):
@@ -251,9 +264,12 @@ class LLMEngine:
         scheduled = [c.scheduled_time for c in tracked.children if c.scheduled_time is not None]
         metrics = RequestMetrics(tracked.children[0].arrival_time,
                                  min(scheduled) if scheduled else None)
+        # Prompt tokens served from the prefix cache, for the first choice (with n > 1 the
+        # other choices usually hit the blocks the first one computed).
+        cached = tracked.children[0].num_cached_tokens or 0
         return RequestOutput(tracked.request_id, tracked.prompt, tracked.prompt_token_ids,
                              tracked.prompt_logprobs, completions, tracked.finished,
-                             metrics=metrics)
+                             num_cached_tokens=cached, metrics=metrics)
 
 
 def _eos_token_ids(config: EngineConfig, tokenizer) -> set[int]:

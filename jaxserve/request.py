@@ -53,6 +53,17 @@ class Request:
         self.num_tokens = self.num_prompt_tokens
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
+        # Prefix caching: the hash chain of every full block of token_ids (grows as blocks
+        # fill, outputs included), and how many leading blocks are registered in the cache.
+        self.block_hashes: list[bytes] = []
+        self.extra_keys: tuple = ()  # hashed into every block (a LoRA id, later)
+        self.num_registered_blocks = 0
+        # Prompt scoring needs every prompt position computed, and the device-side penalty
+        # state counts only the tokens fed to the model: both must compute everything.
+        self.reads_prefix_cache = params.prompt_logprobs is None and (
+            params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+            and params.repetition_penalty == 1.0)
+        self.num_cached_tokens: int | None = None  # cache hits at its first admission
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

@@ -4,7 +4,11 @@ One invariant, as in vLLM v1: every scheduled request moves num_computed_tokens 
 num_tokens. Running requests go first (oldest first), then waiting ones in FCFS order (by
 priority first, when given). Long prompts are cut into chunks that fit the budget. When the
 KV pool runs dry, the newest running request is preempted: its blocks are freed and it is
-recomputed from scratch later.
+recomputed later (from its cached prefix, when prefix caching still holds its blocks).
+
+A waiting request is admitted with its cached prefix (KVCacheManager.get_computed_blocks):
+it starts with those blocks and num_computed_tokens at their end, and only the rest is
+scheduled and charged to the token budget.
 """
 
 from __future__ import annotations
@@ -65,6 +69,10 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv_cache.allocate_slots(request, num_new):
+                # Victims come from the end of running, past index: none of them has been
+                # scheduled in this pass. That matters for prefix caching: allocate_slots
+                # registers the blocks a scheduled request fills this step, and those must
+                # be written by this step; a scheduled request is never preempted before.
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -81,10 +89,16 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv_cache.allocate_slots(request, num_new):
+            hits = self.kv_cache.get_computed_blocks(request)  # no reference taken yet
+            num_hit = len(hits) * self.kv_cache.block_size
+            num_new = min(request.num_tokens - num_hit, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, hits):
                 break
             self.waiting.popleft()
+            request.num_computed_tokens = num_hit
+            self.kv_cache.record_lookup(request, num_hit)
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_hit
             request.status = RequestStatus.RUNNING
             if request.scheduled_time is None:
                 request.scheduled_time = time.monotonic()

@@ -242,7 +242,9 @@ class AsyncLLMEngine:
             self.metrics.update_gauges(running=len(scheduler.running),
                                        waiting=len(scheduler.waiting),
                                        kv_usage=engine.kv_cache.usage,
-                                       preemptions=scheduler.num_preemptions)
+                                       preemptions=scheduler.num_preemptions,
+                                       prefix_cache=(engine.kv_cache.queries,
+                                                     engine.kv_cache.hits))
         now = time.monotonic()
         if now - self._last_log >= _LOG_INTERVAL_S and self.metrics:
             prompt, gen = self.metrics.token_totals()
@@ -250,8 +252,10 @@ class AsyncLLMEngine:
             if (prompt, gen) != self._logged_tokens or scheduler.num_unfinished:
                 logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: "
                             "%.1f tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache "
-                            "usage: %.1f%%", (prompt - self._logged_tokens[0]) / elapsed,
+                            "usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+                            (prompt - self._logged_tokens[0]) / elapsed,
                             (gen - self._logged_tokens[1]) / elapsed, len(scheduler.running),
-                            len(scheduler.waiting), 100 * engine.kv_cache.usage)
+                            len(scheduler.waiting), 100 * engine.kv_cache.usage,
+                            100 * engine.kv_cache.hit_rate)
             self._logged_tokens = (prompt, gen)
             self._last_log = now

@@ -6,6 +6,7 @@
 | vllm:kv_cache_usage_perc (also vllm:gpu_cache_usage_perc) | gauge, 0..1 |
 | vllm:num_preemptions_total | counter |
 | vllm:prompt_tokens_total, vllm:generation_tokens_total | counter |
+| vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total (tokens) | counter |
 | vllm:request_success_total{finished_reason} | counter |
 | vllm:time_to_first_token_seconds | histogram |
 | vllm:inter_token_latency_seconds (also vllm:time_per_output_token_seconds) | histogram |
@@ -49,6 +50,10 @@ class EngineMetrics:
         self.preemptions = counter("vllm:num_preemptions", "Preemptions (recompute).")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens admitted.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in tokens looked up.")
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in tokens served from the cache.")
         self.request_success = Counter("vllm:request_success", "Finished requests.",
                                        ["model_name", "finished_reason"], registry=r)
         self._request_success_labels = labels
@@ -64,10 +69,12 @@ class EngineMetrics:
         self.queue_time = histogram("vllm:request_queue_time_seconds",
                                     "Time from arrival to first scheduling.", _LATENCY_BUCKETS)
         self._preemptions_seen = 0
+        self._prefix_cache_seen = (0, 0)  # (queries, hits) already counted
         self._tokens = [0, 0]
 
     def update_gauges(self, *, running: int, waiting: int, kv_usage: float,
-                      preemptions: int) -> None:
+                      preemptions: int, prefix_cache: tuple[int, int] = (0, 0)) -> None:
+        """prefix_cache: the engine's running totals (queries, hits), in tokens."""
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(kv_usage)
@@ -75,6 +82,14 @@ class EngineMetrics:
         if preemptions > self._preemptions_seen:
             self.preemptions.inc(preemptions - self._preemptions_seen)
             self._preemptions_seen = preemptions
+        # The engine keeps running totals; counters take the increase since the last call.
+        new_queries = prefix_cache[0] - self._prefix_cache_seen[0]
+        new_hits = prefix_cache[1] - self._prefix_cache_seen[1]
+        if new_queries > 0:
+            self.prefix_cache_queries.inc(new_queries)
+        if new_hits > 0:
+            self.prefix_cache_hits.inc(new_hits)
+        self._prefix_cache_seen = prefix_cache
 
     def finished(self, reason: str) -> None:
         self.request_success.labels(finished_reason=reason, **self._request_success_labels).inc()

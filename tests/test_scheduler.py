@@ -63,11 +63,14 @@ class Harness:
     """Scheduler + KV manager + fake runner, checking every invariant at every step."""
 
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int = 256) -> None:
+                 max_num_batched_tokens: int, max_model_len: int = 256,
+                 enable_caching: bool = False) -> None:
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len)
-        self.kv_cache = KVCacheManager(num_blocks, block_size)
+        self.kv_cache = KVCacheManager(num_blocks, block_size, enable_caching=enable_caching)
+        self.enable_caching = enable_caching
+        self.hash_tokens: dict[bytes, list[int]] = {}  # every block hash seen -> its tokens
         self.scheduler = Scheduler(self.config, self.kv_cache)
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -119,6 +122,7 @@ class Harness:
         prev_counts = {id(r): r.num_preemptions for r in prev_running}
         out = s.schedule()
         self.outputs.append(out)
+        self.record_hashes(s.running)  # blocks are registered while scheduling
         self.check_schedule(out, prev_running, prev_waiting)
 
         m = len(out.preempted)
@@ -169,10 +173,13 @@ class Harness:
         budget_left = cfg.max_num_batched_tokens - out.total_num_scheduled_tokens
         if not out.preempted and s.waiting and budget_left and len(s.running) < cfg.max_num_seqs:
             head = s.waiting[0]
-            n = min(head.num_tokens - head.num_computed_tokens, budget_left)
-            needed = self.kv_cache.blocks_needed(head.num_computed_tokens + n)
-            missing = needed - len(head.block_ids)
-            assert missing > self.kv_cache.pool.num_free, "the head of the queue waited for nothing"
+            hits = self.kv_cache.get_computed_blocks(head)
+            num_hit = len(hits) * self.block_size
+            n = min(head.num_tokens - num_hit, budget_left)
+            missing = self.kv_cache.blocks_needed(num_hit + n) - len(hits)
+            pool = self.kv_cache.pool
+            available = pool.num_free - sum(1 for b in hits if pool.ref_counts[b] == 0)
+            assert missing > available, "the head of the queue waited for nothing"
 
     def check_state(self, scheduled: SchedulerOutput | None = None) -> None:
         """Blocks, slots and statuses of every live request (after schedule: counting the
@@ -203,19 +210,56 @@ class Harness:
 
         pool = self.kv_cache.pool
         assert 0 not in held, "the null block was handed out"
-        assert len(set(held)) == len(held), "a block is held by two requests (or twice)"
-        assert pool.num_free + len(held) == self.num_blocks - 1, "a block leaked"
+        if self.enable_caching:
+            self.check_sharing(s.running)
+        else:
+            assert len(set(held)) == len(held), "a block is held by two requests (or twice)"
+        holders = np.bincount(np.asarray(held, np.int64), minlength=self.num_blocks)
+        assert pool.num_free + np.count_nonzero(holders) == self.num_blocks - 1, "a block leaked"
         assert pool.ref_counts[0] == 1
-        assert (pool.ref_counts[held] == 1).all()
-        free = np.ones(self.num_blocks, bool)
-        free[[0, *held]] = False
-        assert (pool.ref_counts[free] == 0).all()
-        assert self.kv_cache.usage == pytest.approx(len(held) / (self.num_blocks - 1))
+        assert (pool.ref_counts[1:] == holders[1:]).all(), "ref counts != holders"
+        assert all(pool.is_free(b) == (holders[b] == 0) for b in range(1, self.num_blocks))
+        assert self.kv_cache.usage == pytest.approx(
+            np.count_nonzero(holders) / (self.num_blocks - 1))
 
         slots = [r.state_slot for r in s.running]
         assert len(set(slots)) == len(slots), "two running requests share a penalty-state slot"
         assert all(1 <= slot <= self.config.max_num_seqs for slot in slots)
         assert len(s.running) <= self.config.max_num_seqs
+
+    def check_sharing(self, running: list[Request]) -> None:
+        """Prefix caching: a block may be held by several requests only if it is a cached
+        full block whose hash is that of each holder's block at that position, and a
+        request holds each block once. The hash map and its inverse agree."""
+        pool = self.kv_cache.pool
+        assert {b: h for h, b in pool.cached.items()} == pool.block_hash
+        assert 0 not in pool.block_hash, "the null block was cached"
+        holders: dict[int, int] = {}
+        for req in running:
+            assert len(set(req.block_ids)) == len(req.block_ids), "a block held twice"
+            for b in req.block_ids:
+                holders[b] = holders.get(b, 0) + 1
+        for req in running:
+            for i, b in enumerate(req.block_ids):
+                digest = pool.block_hash.get(b)
+                if holders[b] > 1:
+                    assert digest is not None, f"block {b} shared but not cached"
+                if digest is not None:
+                    assert i < len(req.block_hashes) and req.block_hashes[i] == digest, \
+                        f"{req.request_id} holds cached block {b} at the wrong position"
+
+    def record_hashes(self, requests: list[Request]) -> None:
+        bs = self.block_size
+        for req in requests:
+            for i, digest in enumerate(req.block_hashes):
+                self.hash_tokens[digest] = req.token_ids[i * bs: (i + 1) * bs].tolist()
+
+    def check_cached_kv(self) -> None:
+        """After a step: every cached block holds exactly the tokens its hash names."""
+        bs = self.block_size
+        for digest, b in self.kv_cache.pool.cached.items():
+            assert self.kv[b * bs: (b + 1) * bs].tolist() == self.hash_tokens[digest], \
+                f"cached block {b} holds other tokens than its hash says"
 
     def check_all_free(self) -> None:
         assert self.scheduler.num_unfinished == 0
@@ -262,6 +306,8 @@ class Harness:
             if req.check_stop_token():
                 self.scheduler.finish(req, req.status)
                 self.finished.append(req)
+        if self.enable_caching:
+            self.check_cached_kv()
         self.check_state()
 
     def check_outputs(self) -> None:
