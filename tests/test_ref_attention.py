@@ -15,15 +15,23 @@ import numpy as np
 import pytest
 
 from jaxserve.batch import Batch
+from jaxserve.kernels_pallas import cpu_attention, split_attention
 from jaxserve.kernels_pallas.ref import KV_TOKENS_PER_STEP, ragged_paged_attention, write_kv
 
 jax.config.update("jax_enable_x64", False)
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}  # max abs error / max abs expected output
 
-attention_jit = jax.jit(
-    ragged_paged_attention, static_argnames=("scale", "sliding_window", "soft_cap")
-)
+# The reference and the XLA:CPU versions must all match the numpy oracle.
+IMPLS = {"ref": ragged_paged_attention, "split": split_attention.ragged_paged_attention,
+         "cpu": cpu_attention.ragged_paged_attention}
+JITTED = {name: jax.jit(fn, static_argnames=("scale", "sliding_window", "soft_cap"))
+          for name, fn in IMPLS.items()}
+
+
+@pytest.fixture(params=sorted(IMPLS))
+def impl(request):
+    return request.param
 
 
 # ----------------------------------------------------------------------------- batch builder
@@ -160,9 +168,9 @@ def assert_close(got, want, batch, dtype):
     assert err <= TOL[str(jnp.dtype(dtype))], f"relative max error {err:.3g}"
 
 
-def run_and_check(q, k_cache, v_cache, batch, dtype, **kw):
+def run_and_check(impl, q, k_cache, v_cache, batch, dtype, **kw):
     kw.setdefault("scale", 1.0 / math.sqrt(q.shape[-1]))
-    got = attention_jit(q, k_cache, v_cache, batch, **kw)
+    got = JITTED[impl](q, k_cache, v_cache, batch, **kw)
     assert got.shape == q.shape and got.dtype == q.dtype
     want = numpy_attention(q, k_cache, v_cache, batch, **kw)
     assert_close(got, want, batch, dtype)
@@ -217,7 +225,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("kind,block_size,kv_heads,heads,head_dim,dtype", CASES)
-def test_matches_numpy(kind, block_size, kv_heads, heads, head_dim, dtype):
+def test_matches_numpy(kind, block_size, kv_heads, heads, head_dim, dtype, impl):
     rng = np.random.default_rng(CASES.index((kind, block_size, kv_heads, heads, head_dim, dtype)))
     specs = SPECS[kind](rng, block_size)
     padding = kind == "mixed"  # padded to a (T, R) bucket, as the runner does
@@ -225,11 +233,11 @@ def test_matches_numpy(kind, block_size, kv_heads, heads, head_dim, dtype):
                      num_heads=heads, head_dim=head_dim, dtype=dtype,
                      num_rows=8 if padding else None,
                      num_tokens=sum(q for q, _ in specs) + 3 if padding else None)
-    run_and_check(*case, dtype)
+    run_and_check(impl, *case, dtype)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_long_sequences_span_several_loop_steps(block_size):
+def test_long_sequences_span_several_loop_steps(block_size, impl):
     """Contexts > KV_TOKENS_PER_STEP, ending in the last (zero-padded) group of pages."""
     rng = np.random.default_rng(block_size)
     max_model_len = 400  # B = 25 or 13: not a multiple of pages_per_step (8 or 4)
@@ -237,31 +245,31 @@ def test_long_sequences_span_several_loop_steps(block_size):
     specs = [(1, 389), (150, 389 - 2 * block_size), (1, 2), (130, 130 + 7)]
     case = make_case(rng, specs, block_size=block_size, num_kv_heads=2, num_heads=4,
                      head_dim=64, max_model_len=max_model_len, junk_tables=True)
-    run_and_check(*case, "float32")
+    run_and_check(impl, *case, "float32")
 
 
 @pytest.mark.parametrize("window", [1, 37, 200])
-def test_sliding_window(window):
+def test_sliding_window(window, impl):
     rng = np.random.default_rng(window)
     S = 16
     specs = [(1, 300), (70, 261), (1, 3), (20, 20), (1, 129)]
     case = make_case(rng, specs, block_size=S, num_kv_heads=2, num_heads=4, head_dim=64,
                      max_model_len=320)
-    run_and_check(*case, "float32", sliding_window=window)
+    run_and_check(impl, *case, "float32", sliding_window=window)
 
 
 @pytest.mark.parametrize("soft_cap,window,dtype", [(2.0, None, "float32"), (3.0, 48, "bfloat16")])
-def test_soft_cap(soft_cap, window, dtype):
+def test_soft_cap(soft_cap, window, dtype, impl):
     rng = np.random.default_rng(7)
     S = 32
     specs = [(1, 150), (40, 99), (1, 1), (5, 5)]
     case = make_case(rng, specs, block_size=S, num_kv_heads=1, num_heads=2, head_dim=64,
                      dtype=dtype, max_model_len=160)
     # Scaled scores ~ N(0, 16), far beyond the cap; scale != 1 tells scaled from raw scores.
-    run_and_check(*case, dtype, scale=0.5, soft_cap=soft_cap, sliding_window=window)
+    run_and_check(impl, *case, dtype, scale=0.5, soft_cap=soft_cap, sliding_window=window)
 
 
-def test_padded_batch():
+def test_padded_batch(impl):
     """num_seqs < R and T > the real tokens: padding rows come out finite (zeros)."""
     rng = np.random.default_rng(11)
     specs = [(1, 40), (9, 23), (1, 17)]
@@ -269,19 +277,19 @@ def test_padded_batch():
         rng, specs, block_size=16, num_kv_heads=2, num_heads=4, head_dim=64,
         num_rows=8, num_tokens=32, junk_tables=True)
     q = q.at[11:].mul(1e3)  # loud padding queries must not leak anywhere
-    got = run_and_check(q, k_cache, v_cache, batch, "float32")
+    got = run_and_check(impl, q, k_cache, v_cache, batch, "float32")
     pad = f64(got)[11:]
     assert pad.shape[0] == 21 and np.all(np.isfinite(pad))
     np.testing.assert_array_equal(pad, 0.0)
 
 
-def test_jit_traces_once_for_dynamic_batch_contents():
+def test_jit_traces_once_for_dynamic_batch_contents(impl):
     """num_seqs, kv_lens, cu_q_lens and tables are data: one trace serves every batch."""
     traces = []
 
     def step(q, k_cache, v_cache, batch):
         traces.append(None)
-        return ragged_paged_attention(q, k_cache, v_cache, batch, scale=0.125)
+        return IMPLS[impl](q, k_cache, v_cache, batch, scale=0.125)
 
     step = jax.jit(step)
     rng = np.random.default_rng(3)
@@ -333,7 +341,7 @@ def test_write_kv_writes_exactly_the_slots(dtype):
         np.testing.assert_array_equal(out[untouched], old[untouched])
 
 
-def test_write_then_attend():
+def test_write_then_attend(impl):
     """A step writes its new K/V at slot_mapping, then attends over context + itself."""
     rng = np.random.default_rng(17)
     S, K, N, H = 16, 2, 4, 64
@@ -353,6 +361,6 @@ def test_write_then_attend():
                             f64(new)[cu[i]:cu[i + 1]]])
             for c, new in ((k_cache, k_new), (v_cache, v_new)))
     k_cache, v_cache = write_kv(k_cache, v_cache, k_new, v_new, batch.slot_mapping)
-    got = attention_jit(q, k_cache, v_cache, batch, scale=0.125)
+    got = JITTED[impl](q, k_cache, v_cache, batch, scale=0.125)
     want = numpy_attention(q, k_cache, v_cache, batch, scale=0.125, dense_kv=dense)
     assert_close(got, want, batch, "float32")

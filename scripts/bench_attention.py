@@ -1,0 +1,98 @@
+"""Time the attention implementations side by side on step shapes of the "small" model.
+
+    python scripts/bench_attention.py [--impl ref split] [--repeat 5]
+
+One layer of the 125M benchmark Llama (12 query heads, 4 kv heads, head dim 64, block 16),
+jitted, on batches like the ones sharegpt-like generation produces: decode steps of 128
+sequences, prefill steps, and mixed steps. Prints milliseconds per call for every
+implementation on every case, measured in the same run (the machine is noisy: compare
+columns, not runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.batch import Batch
+from jaxserve.kernels_pallas import cpu_attention, ref, split_attention
+
+IMPLS = {"ref": ref.ragged_paged_attention, "split": split_attention.ragged_paged_attention,
+         "cpu": cpu_attention.ragged_paged_attention}
+S, K, H, N, MAX_LEN = 16, 4, 64, 12, 2048
+
+# name: (q_len, kv_len) per sequence, T bucket, R bucket
+CASES = {
+    "decode 128 x ctx 160": ([(1, 160)] * 128, 128, 128),
+    "decode 128 x ctx 20..655": ([(1, n) for n in range(20, 660, 5)], 128, 128),
+    "prefill 4 x 128 fresh": ([(128, 128)] * 4, 512, 256),
+    "prefill 16 x 30 fresh": ([(30, 30)] * 16, 512, 256),
+    "mixed 128 decode ctx 300 + 4 x 96 fresh": ([(1, 300)] * 128 + [(96, 96)] * 4, 512, 256),
+    "chunk 256 after ctx 256 + 64 decode": ([(256, 512)] + [(1, 200)] * 64, 512, 256),
+    "suffix 32 after cached 1024, x 8": ([(32, 1056)] * 8, 256, 256),
+}
+
+
+def make_batch(specs, num_tokens, num_rows, rng):
+    cu = np.zeros(num_rows + 1, np.int32)
+    cu[1: len(specs) + 1] = np.cumsum([q for q, _ in specs])
+    cu[len(specs) + 1:] = cu[len(specs)]
+    kv = np.zeros(num_rows, np.int32)
+    kv[: len(specs)] = [n for _, n in specs]
+    tables = np.zeros((num_rows, MAX_LEN // S), np.int32)
+    slots = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    pages = rng.permutation(np.arange(1, sum(-(-n // S) for _, n in specs) + 1))
+    used = 0
+    for row, (q_len, kv_len) in enumerate(specs):
+        count = -(-kv_len // S)
+        tables[row, :count] = pages[used: used + count]
+        used += count
+        pos = np.arange(kv_len - q_len, kv_len)
+        positions[cu[row]: cu[row + 1]] = pos
+        slots[cu[row]: cu[row + 1]] = tables[row, pos // S] * S + pos % S
+    batch = Batch(token_ids=jnp.zeros(num_tokens, jnp.int32), positions=jnp.asarray(positions),
+                  slot_mapping=jnp.asarray(slots), cu_q_lens=jnp.asarray(cu),
+                  kv_lens=jnp.asarray(kv), block_tables=jnp.asarray(tables),
+                  num_seqs=jnp.array([len(specs)], jnp.int32),
+                  logits_indices=jnp.zeros(num_rows, jnp.int32))
+    return batch, used + 1
+
+
+def time_call(fn, args, repeat: int) -> float:
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    for _ in range(repeat):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / repeat
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--impl", nargs="+", default=list(IMPLS), choices=list(IMPLS))
+    parser.add_argument("--case", nargs="*", help="substring filter on case names")
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    jitted = {name: jax.jit(lambda q, kc, vc, b, f=IMPLS[name]: f(q, kc, vc, b, scale=0.125))
+              for name in args.impl}
+    print(f"{'case':44}" + "".join(f"{name + ' ms':>12}" for name in args.impl))
+    for case, (specs, num_tokens, num_rows) in CASES.items():
+        if args.case and not any(c in case for c in args.case):
+            continue
+        batch, pages = make_batch(specs, num_tokens, num_rows, rng)
+        k_cache = jnp.asarray(rng.standard_normal((pages, S, K, H), np.float32))
+        v_cache = jnp.asarray(rng.standard_normal((pages, S, K, H), np.float32))
+        q = jnp.asarray(rng.standard_normal((num_tokens, N, H), np.float32))
+        times = [time_call(jitted[name], (q, k_cache, v_cache, batch), args.repeat)
+                 for name in args.impl]
+        print(f"{case:44}" + "".join(f"{t * 1e3:12.2f}" for t in times), flush=True)
+
+
+if __name__ == "__main__":
+    main()
