@@ -41,4 +41,5 @@ class SamplingInputs:
     state_slots: jax.Array  # i32[R]  row of the penalty state; 0 = scratch row for padding
     reset_state: jax.Array  # bool[R]  the sequence starts from scratch this step
     prompt_lens: jax.Array  # i32[R]
+    wants_logprobs: jax.Array  # bool[R]  the request asked for logprobs of sampled tokens
     banned_ids: jax.Array  # i32[R, X]  tokens masked this step (stop ids before min_tokens); -1 pad

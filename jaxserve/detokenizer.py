@@ -106,6 +106,11 @@ class IncrementalDetokenizer:
         self._read = len(self._window)  # window[:read] is emitted text or context
         self._prefix_text: str | None = None  # decode(window[:read]), computed lazily
         self._pending_chars = 0  # chars of the text past window[:read] already in _text
+        # Without stop strings nothing has to be looked at per token: new ids wait here
+        # until the text is read, and are then detokenized in one call (the text does not
+        # depend on how tokens are grouped). Offline generation reads it once, at the end.
+        self._deferred: list[int] = []
+        self._deferred_flush = False
 
     @property
     def output_text(self) -> str:
@@ -113,6 +118,7 @@ class IncrementalDetokenizer:
 
         Bytes of a character still being completed are not included until later tokens
         complete it or the request finishes (see `get_next_output_text`)."""
+        self._materialize()
         return self._text
 
     @property
@@ -143,6 +149,10 @@ class IncrementalDetokenizer:
             self._finished = True
             if not self._include_stop:
                 new.pop()
+        if not self._stop:
+            self._deferred.extend(new)
+            self._deferred_flush = stop_terminated
+            return None
         offset = len(self._text)
         if new:
             self._text += self._detokenize(new, flush=False)
@@ -160,6 +170,7 @@ class IncrementalDetokenizer:
         finished=True declares that no more tokens come: bytes of an incomplete character
         are then emitted as U+FFFD, as `tokenizer.decode` would.
         """
+        self._materialize()
         if finished and not self._finished:
             self._finished = True
             self._text += self._detokenize([], flush=True)
@@ -171,6 +182,15 @@ class IncrementalDetokenizer:
         out = self._text[self._streamed:safe]
         self._streamed = safe
         return out
+
+    def _materialize(self) -> None:
+        """Detokenize the deferred ids (see __init__)."""
+        if self._deferred:
+            ids, self._deferred = self._deferred, []
+            self._text += self._detokenize(ids, flush=False)
+        if self._deferred_flush:
+            self._deferred_flush = False
+            self._text += self._detokenize([], flush=True)
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_ids(ids) if ids else ""

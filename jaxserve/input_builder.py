@@ -59,6 +59,7 @@ def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, bloc
     state_slots = np.zeros(num_rows, np.int32)
     reset_state = np.zeros(num_rows, np.bool_)
     prompt_lens = np.zeros(num_rows, np.int32)
+    wants_logprobs = np.zeros(num_rows, np.bool_)
     banned_ids = np.full((num_rows, MAX_BANNED_IDS), -1, np.int32)
 
     reqs, n = out.requests, len(out.requests)
@@ -88,6 +89,8 @@ def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, bloc
             if req.needs_state_reset:
                 reset_state[row] = True
                 req.needs_state_reset = False
+            if req.params.logprobs is not None:
+                wants_logprobs[row] = True
             if req.num_output_tokens < req.params.min_tokens:
                 stops = sorted(req.eos_token_ids | req.stop_token_ids)[:MAX_BANNED_IDS]
                 banned_ids[row, : len(stops)] = stops
@@ -100,5 +103,6 @@ def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, bloc
                     presence_penalty=presence, frequency_penalty=frequency,
                     repetition_penalty=repetition, seeds=seeds,
                     sample_positions=sample_positions, state_slots=state_slots,
-                    reset_state=reset_state, prompt_lens=prompt_lens, banned_ids=banned_ids)
+                    reset_state=reset_state, prompt_lens=prompt_lens,
+                    wants_logprobs=wants_logprobs, banned_ids=banned_ids)
     return batch, sampling

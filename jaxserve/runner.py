@@ -35,7 +35,14 @@ from jaxserve.kernels_pallas.ref import ragged_paged_attention, token_layout
 from jaxserve.models import resolve_architecture
 from jaxserve.models.llama import LlamaArch, LlamaForCausalLM, hf_param_path
 from jaxserve.packing import Layout, layout_of, pack, pack_device, unpack, unpack_host
-from jaxserve.sampler import PenaltyState, SampleResult, sample, score_tokens, update_penalty_state
+from jaxserve.sampler import (
+    PenaltyState,
+    SampleResult,
+    sample,
+    score_tokens,
+    update_penalty_state,
+    uses_penalties,
+)
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.weights import load_params
@@ -56,6 +63,33 @@ class StepResult:
     prompt_scores: SampleResult | None  # per token of the step, when prompt_logprobs was asked
 
 
+@dataclasses.dataclass
+class PaddingStats:
+    """How much of the compiled bucket shapes held real work, summed over steps."""
+
+    steps: int = 0
+    tokens: int = 0  # scheduled tokens
+    token_slots: int = 0  # the T of each step's bucket
+    rows: int = 0
+    row_slots: int = 0
+
+    def record(self, tokens: int, token_slots: int, rows: int, row_slots: int) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        self.token_slots += token_slots
+        self.rows += rows
+        self.row_slots += row_slots
+
+    @property
+    def token_padding(self) -> float:
+        """Fraction of token slots that were padding."""
+        return 1.0 - self.tokens / self.token_slots if self.token_slots else 0.0
+
+    @property
+    def row_padding(self) -> float:
+        return 1.0 - self.rows / self.row_slots if self.row_slots else 0.0
+
+
 def default_mesh() -> Mesh:
     return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
 
@@ -73,6 +107,7 @@ class ModelRunner:
         model = load_params(abstract, config.model.model,
                             functools.partial(hf_param_path, arch=self.arch), np_dtype, self.mesh)
         self.graphdef, self.params = nnx.split(model)
+        self.padding = PaddingStats()
         self.block_size = config.cache.block_size
         self.blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.num_blocks = self._num_kv_blocks()
@@ -129,7 +164,11 @@ class ModelRunner:
         kv_caches, hidden = model(kv_caches, batch, ragged_paged_attention)
         logits = model.logits(hidden[batch.logits_indices])  # f32[R, V]
         seq, _, valid = token_layout(batch, batch.token_ids.shape[0])
-        penalty_state = update_penalty_state(penalty_state, batch, sampling, seq, valid)
+        # The penalty rows are only read by requests with penalties, which are in the
+        # steps that update them: other steps skip the scatter.
+        penalty_state = jax.lax.cond(
+            uses_penalties(sampling), update_penalty_state, lambda state, *_: state,
+            penalty_state, batch, sampling, seq, valid)
         result = sample(logits, penalty_state, sampling)
         return kv_caches, penalty_state, hidden, pack_device(result)
 
@@ -186,6 +225,8 @@ class ModelRunner:
         sched = self.config.scheduler
         num_tokens, num_rows = sched.pick_bucket(out.total_num_scheduled_tokens,
                                                  len(out.requests))
+        self.padding.record(out.total_num_scheduled_tokens, num_tokens, len(out.requests),
+                            num_rows)
         batch, sampling = build_step_inputs(out, num_tokens, num_rows, self.block_size,
                                             self.blocks_per_seq)
         packed = jax.device_put(pack({**batch, **sampling}), self.replicated)

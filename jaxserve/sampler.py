@@ -110,33 +110,55 @@ def _draw(logits, s: SamplingInputs):
     return jnp.minimum(jnp.sum(below, axis=-1), vocab - 1)
 
 
-def sample(logits, state: PenaltyState, s: SamplingInputs) -> SampleResult:
-    """logits: f32[R, V] raw model logits for each sequence's last token."""
-    vocab = logits.shape[-1]
-    raw = jax.nn.log_softmax(logits, axis=-1)
-    logits = apply_penalties(logits, state, s)
+def uses_penalties(s: SamplingInputs):
+    """bool[]: some row of the step has a presence, frequency or repetition penalty."""
+    return jnp.any((s.presence_penalty != 0) | (s.frequency_penalty != 0)
+                   | (s.repetition_penalty != 1))
+
+
+def _logprobs(raw_logits, token_ids):
+    """Logprob and rank of each chosen token, and the top MAX_LOGPROBS, from raw logits."""
+    raw = jax.nn.log_softmax(raw_logits, axis=-1)
+    chosen = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)[:, 0]
+    ranks = jnp.sum(raw > chosen[:, None], axis=-1).astype(jnp.int32) + 1
+    top_logprobs, top_ids = jax.lax.top_k(raw, min(MAX_LOGPROBS, raw.shape[-1]))
+    return chosen, ranks, top_ids.astype(jnp.int32), top_logprobs
+
+
+def _no_logprobs(raw_logits, token_ids):
+    rows, k = raw_logits.shape[0], min(MAX_LOGPROBS, raw_logits.shape[-1])
+    return (jnp.zeros(rows, jnp.float32), jnp.ones(rows, jnp.int32),
+            jnp.zeros((rows, k), jnp.int32), jnp.zeros((rows, k), jnp.float32))
+
+
+def _ban(logits, banned_ids):
     # .max, not .set: padding entries (-1) alias token 0 and must not undo a real ban of it.
     banned = jnp.zeros_like(logits, jnp.bool_).at[
-        jnp.arange(logits.shape[0])[:, None], jnp.maximum(s.banned_ids, 0)].max(
-        s.banned_ids >= 0)
-    logits = jnp.where(banned, -jnp.inf, logits)
+        jnp.arange(logits.shape[0])[:, None], jnp.maximum(banned_ids, 0)].max(banned_ids >= 0)
+    return jnp.where(banned, -jnp.inf, logits)
+
+
+def sample(logits, state: PenaltyState, s: SamplingInputs) -> SampleResult:
+    """logits: f32[R, V] raw model logits for each sequence's last token.
+
+    Every stage that costs passes over [R, V] runs under lax.cond only when some row of the
+    step needs it (penalties, bans, random draws, logprobs): a plain greedy batch pays for
+    one argmax."""
+    raw_logits = logits
+    logits = jax.lax.cond(uses_penalties(s), apply_penalties, lambda x, *_: x, logits, state, s)
+    logits = jax.lax.cond(jnp.any(s.banned_ids >= 0), _ban, lambda x, _: x, logits,
+                          s.banned_ids)
 
     greedy = s.temperature < _GREEDY_EPS
     greedy_ids = jnp.argmax(logits, axis=-1)
     # An all-greedy batch skips the random path entirely.
     drawn = jax.lax.cond(jnp.all(greedy), lambda *_: greedy_ids, _draw, logits, s)
     token_ids = jnp.where(greedy, greedy_ids, drawn).astype(jnp.int32)
-
-    chosen = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)[:, 0]
-    ranks = jnp.sum(raw > chosen[:, None], axis=-1).astype(jnp.int32) + 1
-    top_logprobs, top_ids = jax.lax.top_k(raw, min(MAX_LOGPROBS, vocab))
-    return SampleResult(token_ids, chosen, ranks, top_ids.astype(jnp.int32), top_logprobs)
+    chosen, ranks, top_ids, top_logprobs = jax.lax.cond(
+        jnp.any(s.wants_logprobs), _logprobs, _no_logprobs, raw_logits, token_ids)
+    return SampleResult(token_ids, chosen, ranks, top_ids, top_logprobs)
 
 
 def score_tokens(logits, targets) -> SampleResult:
     """Logprobs of given next tokens (prompt_logprobs): logits f32[X, V], targets i32[X]."""
-    raw = jax.nn.log_softmax(logits, axis=-1)
-    chosen = jnp.take_along_axis(raw, targets[:, None], axis=-1)[:, 0]
-    ranks = jnp.sum(raw > chosen[:, None], axis=-1).astype(jnp.int32) + 1
-    top_logprobs, top_ids = jax.lax.top_k(raw, min(MAX_LOGPROBS, raw.shape[-1]))
-    return SampleResult(targets, chosen, ranks, top_ids.astype(jnp.int32), top_logprobs)
+    return SampleResult(targets, *_logprobs(logits, targets))

@@ -185,9 +185,25 @@ def test_cost_per_update_does_not_grow(tok):
     detok = IncrementalDetokenizer(spy, enc(tok, "a long prompt " * 20))
     for i in ids:
         detok.update([i], stop_terminated=False)
+        assert text.startswith(detok.output_text)  # read every step, as a stream does
     assert detok.output_text == text
     assert max(spy.lengths) <= 16  # a full re-decode would reach len(ids) ~ 6000
     assert len(spy.lengths) <= 2 * len(ids)
+
+
+def test_text_nobody_reads_is_decoded_once(tok):
+    """Without stop strings, ids wait until the text is read (offline generation reads it
+    once, at the end): then one decode of about the whole output, not one per token."""
+    rng = random.Random(1)
+    text = "".join(rng.choice(POOL) for _ in range(500))
+    ids = enc(tok, text)
+    spy = SpyTokenizer(tok)
+    detok = IncrementalDetokenizer(spy, enc(tok, "a prompt"))
+    for i in ids:
+        detok.update([i], stop_terminated=False)
+    assert spy.lengths == []
+    assert detok.get_next_output_text(finished=True, delta=False) == text
+    assert len(spy.lengths) <= 3 and sum(spy.lengths) <= len(ids) + 20
 
 
 def test_left_context_from_prompt_keeps_leading_space(spm_tok):

@@ -23,6 +23,7 @@ def inputs(rows=1, **overrides) -> SamplingInputs:
                   sample_positions=np.zeros(rows, np.int32),
                   state_slots=np.arange(1, rows + 1, dtype=np.int32),
                   reset_state=np.zeros(rows, bool), prompt_lens=np.zeros(rows, np.int32),
+                  wants_logprobs=np.ones(rows, bool),
                   banned_ids=np.full((rows, 16), -1, np.int32))
     for key, value in overrides.items():
         values[key] = np.broadcast_to(np.asarray(value, values[key].dtype), values[key].shape)
