@@ -34,10 +34,10 @@ import jax.numpy as jnp
 
 from jaxserve.kernels_pallas.ref import token_layout
 
-STEP_TILE = 64  # Q: query (and key) tile of the in-step part
+STEP_TILE = 32  # Q: query (and key) tile of the in-step part
 DECODE_GROUP = 32  # tokens per group in the decode context part
 DECODE_KV_STEP = 32  # L: keys per loop step in the decode context part
-CHUNK_TILE = 64  # C: queries per work item in the chunk context part
+CHUNK_TILE = 32  # C: queries per work item in the chunk context part
 CHUNK_KV_STEP = 256  # L: keys per loop step in the chunk context part
 
 _NEG = -jnp.inf
