@@ -1,6 +1,6 @@
 """Time the attention implementations side by side on step shapes of the "small" model.
 
-    python scripts/bench_attention.py [--impl ref split] [--repeat 5]
+    python scripts/bench_attention.py [--impl ref split cpu] [--case decode] [--repeat 5]
 
 One layer of the 125M benchmark Llama (12 query heads, 4 kv heads, head dim 64, block 16),
 jitted, on batches like the ones sharegpt-like generation produces: decode steps of 128
