@@ -31,7 +31,8 @@ from tqdm.auto import tqdm
 from jaxserve.batch import Batch, SamplingInputs
 from jaxserve.config import EngineConfig
 from jaxserve.input_builder import build_step_inputs
-from jaxserve.kernels_pallas.ref import ragged_paged_attention, token_layout
+from jaxserve.kernels_pallas import cpu_attention, ref
+from jaxserve.kernels_pallas.ref import token_layout
 from jaxserve.models import resolve_architecture
 from jaxserve.models.llama import LlamaArch, LlamaForCausalLM, hf_param_path
 from jaxserve.packing import Layout, layout_of, pack, pack_device, unpack, unpack_host
@@ -90,6 +91,14 @@ class PaddingStats:
         return 1.0 - self.rows / self.row_slots if self.row_slots else 0.0
 
 
+def attention_for(platform: str):
+    """The ragged paged attention for a backend: the XLA:CPU-tuned version on the CPU, the
+    pure-JAX reference elsewhere (until the Pallas kernels land). Both compute the same
+    function (tests/test_ref_attention.py checks them against one oracle)."""
+    return cpu_attention.ragged_paged_attention if platform == "cpu" else \
+        ref.ragged_paged_attention
+
+
 def default_mesh() -> Mesh:
     return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
 
@@ -108,6 +117,7 @@ class ModelRunner:
                             functools.partial(hf_param_path, arch=self.arch), np_dtype, self.mesh)
         self.graphdef, self.params = nnx.split(model)
         self.padding = PaddingStats()
+        self.attention_fn = attention_for(self.mesh.devices.flat[0].platform)
         self.block_size = config.cache.block_size
         self.blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.num_blocks = self._num_kv_blocks()
@@ -161,7 +171,7 @@ class ModelRunner:
         batch = Batch(**{f: arrays.pop(f) for f in _BATCH_FIELDS})
         sampling = SamplingInputs(**arrays)
         model = nnx.merge(self.graphdef, params)
-        kv_caches, hidden = model(kv_caches, batch, ragged_paged_attention)
+        kv_caches, hidden = model(kv_caches, batch, self.attention_fn)
         logits = model.logits(hidden[batch.logits_indices])  # f32[R, V]
         seq, _, valid = token_layout(batch, batch.token_ids.shape[0])
         # The penalty rows are only read by requests with penalties, which are in the

@@ -1,6 +1,6 @@
 """Time the attention implementations side by side on step shapes of the "small" model.
 
-    python scripts/bench_attention.py [--impl ref split cpu] [--case decode] [--repeat 5]
+    python scripts/bench_attention.py [--impl ref cpu] [--case decode] [--repeat 5]
 
 One layer of the 125M benchmark Llama (12 query heads, 4 kv heads, head dim 64, block 16),
 jitted, on batches like the ones sharegpt-like generation produces: decode steps of 128
@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.batch import Batch
-from jaxserve.kernels_pallas import cpu_attention, ref, split_attention
+from jaxserve.kernels_pallas import cpu_attention, ref
 
-IMPLS = {"ref": ref.ragged_paged_attention, "split": split_attention.ragged_paged_attention,
+IMPLS = {"ref": ref.ragged_paged_attention,
          "cpu": cpu_attention.ragged_paged_attention}
 S, K, H, N, MAX_LEN = 16, 4, 64, 12, 2048
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxserve.batch import Batch
-from jaxserve.kernels_pallas import cpu_attention, split_attention
+from jaxserve.kernels_pallas import cpu_attention
 from jaxserve.kernels_pallas.ref import KV_TOKENS_PER_STEP, ragged_paged_attention, write_kv
 
 jax.config.update("jax_enable_x64", False)
@@ -23,7 +23,7 @@ jax.config.update("jax_enable_x64", False)
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}  # max abs error / max abs expected output
 
 # The reference and the XLA:CPU versions must all match the numpy oracle.
-IMPLS = {"ref": ragged_paged_attention, "split": split_attention.ragged_paged_attention,
+IMPLS = {"ref": ragged_paged_attention,
          "cpu": cpu_attention.ragged_paged_attention}
 JITTED = {name: jax.jit(fn, static_argnames=("scale", "sliding_window", "soft_cap"))
           for name, fn in IMPLS.items()}
