@@ -160,7 +160,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len ({max_model_len}) is larger than the model's "
                              f"max_position_embeddings ({limit}); use at most {limit}.")
         if max_num_seqs is None:
-            max_num_seqs = 256 if on_accelerator else 32
+            max_num_seqs = 256 if on_accelerator else 128
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if on_accelerator else 512
         if compilation_cache_dir == "default":

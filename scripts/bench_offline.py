@@ -114,6 +114,10 @@ def run_jaxserve(model: str, workload: Workload, engine_args: dict) -> dict:
     rss_before = _peak_rss_gib()
     start = time.perf_counter()
     llm = LLM(model, **engine_args)
+    longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))
+    if longest > llm.engine.config.model.max_model_len:
+        raise ValueError(f"the workload's longest request needs {longest} tokens: run with "
+                         f"--max-model-len {longest} or more.")
     warm_up = time.perf_counter() - start
     engine = llm.engine
     compiles_after_warm_up = engine.num_compilations

@@ -1,0 +1,54 @@
+"""The benchmark scripts run end to end (on the tiny checkpoint, so in seconds).
+
+Their numbers are not checked (timing belongs to the scripts, not to tests); what is
+checked is that they finish, count what they claim to count, and that prefix caching on and
+off give the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
+ENGINE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "1024"]
+
+
+def run_script(name: str, *args, timeout=600) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, str(SCRIPTS / name), *args], capture_output=True,
+                         text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def test_bench_offline_shared_prefix_compares_caching(tiny_checkpoints, tmp_path):
+    report = tmp_path / "report.json"
+    out = run_script("bench_offline.py", "--model", str(tiny_checkpoints["llama"]),
+                     "--workload", "shared-prefix", "--num-prompts", "6", "--prefix-len", "64",
+                     "--suffix-len", "8", "--output-len", "4", "--compare-prefix-caching",
+                     "--json", str(report), *ENGINE)
+    assert "token-identical" in out.stdout
+    data = json.loads(report.read_text())
+    on, off = data["jaxserve prefix caching on"], data["jaxserve prefix caching off"]
+    assert data["outputs_identical"] and on["outputs"] == off["outputs"]
+    assert on["prefix_cache_hit_rate"] > 0.5 and off["prefix_cache_hit_rate"] == 0
+    for run in (on, off):
+        assert run["recompilations_after_warm_up"] == 0
+        assert [len(o) for o in run["outputs"]] == [4] * 6
+        assert 0 < run["kv_utilisation_peak"] <= 1
+
+
+def test_bench_offline_with_hf_baseline(tiny_checkpoints, tmp_path):
+    report = tmp_path / "report.json"
+    out = run_script("bench_offline.py", "--model", str(tiny_checkpoints["llama"]),
+                     "--workload", "sharegpt-like", "--num-prompts", "6", "--baseline", "hf",
+                     "--hf-batch-sizes", "2", "4", "--hf-sweep-requests", "4", "--json",
+                     str(report), *ENGINE)
+    assert "jaxserve / HF output tok/s" in out.stdout
+    data = json.loads(report.read_text())
+    assert data["hf"]["best_batch_size"] in (2, 4)
+    assert data["hf"]["output_tokens"] == data["output_tokens"]
+    assert data["hf"]["generated_tokens"] >= data["output_tokens"]
+    assert sum(len(o) for o in data["jaxserve"]["outputs"]) == data["output_tokens"]
