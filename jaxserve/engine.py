@@ -257,8 +257,9 @@ class LLMEngine:
                 logprobs, cumulative = list(child.logprobs), child.cumulative_logprob
             # Safe text: while running, the tail that could still become a stop string (or
             # an incomplete character) is held back, so streamed deltas never retract.
-            text = detok.get_next_output_text(finished=child.finished, delta=False)
-            reason = child.status.value if child.finished else None
+            finished = child.finished
+            text = detok.get_next_output_text(finished=finished, delta=False)
+            reason = child.status.value if finished else None
             completions.append(CompletionOutput(i, text, child.output_token_ids, cumulative,
                                                 logprobs, reason, child.stop_reason))
         scheduled = [c.scheduled_time for c in tracked.children if c.scheduled_time is not None]

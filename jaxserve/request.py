@@ -86,8 +86,14 @@ class Request:
         return self.num_tokens - self.num_prompt_tokens
 
     @property
-    def finished(self) -> bool:
-        return self.status.finished
+    def status(self) -> RequestStatus:
+        return self._status
+
+    @status.setter
+    def status(self, value: RequestStatus) -> None:
+        self._status = value
+        # A plain attribute: read for every request at every step.
+        self.finished = value.finished
 
     def append_token(self, token_id: int) -> None:
         self.token_ids[self.num_tokens] = token_id
