@@ -23,7 +23,7 @@ from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestO
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler
+from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,8 @@ class LLMEngine:
         self._decode_one = functools.lru_cache(maxsize=65536)(self._decode_token)
         self._tracked: dict[str, _Tracked] = {}
         self._by_child: dict[str, _Tracked] = {}
+        # The step dispatched to the device and not collected yet: (its batch, its handle).
+        self._in_flight: tuple[SchedulerOutput, object] | None = None
 
     # ---- admission ----------------------------------------------------------------------
     @property
@@ -155,32 +157,19 @@ class LLMEngine:
 
     # ---- one step -----------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
-        """Schedule, run the model once, fold the results in. Returns the outputs of the
-        requests that changed (finished ones are then forgotten); with final_only, only of
-        those that finished (offline generation needs no intermediate outputs)."""
-        out = self.scheduler.schedule()
-        if out.empty:
-            return []
-        targets = self._prompt_score_targets(out)
-        try:
-            result = self.runner.execute(out, targets)
-        except BaseException:
-            # Scheduling registered the blocks this step fills; if the step did not run
-            # (an error, Ctrl-C), their KV may be missing, so no later request may hit them.
-            self.kv_cache.reset_prefix_cache()
-            raise
+        """Fold in the results of the step on the device, start the next one, and while it
+        runs detokenize and build outputs (JAX dispatch is asynchronous, so that host work
+        overlaps the device's).
+
+        Returns the outputs of the requests that got tokens (finished ones are then
+        forgotten); with final_only, only of those that finished (offline generation needs
+        no intermediate outputs). Results come one call after the step that made them:
+        call until has_unfinished_requests() is False."""
+        appended = self._collect()  # sampling results: tokens, stop tokens, lengths
+        self._launch()  # the next step, scheduled with those tokens
         changed: dict[str, _Tracked] = {}
-        start = 0
-        for row, (req, count) in enumerate(zip(out.requests, out.num_scheduled_tokens)):
-            tracked = self._by_child[req.request_id]
-            if result.prompt_scores is not None and tracked.prompt_logprobs is not None \
-                    and req is tracked.children[0]:
-                self._record_prompt_logprobs(tracked, req, start, count, result.prompt_scores)
-            start += count
-            req.num_computed_tokens += count
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # a prefill chunk: nothing sampled yet
-            self._append(tracked, req, row, result.sampled)
+        for tracked, req, token in appended:  # overlaps the device step just launched
+            self._detokenize(tracked, req, token)
             changed[tracked.request_id] = tracked
         outputs = [self._make_output(t) for t in changed.values()
                    if not final_only or t.finished]
@@ -191,7 +180,52 @@ class LLMEngine:
                     self._by_child.pop(child.request_id, None)
         return outputs
 
-    def _append(self, tracked: _Tracked, req: Request, row: int, sampled) -> None:
+    def _launch(self) -> None:
+        out = self.scheduler.schedule()
+        if out.empty:
+            return
+        targets = self._prompt_score_targets(out)
+        try:
+            self._in_flight = (out, self.runner.dispatch(out, targets))
+        except BaseException:
+            self._drop_cached_blocks()
+            raise
+
+    def _drop_cached_blocks(self) -> None:
+        # Scheduling registered the blocks a step fills; if the step did not run (an error,
+        # Ctrl-C), their KV may be missing, so no later request may hit them.
+        self.kv_cache.reset_prefix_cache()
+
+    def _collect(self) -> list[tuple[_Tracked, Request, int]]:
+        """Wait for the step in flight and fold its results in: computed tokens, prompt
+        logprobs, sampled tokens, and the finishes that need no text (stop token ids, EOS,
+        length). Returns the (request, token) pairs sampled."""
+        if self._in_flight is None:
+            return []
+        out, handle = self._in_flight
+        self._in_flight = None
+        try:
+            result = self.runner.fetch(handle)
+        except BaseException:
+            self._drop_cached_blocks()
+            raise
+        appended = []
+        start = 0
+        for row, (req, count) in enumerate(zip(out.requests, out.num_scheduled_tokens)):
+            first, start = start, start + count
+            if req.finished:
+                continue  # stopped (stop string) or aborted while the step ran: dropped
+            tracked = self._by_child[req.request_id]
+            if result.prompt_scores is not None and tracked.prompt_logprobs is not None \
+                    and req is tracked.children[0]:
+                self._record_prompt_logprobs(tracked, req, first, count, result.prompt_scores)
+            req.num_computed_tokens += count
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk: nothing sampled yet
+            appended.append((tracked, req, self._append(req, row, result.sampled)))
+        return appended
+
+    def _append(self, req: Request, row: int, sampled) -> int:
         token = int(sampled.token_ids[row])
         req.append_token(token)
         if req.params.logprobs is not None:
@@ -200,15 +234,20 @@ class LLMEngine:
                 token, float(sampled.logprobs[row]), int(sampled.ranks[row]),
                 sampled.top_ids[row][:k], sampled.top_logprobs[row][:k]))
             req.cumulative_logprob += float(sampled.logprobs[row])
-        stopped_by_token = req.check_stop_token()
+        if req.check_stop_token():
+            self.scheduler.finish(req, req.status)
+        return token
+
+    def _detokenize(self, tracked: _Tracked, req: Request, token: int) -> None:
+        """Text for the token, and stop strings: a request that matches one finishes now,
+        and its row in the step already running is dropped when that step is collected."""
         detok = tracked.detokenizers[tracked.children.index(req)]
         stop_str = detok.update(
             [token], stop_terminated=req.status is RequestStatus.FINISHED_STOPPED,
             check_stop=req.num_output_tokens > req.params.min_tokens)
         if stop_str is not None:
-            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-        if stopped_by_token or stop_str is not None:
-            self.scheduler.finish(req, req.status)
+            req.stop_reason = stop_str
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
 
     def _prompt_score_targets(self, out) -> np.ndarray | None:
         wanted = []

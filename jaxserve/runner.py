@@ -91,6 +91,16 @@ class PaddingStats:
         return 1.0 - self.rows / self.row_slots if self.row_slots else 0.0
 
 
+@dataclasses.dataclass
+class InFlightStep:
+    """A dispatched step: device arrays not yet waited for."""
+
+    result: jax.Array  # packed SampleResult
+    scores: jax.Array | None  # packed prompt scores, when asked for
+    num_tokens: int  # the step's (T, R) bucket
+    num_rows: int
+
+
 def attention_for(platform: str):
     """The ragged paged attention for a backend: the XLA:CPU-tuned version on the CPU, the
     pure-JAX reference elsewhere (until the Pallas kernels land). Both compute the same
@@ -230,8 +240,15 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------
     def execute(self, out: SchedulerOutput, score_targets: np.ndarray | None = None) -> StepResult:
-        """Run one step. score_targets (i32[total tokens], -1 where not wanted) asks for the
-        logprob of given next tokens at each position (prompt_logprobs)."""
+        """Run one step and wait for it (dispatch + fetch)."""
+        return self.fetch(self.dispatch(out, score_targets))
+
+    def dispatch(self, out: SchedulerOutput,
+                 score_targets: np.ndarray | None = None) -> InFlightStep:
+        """Start one step on the device and return at once (JAX dispatch is asynchronous):
+        the host can do other work until fetch. score_targets (i32[total tokens], -1 where
+        not wanted) asks for the logprob of given next tokens at each position
+        (prompt_logprobs)."""
         sched = self.config.scheduler
         num_tokens, num_rows = sched.pick_bucket(out.total_num_scheduled_tokens,
                                                  len(out.requests))
@@ -250,8 +267,12 @@ class ModelRunner:
             targets[: len(score_targets)] = np.maximum(score_targets, 0)
             score = self._compiled_score.get(num_tokens) or self._compile_score(num_tokens)
             scores = score(self.params, hidden, jax.device_put(targets, self.replicated))
-        result, scores = jax.device_get((result, scores))
-        result = unpack_host(result, self._result_like(num_rows))
+        return InFlightStep(result, scores, num_tokens, num_rows)
+
+    def fetch(self, step: InFlightStep) -> StepResult:
+        """Wait for a dispatched step; its results in one device-to-host transfer."""
+        result, scores = jax.device_get((step.result, step.scores))
+        result = unpack_host(result, self._result_like(step.num_rows))
         if scores is not None:
-            scores = unpack_host(scores, self._result_like(num_tokens))
+            scores = unpack_host(scores, self._result_like(step.num_tokens))
         return StepResult(result, scores)

@@ -30,7 +30,8 @@ from jaxserve.scheduler import SchedulerOutput
 
 
 class NullRunner:
-    """The host half of ModelRunner.execute; the device half returns random tokens."""
+    """The host half of ModelRunner.dispatch / fetch; the device half returns random
+    tokens."""
 
     def __init__(self, config: EngineConfig, vocab: int) -> None:
         self.config = config
@@ -44,7 +45,10 @@ class NullRunner:
     def warm_up(self) -> None:
         pass
 
-    def execute(self, out: SchedulerOutput, score_targets=None) -> StepResult:
+    def fetch(self, result: StepResult) -> StepResult:
+        return result
+
+    def dispatch(self, out: SchedulerOutput, score_targets=None) -> StepResult:
         sched = self.config.scheduler
         num_tokens, num_rows = sched.pick_bucket(out.total_num_scheduled_tokens,
                                                  len(out.requests))

@@ -395,7 +395,8 @@ def test_n_children_share_blocks_and_match_uncached(llms):
     params = SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=5, ignore_eos=True)
     engine = cached.engine
     engine.add_request("n3", None, prompt, params)
-    engine.step()
+    engine.step()  # launches the prompt step
+    engine.step()  # collects it (and launches the first decode)
     children = engine.scheduler.running
     assert [c.num_computed_tokens for c in children] == [40, 40, 40]
     in_use = len({b for c in children for b in c.block_ids})
