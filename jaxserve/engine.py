@@ -82,6 +82,11 @@ class LLMEngine:
         return compilation_count()
 
     @property
+    def in_flight(self) -> SchedulerOutput | None:
+        """The batch of the step running on the device, not collected yet (None if none)."""
+        return self._in_flight[0] if self._in_flight is not None else None
+
+    @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
 

@@ -93,7 +93,8 @@ def make_workload(args, vocab: int, tokenizer) -> Workload:
 # ----------------------------------------------------------------------------- jaxserve
 
 def _kv_utilisation(engine) -> tuple[int, float]:
-    """(distinct blocks allocated, fraction of their slots holding live tokens) right now.
+    """(distinct blocks allocated, fraction of their slots holding live tokens) right now,
+    counting the tokens of the step still on the device.
 
     Shared blocks (prefix caching) are always full, so the live tokens in distinct blocks
     are the running requests' computed tokens minus the shared blocks' extra counts."""
@@ -102,7 +103,12 @@ def _kv_utilisation(engine) -> tuple[int, float]:
     if distinct == 0:
         return 0, 0.0
     running = engine.scheduler.running
+    # Tokens of the step on the device hold KV by the time anyone reads it: live too.
     computed = sum(r.num_computed_tokens for r in running)
+    if engine.in_flight is not None:
+        computed += sum(n for r, n in zip(engine.in_flight.requests,
+                                          engine.in_flight.num_scheduled_tokens)
+                        if not r.finished)
     held = sum(len(r.block_ids) for r in running)
     live = computed - (held - distinct) * size
     return distinct, live / (distinct * size)
