@@ -142,16 +142,23 @@ def _step_part(q, k_new, v_new, seq, pos, valid, start, sliding_window, soft_cap
 # ----------------------------------------------------------------------------- decode context
 
 
-def _decode_context_part(q, k_cache, v_cache, tables, context, pos, sliding_window, soft_cap):
+def _decode_context_part(q, k_cache, v_cache, tables, context, pos, num_rows, sliding_window,
+                         soft_cap):
     """Attention of each token to its own cached keys 0 .. context - 1 (0 for none).
 
     q: f32[T, K, G, H] scaled; tables: i32[T, B], each token's block-table row; context,
-    pos: i32[T]. Returns (m, l, acc) as _step_part."""
+    pos: i32[T]; num_rows: R. Returns (m, l, acc) as _step_part.
+
+    A step has at most R decode tokens (one per row), and sorting puts them first, so
+    groups of min(DECODE_GROUP, R) tokens hold no idle slots in small batches (every slot
+    of a group gathers pages up to the group's longest context, padding or not). A smaller
+    group walks more keys per loop step, keeping the gathered block about the same size."""
     num_real, num_kv, group, head_dim = q.shape
     num_pages, block_size = k_cache.shape[:2]
-    pages_per_step = max(1, DECODE_KV_STEP // block_size)
+    tg = min(DECODE_GROUP, num_real, num_rows)
+    keys_per_step = DECODE_KV_STEP * (DECODE_GROUP // tg)
+    pages_per_step = max(1, keys_per_step // block_size)
     step_len = pages_per_step * block_size
-    tg = min(DECODE_GROUP, num_real)
     q, tables, context, pos = (_pad_to(x, tg) for x in (q, tables, context, pos))
     num_tokens = q.shape[0]
     width = tables.shape[1]
@@ -290,7 +297,7 @@ def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
         _step_part(qg, k_new, v_new, seq, pos, valid, batch.cu_q_lens[seq], sliding_window,
                    soft_cap),
         _decode_context_part(qg, k_cache, v_cache, batch.block_tables[seq], context, pos,
-                             sliding_window, soft_cap),
+                             batch.kv_lens.shape[0], sliding_window, soft_cap),
         _chunk_context_part(qg, k_cache, v_cache, batch, pos, sliding_window, soft_cap),
     ]
     return _merge(parts).reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

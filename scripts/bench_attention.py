@@ -27,6 +27,7 @@ S, K, H, N, MAX_LEN = 16, 4, 64, 12, 2048
 
 # name: (q_len, kv_len) per sequence, T bucket, R bucket
 CASES = {
+    "decode 4 x ctx 600 (a late, small batch)": ([(1, 600)] * 4, 16, 4),
     "decode 128 x ctx 160": ([(1, 160)] * 128, 128, 128),
     "decode 128 x ctx 20..655": ([(1, n) for n in range(20, 660, 5)], 128, 128),
     "prefill 4 x 128 fresh": ([(128, 128)] * 4, 512, 256),
