@@ -12,6 +12,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
 ENGINE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "1024"]
 
@@ -40,6 +42,7 @@ def test_bench_offline_shared_prefix_compares_caching(tiny_checkpoints, tmp_path
         assert 0 < run["kv_utilisation_peak"] <= 1
 
 
+@pytest.mark.slow
 def test_bench_offline_with_hf_baseline(tiny_checkpoints, tmp_path):
     report = tmp_path / "report.json"
     out = run_script("bench_offline.py", "--model", str(tiny_checkpoints["llama"]),
