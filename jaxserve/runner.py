@@ -239,10 +239,6 @@ class ModelRunner:
         logger.info("Compiled %d step buckets (T, R): %s.", len(pairs), pairs)
 
     # ---- one step -----------------------------------------------------------------------
-    def execute(self, out: SchedulerOutput, score_targets: np.ndarray | None = None) -> StepResult:
-        """Run one step and wait for it (dispatch + fetch)."""
-        return self.fetch(self.dispatch(out, score_targets))
-
     def dispatch(self, out: SchedulerOutput,
                  score_targets: np.ndarray | None = None) -> InFlightStep:
         """Start one step on the device and return at once (JAX dispatch is asynchronous):

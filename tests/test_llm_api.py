@@ -80,6 +80,11 @@ def test_stop_string_truncates_text(llm):
     cut = full.text[: full.text.find(stop)]
     out = llm.generate([prompt], GREEDY.clone(stop=[stop]), use_tqdm=False)[0].outputs[0]
     assert (out.text, out.finish_reason, out.stop_reason) == (cut, "stop", stop)
+    # It ends on the token that completed the stop string: none from the step already
+    # running on the device when the match was found.
+    n = len(out.token_ids)
+    assert out.token_ids == full.token_ids[:n]
+    assert stop not in llm.get_tokenizer().decode(full.token_ids[: n - 1])
     kept = llm.generate([prompt], GREEDY.clone(stop=[stop], include_stop_str_in_output=True),
                         use_tqdm=False)[0].outputs[0]
     assert kept.text == cut + stop

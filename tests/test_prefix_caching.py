@@ -265,27 +265,15 @@ def test_randomized_soak_with_shared_prefixes(seed):
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=rng.randint(
                            max_num_seqs, 48), max_model_len=max_model_len)
     prefixes = [tokens(100 * seed + i, max_model_len) for i in range(3)]
-    added = steps = 0
-    while added < 30 or h.scheduler.num_unfinished:
-        assert steps < 20_000, "no progress"
-        for _ in range(rng.choice([0, 1, 1, 2, 3])):
-            if added == 30:
-                break
-            length = rng.randint(1, max_model_len - 1)
-            shared = rng.randint(0, length)
-            prompt = rng.choice(prefixes)[:shared] + tokens(seed * 1000 + added, length - shared)
-            req = request(f"s{seed}-{added}", prompt,
-                          max_tokens=rng.randint(1, max_model_len - length),
-                          repetition_penalty=rng.choice([1.0, 1.0, 1.0, 1.1]))
-            h.add(req)
-            added += 1
-        live = list(h.scheduler.running) + list(h.scheduler.waiting)
-        if live and rng.random() < 0.015:
-            h.abort(rng.choice(live))
-        h.step()
-        steps += 1
-    h.check_all_free()
-    h.check_outputs()
+
+    def add(i: int) -> None:
+        length = rng.randint(1, max_model_len - 1)
+        shared = rng.randint(0, length)
+        prompt = rng.choice(prefixes)[:shared] + tokens(seed * 1000 + i, length - shared)
+        h.add(request(f"s{seed}-{i}", prompt, max_tokens=rng.randint(1, max_model_len - length),
+                      repetition_penalty=rng.choice([1.0, 1.0, 1.0, 1.1])))
+
+    h.soak(rng, 30, add, bursts=(0, 1, 1, 2, 3), max_steps=20_000)
     assert h.kv_cache.pool.num_free == h.num_blocks - 1
     assert h.kv_cache.hits > 0
 

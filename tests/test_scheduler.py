@@ -271,6 +271,25 @@ class Harness:
             if req.status is RequestStatus.FINISHED_LENGTH:
                 assert req.num_output_tokens == req.max_output_tokens
 
+    def soak(self, rng, num_requests: int, add, bursts, max_steps: int) -> None:
+        """Random arrivals (add(i) adds request i; a burst size per step from `bursts`) and
+        rare aborts, stepping until everything finished; then every end-state check."""
+        added = steps = 0
+        while added < num_requests or self.scheduler.num_unfinished:
+            assert steps < max_steps, "no progress"
+            for _ in range(rng.choice(bursts)):
+                if added == num_requests:
+                    break
+                add(added)
+                added += 1
+            live = list(self.scheduler.running) + list(self.scheduler.waiting)
+            if live and rng.random() < 0.015:
+                self.abort(rng.choice(live))
+            self.step()
+            steps += 1
+        self.check_all_free()
+        self.check_outputs()
+
     # ---- the fake runner -----------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> None:
         """What engine.step does after scheduling, with the model replaced by next_token."""
@@ -648,25 +667,14 @@ def soak(seed: int, num_requests: int) -> Harness:
     use_priority = rng.random() < 0.5
     h = Harness(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=budget, max_model_len=max_model_len)
-    added = 0
-    steps = 0
-    while added < num_requests or h.scheduler.num_unfinished:
-        assert steps < 50_000, "no progress"
-        for _ in range(rng.choice([0, 0, 1, 1, 2, 4])):
-            if added == num_requests:
-                break
-            prompt_len = rng.randint(1, max_model_len - 1)
-            max_tokens = rng.randint(1, max_model_len - prompt_len)
-            h.new(f"s{seed}-{added}", prompt_len, max_tokens,
-                  priority=rng.randint(0, 3) if use_priority else 0)
-            added += 1
-        live = list(h.scheduler.running) + list(h.scheduler.waiting)
-        if live and rng.random() < 0.015:
-            h.abort(rng.choice(live))
-        h.step()
-        steps += 1
-    h.check_all_free()
-    h.check_outputs()
+
+    def add(i: int) -> None:
+        prompt_len = rng.randint(1, max_model_len - 1)
+        max_tokens = rng.randint(1, max_model_len - prompt_len)
+        h.new(f"s{seed}-{i}", prompt_len, max_tokens,
+              priority=rng.randint(0, 3) if use_priority else 0)
+
+    h.soak(rng, num_requests, add, bursts=(0, 0, 1, 1, 2, 4), max_steps=50_000)
     for req in h.requests:
         assert req.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
     return h
