@@ -1,30 +1,43 @@
-"""Tests for kernels_pallas.ref: ragged paged attention and write_kv against plain numpy.
-
-The numpy oracle walks each sequence's block-table row position by position into a dense
-[L, K, H] array and runs an ordinary softmax per query token in float64, so it shares no
-code or tricks (online softmax, page groups, masks) with the reference it checks.
+"""Every ragged paged attention implementation, and write_kv, against the float64 numpy oracle
+of attention_cases.py: the reference, the XLA:CPU version, and both Pallas kernels in
+interpret mode (TPU-style with simulated DMA, GPU-style). test_pallas_kernels.py adds the
+kernels' own matrix (GQA ratios, head dims, tile sizes) and their CUDA/TPU lowering.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_cases import (
+    SPECS,
+    assert_close,
+    f64,
+    gather_dense,
+    make_case,
+    numpy_attention,
+)
 
-from jaxserve.batch import Batch
-from jaxserve.kernels_pallas import cpu_attention
-from jaxserve.kernels_pallas.ref import KV_TOKENS_PER_STEP, ragged_paged_attention, write_kv
+from jaxserve.kernels_pallas import (
+    cpu_attention,
+    gpu_ragged_paged_attention,
+    ragged_paged_attention,
+    ref,
+)
+from jaxserve.kernels_pallas.ref import KV_TOKENS_PER_STEP, write_kv
 
 jax.config.update("jax_enable_x64", False)
 
-TOL = {"float32": 1e-5, "bfloat16": 2e-2}  # max abs error / max abs expected output
-
-# The reference and the XLA:CPU versions must all match the numpy oracle.
-IMPLS = {"ref": ragged_paged_attention,
-         "cpu": cpu_attention.ragged_paged_attention}
+IMPLS = {"ref": ref.ragged_paged_attention,
+         "cpu": cpu_attention.ragged_paged_attention,
+         "tpu-interpret": functools.partial(ragged_paged_attention.ragged_paged_attention,
+                                            interpret=True),
+         "gpu-interpret": functools.partial(gpu_ragged_paged_attention.ragged_paged_attention,
+                                            interpret=True)}
 JITTED = {name: jax.jit(fn, static_argnames=("scale", "sliding_window", "soft_cap"))
           for name, fn in IMPLS.items()}
 
@@ -32,140 +45,6 @@ JITTED = {name: jax.jit(fn, static_argnames=("scale", "sliding_window", "soft_ca
 @pytest.fixture(params=sorted(IMPLS))
 def impl(request):
     return request.param
-
-
-# ----------------------------------------------------------------------------- batch builder
-
-
-def make_case(rng, specs, *, block_size, num_kv_heads, num_heads, head_dim, dtype="float32",
-              num_rows=None, num_tokens=None, max_model_len=256, num_pages=None,
-              junk_tables=False):
-    """A random ragged batch: specs is [(q_len, kv_len)] of the real sequences, in order.
-
-    Each sequence gets distinct random pages (never the null page 0) from a pool bigger than
-    needed; the whole cache, null page included, holds random values. Rows beyond len(specs)
-    are padding (kv_len 0, q_len 0) and tokens beyond the last real one are padding too.
-    With junk_tables, unused block-table entries point at random pages instead of page 0.
-    """
-    S = block_size
-    num_seqs = len(specs)
-    R = num_rows or num_seqs
-    real_tokens = sum(q for q, _ in specs)
-    T = num_tokens or real_tokens
-    B = -(-max_model_len // S)
-    assert R >= num_seqs and T >= real_tokens
-    assert all(1 <= q <= kv <= max_model_len for q, kv in specs)
-    needed = sum(-(-kv // S) for _, kv in specs)
-    P = num_pages or needed + 8 + 1
-    assert P - 1 >= needed
-
-    ids = rng.permutation(np.arange(1, P)).astype(np.int32)  # distinct, never page 0
-    tables = np.zeros((R, B), np.int32)
-    if junk_tables:
-        tables[:] = rng.integers(0, P, size=(R, B))
-    cu = np.zeros(R + 1, np.int32)
-    kv_lens = np.zeros(R, np.int32)
-    used = 0
-    for i, (q_len, kv_len) in enumerate(specs):
-        n = -(-kv_len // S)
-        tables[i, :n] = ids[used:used + n]
-        used += n
-        cu[i + 1] = cu[i] + q_len
-        kv_lens[i] = kv_len
-    cu[num_seqs + 1:] = cu[num_seqs]
-
-    positions = np.zeros(T, np.int32)
-    slots = np.zeros(T, np.int32)  # padding tokens write into slot 0 of the null page
-    logits_indices = np.zeros(R, np.int32)
-    for i, (q_len, kv_len) in enumerate(specs):
-        for j in range(q_len):
-            t = cu[i] + j
-            p = kv_len - q_len + j
-            positions[t] = p
-            slots[t] = tables[i, p // S] * S + p % S
-        logits_indices[i] = cu[i + 1] - 1
-
-    jdt = jnp.dtype(dtype)
-    q = jnp.asarray(rng.standard_normal((T, num_heads, head_dim)), jdt)
-    k_cache = jnp.asarray(rng.standard_normal((P, S, num_kv_heads, head_dim)), jdt)
-    v_cache = jnp.asarray(rng.standard_normal((P, S, num_kv_heads, head_dim)), jdt)
-    batch = Batch(
-        token_ids=jnp.asarray(rng.integers(0, 1000, T), jnp.int32),
-        positions=jnp.asarray(positions),
-        slot_mapping=jnp.asarray(slots),
-        cu_q_lens=jnp.asarray(cu),
-        kv_lens=jnp.asarray(kv_lens),
-        block_tables=jnp.asarray(tables),
-        num_seqs=jnp.asarray([num_seqs], jnp.int32),
-        logits_indices=jnp.asarray(logits_indices),
-    )
-    return q, k_cache, v_cache, batch
-
-
-def f64(x):
-    return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
-
-
-# ----------------------------------------------------------------------------- numpy oracle
-
-
-def gather_dense(cache, table_row, kv_len, block_size):
-    """[P, S, K, H] cache -> [L, K, H]: walk the block table one position at a time."""
-    if kv_len == 0:
-        return np.zeros((0,) + cache.shape[2:], cache.dtype)
-    return np.stack([cache[table_row[p // block_size], p % block_size] for p in range(kv_len)])
-
-
-def numpy_attention(q, k_cache, v_cache, batch, *, scale, sliding_window=None, soft_cap=None,
-                    dense_kv=None):
-    """float64 ragged paged attention; rows of padding tokens stay zero.
-
-    dense_kv, if given, maps a sequence index to its own ([L, K, H], [L, K, H]) keys/values
-    instead of gathering them from the caches.
-    """
-    q, k_cache, v_cache = f64(q), f64(k_cache), f64(v_cache)
-    cu = np.asarray(batch.cu_q_lens)
-    kv_lens = np.asarray(batch.kv_lens)
-    tables = np.asarray(batch.block_tables)
-    num_seqs = int(np.asarray(batch.num_seqs)[0])
-    T, N, H = q.shape
-    S, K = k_cache.shape[1], k_cache.shape[2]
-    kv_head = np.arange(N) // (N // K)  # GQA: query head n reads kv head n // (N // K)
-    out = np.zeros((T, N, H))
-    for i in range(num_seqs):
-        L = int(kv_lens[i])
-        q_len = int(cu[i + 1] - cu[i])
-        if dense_kv is None:
-            keys = gather_dense(k_cache, tables[i], L, S)
-            values = gather_dense(v_cache, tables[i], L, S)
-        else:
-            keys, values = (f64(a) for a in dense_kv[i])
-        keys, values = keys[:, kv_head], values[:, kv_head]  # [L, N, H]
-        for j in range(q_len):
-            t = cu[i] + j
-            pos = L - q_len + j
-            lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
-            s = np.einsum("nh,lnh->nl", q[t], keys[lo:pos + 1]) * scale
-            if soft_cap is not None:
-                s = soft_cap * np.tanh(s / soft_cap)
-            w = np.exp(s - s.max(-1, keepdims=True))
-            w /= w.sum(-1, keepdims=True)
-            out[t] = np.einsum("nl,lnh->nh", w, values[lo:pos + 1])
-    return out
-
-
-def assert_close(got, want, batch, dtype):
-    """Compare the real tokens' rows, error relative to the expected output's scale.
-
-    Rows of padding tokens must be finite; the reference documents them as zeros.
-    """
-    real = int(np.asarray(batch.cu_q_lens)[int(np.asarray(batch.num_seqs)[0])])
-    got, pad = f64(got)[:real], f64(got)[real:]
-    want = want[:real]
-    assert np.all(np.isfinite(got)) and np.all(np.isfinite(pad))
-    np.testing.assert_array_equal(pad, 0.0)
-    err = np.abs(got - want).max() / np.abs(want).max()
-    assert err <= TOL[str(jnp.dtype(dtype))], f"relative max error {err:.3g}"
 
 
 def run_and_check(impl, q, k_cache, v_cache, batch, dtype, **kw):
@@ -176,39 +55,6 @@ def run_and_check(impl, q, k_cache, v_cache, batch, dtype, **kw):
     assert_close(got, want, batch, dtype)
     return got
 
-
-# ----------------------------------------------------------------------------- spec makers
-
-
-def mid(rng, lo, hi, S):
-    """A random integer in [lo, hi) that is not a multiple of S (ends mid-block)."""
-    while True:
-        n = int(rng.integers(lo, hi))
-        if n % S:
-            return n
-
-
-def decode_specs(rng, S, n=5):
-    specs = [(1, 1), (1, S + 1)]  # first token; first token of a fresh block
-    specs += [(1, mid(rng, 2, 3 * S, S)) for _ in range(n - 2)]
-    return specs
-
-
-def prefill_specs(rng, S):
-    ctx = mid(rng, 1, 2 * S, S)  # the chunk starts mid-block ...
-    chunk = mid(rng, 2, 2 * S, S)
-    if (ctx + chunk) % S == 0:  # ... and ends mid-block
-        chunk += 1
-    return [(mid(rng, 2, 2 * S, S),) * 2, (chunk, ctx + chunk), (3, 3)]
-
-
-def mixed_specs(rng, S):
-    d = decode_specs(rng, S, n=3)
-    p = prefill_specs(rng, S)
-    return [d[0], p[1], d[2], p[0], d[1]]
-
-
-SPECS = {"decode": decode_specs, "prefill": prefill_specs, "mixed": mixed_specs}
 
 # (kind, block_size, num_kv_heads, num_heads, head_dim, dtype): every value of each axis
 # appears without paying the full product's compile time (~0.8 s per shape on 2 cores).

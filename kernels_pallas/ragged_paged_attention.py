@@ -1,0 +1,175 @@
+"""Ragged paged attention as a Pallas TPU kernel: ref.py's function, K/V read page by page by DMA.
+
+The grid is (K kv heads, query tiles). A program owns TQ consecutive tokens of the ragged
+batch for one kv head (M = TQ * Gp rows, see kernel_layout.py). It walks every sequence that
+has tokens in its tile, and for each one the chunks of C pages that those tokens can see
+(up to the tile's last causal position, from the sliding window's start): a flat cursor
+(sequence, chunk), whose next chunk's pages are copied HBM -> VMEM by async DMA into the
+other half of a double buffer while the current chunk is computed. Block tables, query
+starts, context lengths and num_seqs are scalar-prefetch arguments in SMEM.
+
+Per chunk: scores [M, L] = q . k^T on the MXU with float32 accumulation, soft cap, a mask
+(the row's token belongs to this sequence, key position <= query position, inside the
+window, and a page that exists), then the online softmax update of (m, l, acc) in VMEM
+scratch. Rows of other sequences see only masked keys, so their probabilities are zero and
+their state is unchanged. Pages past the sequence's last one are not copied; their stale
+buffer slots are masked, and their values zeroed so stale NaN bits cannot leak through 0 *
+NaN. After the last chunk, out = acc / l; rows that saw no key (padding) come out 0.
+
+On the CPU the same code runs in Pallas's TPU interpret mode (interpret=True), which
+simulates the DMAs and semaphores; the tests compare it with ref.py there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from jaxserve.kernels_pallas.kernel_layout import (
+    MASK_VALUE,
+    BlockSizes,
+    TileWalk,
+    default_block_sizes,
+    div,
+    group_queries,
+    online_update,
+    padded_group,
+    ungroup_output,
+    zero_dead_keys,
+)
+
+
+def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           interpret: bool = False, block_sizes: BlockSizes | None = None):
+    """q: [T, N, H]; k_cache, v_cache: [P, S, K, H]; returns [T, N, H] (ref.py's contract)."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_rows, width = batch.block_tables.shape
+    group_p = padded_group(num_heads, num_kv_heads)
+    sizes = block_sizes or default_block_sizes(num_tokens, num_rows, block_size,
+                                               group_p=group_p)
+    tq = sizes.q_tokens
+    num_tiles = -(-num_tokens // tq)
+    qg = group_queries(q, num_kv_heads, group_p, num_tiles * tq)  # [K, Tp*Gp, H]
+    rows = tq * group_p
+    kernel = functools.partial(
+        _kernel, q_tokens=tq, group_p=group_p, pages_per_chunk=sizes.pages_per_chunk,
+        width=width, num_rows=num_rows, scale=scale, sliding_window=sliding_window,
+        soft_cap=soft_cap)
+    tile = pl.BlockSpec((None, rows, head_dim), lambda kh, qi, *_: (kh, qi, 0))
+    buffer = pltpu.VMEM((2, sizes.pages_per_chunk, block_size, head_dim), k_cache.dtype)
+    call = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(num_kv_heads, num_tiles),
+            in_specs=[tile, pl.BlockSpec(memory_space=pl.ANY),
+                      pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=tile,
+            scratch_shapes=[buffer, buffer, pltpu.SemaphoreType.DMA((2, 2)),
+                            pltpu.VMEM((rows, 128), jnp.float32),
+                            pltpu.VMEM((rows, 128), jnp.float32),
+                            pltpu.VMEM((rows, head_dim), jnp.float32)]),
+        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="ragged_paged_attention",
+    )
+    out = call(batch.cu_q_lens, batch.kv_lens, batch.block_tables.reshape(-1),
+               batch.num_seqs, qg, k_cache, v_cache)
+    return ungroup_output(out, num_tokens, num_heads, group_p)
+
+
+def _kernel(cu_ref, kv_lens_ref, tables_ref, num_seqs_ref,  # SMEM: i32[R+1], [R], [R*B], [1]
+            q_ref,  # [M, H]
+            k_hbm, v_hbm,  # [P, S, K, H] in HBM
+            o_ref,  # [M, H]
+            k_buf, v_buf,  # VMEM [2, C, S, H]
+            sems,  # DMA semaphores [2 (k, v), 2 (slot)]
+            m_ref, l_ref,  # VMEM f32[M, 128], every lane equal
+            acc_ref,  # VMEM f32[M, H]
+            *, q_tokens, group_p, pages_per_chunk, width, num_rows, scale, sliding_window,
+            soft_cap):
+    kv_head = pl.program_id(0)
+    block_size = k_buf.shape[2]
+    chunk_len = pages_per_chunk * block_size
+    walk = TileWalk(cu_ref, kv_lens_ref, num_seqs_ref[0], num_rows, pl.program_id(1) * q_tokens,
+                    q_tokens, chunk_len, sliding_window)
+
+    def advance(s, c):
+        return jax.lax.cond(c + 1 < walk.chunk_range(s)[1], lambda: (s, c + 1),
+                            lambda: _first_chunk(walk, walk.next_sequence(s)))
+
+    def copies(s, c, slot):
+        """(page exists, its K and V DMAs) for each page of chunk c of sequence s."""
+        num_pages = div(kv_lens_ref[s] + block_size - 1, block_size)
+        for j in range(pages_per_chunk):
+            index = c * pages_per_chunk + j
+            page = tables_ref[s * width + jnp.minimum(index, width - 1)]
+            yield index < num_pages, (
+                pltpu.make_async_copy(k_hbm.at[page, :, kv_head, :], k_buf.at[slot, j],
+                                      sems.at[0, slot]),
+                pltpu.make_async_copy(v_hbm.at[page, :, kv_head, :], v_buf.at[slot, j],
+                                      sems.at[1, slot]))
+
+    def start(s, c, slot):
+        for exists, pair in copies(s, c, slot):
+            _when(exists, pair, "start")
+
+    def wait(s, c, slot):
+        for exists, pair in copies(s, c, slot):
+            _when(exists, pair, "wait")
+
+    def compute(s, c, slot):
+        k = k_buf[slot].reshape(chunk_len, -1)
+        v = zero_dead_keys(v_buf[slot].reshape(chunk_len, -1), c, chunk_len, kv_lens_ref[s])
+        mask = walk.mask(s, c, q_ref.shape[0], group_p)
+        state = (m_ref[...][:, :1], l_ref[...][:, :1], acc_ref[...])
+        m, denom, acc = online_update(q_ref[...], k, v, mask, state, scale=scale,
+                                      soft_cap=soft_cap)
+        m_ref[...] = jnp.broadcast_to(m, m_ref.shape)
+        l_ref[...] = jnp.broadcast_to(denom, l_ref.shape)
+        acc_ref[...] = acc
+
+    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    s0, c0 = _first_chunk(walk, walk.first_sequence())
+
+    @pl.when(walk.live(s0))
+    def _():
+        start(s0, c0, 0)
+
+    def body(state):
+        s, c, slot = state
+        s_next, c_next = advance(s, c)
+
+        @pl.when(walk.live(s_next))
+        def _():
+            start(s_next, c_next, 1 - slot)
+
+        wait(s, c, slot)
+        compute(s, c, slot)
+        return s_next, c_next, 1 - slot
+
+    jax.lax.while_loop(lambda state: walk.live(state[0]), body, (s0, c0, jnp.int32(0)))
+    denom = l_ref[...][:, :1]
+    o_ref[...] = (acc_ref[...] / jnp.where(denom > 0, denom, 1.0)).astype(o_ref.dtype)
+
+
+def _first_chunk(walk, s):
+    """The cursor (s, first chunk of s)."""
+    return s, walk.chunk_range(s)[0]
+
+
+def _when(condition, dmas, method: str):
+    """Start (or wait for) the DMAs if condition holds."""
+    @pl.when(condition)
+    def _():
+        for dma in dmas:
+            getattr(dma, method)()

@@ -1,0 +1,167 @@
+"""The Pallas kernels (TPU-style and GPU-style) in interpret mode against the float64 oracle,
+on the issue's matrix, plus their lowering for real TPUs and CUDA GPUs.
+
+test_ref_attention.py already runs both kernels through every shared case (long contexts,
+sliding window, soft cap, padding, one trace per bucket, write-then-attend). This file adds
+what only kernels have: GQA ratios 1/2/4/8 x head_dim 64/128 x block size 16/32 x float32/
+bfloat16 on decode, prefill and mixed batches, explicit tile sizes, caches whose unused
+pages hold NaN, and the Mosaic (TPU) and Triton (CUDA) lowering, which runs on the CPU and
+rejects what the hardware compilers would not take (shapes, ops, memory spaces).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_cases import SPECS, assert_close, make_case, numpy_attention
+from jax import export
+
+from jaxserve.batch import Batch
+from jaxserve.kernels_pallas import gpu_ragged_paged_attention, ragged_paged_attention
+from jaxserve.kernels_pallas.kernel_layout import BlockSizes, default_block_sizes
+
+KERNELS = {"tpu": ragged_paged_attention.ragged_paged_attention,
+           "gpu": gpu_ragged_paged_attention.ragged_paged_attention}
+JITTED = {name: jax.jit(functools.partial(fn, interpret=True),
+                        static_argnames=("scale", "sliding_window", "soft_cap", "block_sizes"))
+          for name, fn in KERNELS.items()}
+
+
+@pytest.fixture(params=sorted(KERNELS))
+def kernel(request):
+    return request.param
+
+
+def poison_unused_pages(k_cache, v_cache, batch):
+    """NaN in every page no real sequence owns (the null page and junk table entries
+    included): a kernel that reads or weighs one of them shows NaN."""
+    tables = np.asarray(batch.block_tables)
+    kv_lens = np.asarray(batch.kv_lens)
+    used = np.zeros(k_cache.shape[0], bool)
+    for row in range(int(np.asarray(batch.num_seqs)[0])):
+        used[tables[row, :-(-int(kv_lens[row]) // k_cache.shape[1])]] = True
+    mask = jnp.asarray(~used)[:, None, None, None]
+    return jnp.where(mask, jnp.nan, k_cache), jnp.where(mask, jnp.nan, v_cache)
+
+
+def check(kernel, case, dtype, block_sizes=None, **kw):
+    q, k_cache, v_cache, batch = case
+    kw.setdefault("scale", 1.0 / math.sqrt(q.shape[-1]))
+    want = numpy_attention(q, k_cache, v_cache, batch, **kw)
+    k_cache, v_cache = poison_unused_pages(k_cache, v_cache, batch)
+    got = JITTED[kernel](q, k_cache, v_cache, batch, block_sizes=block_sizes, **kw)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    assert_close(got, want, batch, dtype)
+
+
+# (kind, block_size, gqa ratio, head_dim, dtype): every value of each axis, each kind with
+# both dtypes, without the full product's compile time.
+MATRIX = [
+    ("decode", 16, 1, 64, "float32"),
+    ("decode", 32, 8, 128, "bfloat16"),
+    ("decode", 16, 4, 64, "float32"),
+    ("prefill", 32, 2, 128, "float32"),
+    ("prefill", 16, 1, 128, "bfloat16"),
+    ("mixed", 16, 4, 128, "bfloat16"),
+    ("mixed", 32, 8, 64, "float32"),
+    ("mixed", 32, 2, 64, "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("kind,block_size,ratio,head_dim,dtype", MATRIX)
+def test_matrix(kind, block_size, ratio, head_dim, dtype, kernel):
+    """A padded (T, R) bucket: num_seqs < R, padding tokens with loud queries, junk block
+    table entries and NaN in every unused page; lengths start and end mid-block."""
+    rng = np.random.default_rng(MATRIX.index((kind, block_size, ratio, head_dim, dtype)))
+    specs = SPECS[kind](rng, block_size)
+    real = sum(q for q, _ in specs)
+    q, k_cache, v_cache, batch = make_case(
+        rng, specs, block_size=block_size, num_kv_heads=2, num_heads=2 * ratio,
+        head_dim=head_dim, dtype=dtype, num_rows=len(specs) + 3, num_tokens=real + 5,
+        junk_tables=True)
+    q = q.at[real:].mul(1e3)
+    check(kernel, (q, k_cache, v_cache, batch), dtype)
+
+
+TILES = [BlockSizes(16, 1), BlockSizes(16, 2, kv_splits=4), BlockSizes(32, 4, kv_splits=2),
+         BlockSizes(64, 16)]
+
+
+@pytest.mark.parametrize("sizes", TILES, ids=str)
+def test_tile_sizes(sizes, kernel):
+    """Tiles spanning several sequences, one page per chunk or more pages than a context,
+    context split over programs (GPU): all the same function."""
+    rng = np.random.default_rng(sizes.q_tokens * sizes.pages_per_chunk)
+    specs = [(1, 389), (150, 357), (1, 2), (1, 17), (60, 137), (1, 64)]
+    case = make_case(rng, specs, block_size=16, num_kv_heads=2, num_heads=6, head_dim=64,
+                     max_model_len=400, num_rows=8, num_tokens=256, junk_tables=True)
+    check(kernel, case, "float32", block_sizes=sizes, sliding_window=100, soft_cap=30.0)
+
+
+def test_block_size_table():
+    """Decode buckets get the smallest tile that fills the rows; prefill buckets big tiles;
+    the GPU splits small batches' contexts, never a full one's."""
+    decode = default_block_sizes(256, 256, 16, group_p=8)
+    assert decode.q_tokens == 1 and decode.kv_splits == 1
+    assert default_block_sizes(256, 256, 16, min_rows=16, group_p=8).q_tokens == 2
+    assert default_block_sizes(1024, 8, 16, group_p=4).q_tokens == 64
+    single = default_block_sizes(16, 1, 16, min_rows=16, group_p=8, num_kv_heads=8,
+                                 target_programs=264)
+    assert single.kv_splits == 16
+    with pytest.raises(ValueError, match="power of two"):
+        BlockSizes(q_tokens=3, pages_per_chunk=8)
+
+
+def test_gpu_kernel_rejects_tiles_too_small_for_a_dot():
+    rng = np.random.default_rng(0)
+    case = make_case(rng, [(1, 20)], block_size=16, num_kv_heads=1, num_heads=1, head_dim=64)
+    with pytest.raises(ValueError, match=">= 16 query rows"):
+        KERNELS["gpu"](*case, scale=0.125, interpret=True, block_sizes=BlockSizes(8, 8))
+
+
+# ----------------------------------------------------------------------------- lowering
+
+
+def abstract_case(num_tokens, num_rows, num_heads, num_kv_heads, head_dim, block_size,
+                  num_pages, width, dtype):
+    def sds(shape, dt=jnp.int32):
+        return jax.ShapeDtypeStruct(shape, dt)
+
+    T, R = num_tokens, num_rows
+    batch = Batch(sds((T,)), sds((T,)), sds((T,)), sds((R + 1,)), sds((R,)), sds((R, width)),
+                  sds((1,)), sds((R,)))
+    cache = sds((num_pages, block_size, num_kv_heads, head_dim), dtype)
+    return sds((T, num_heads, head_dim), dtype), cache, cache, batch
+
+
+# (T, R, N, K, H, S, P, B, dtype, options): decode, mixed and prefill buckets, GQA 8:1 and
+# 3:1 (padded to 4), bf16 and f32, window and soft cap.
+LOWERING = [
+    (256, 256, 32, 4, 128, 16, 4096, 128, "bfloat16", {}),
+    (16, 1, 32, 4, 128, 16, 4096, 2048, "bfloat16", {}),
+    (512, 64, 32, 8, 128, 32, 1024, 64, "bfloat16", {"sliding_window": 256, "soft_cap": 30.0}),
+    (1024, 8, 12, 4, 64, 16, 1024, 128, "float32", {}),
+]
+
+
+@pytest.mark.parametrize("platform,kernel_name", [("tpu", "tpu"), ("cuda", "gpu")])
+@pytest.mark.parametrize("shape", LOWERING, ids=lambda s: f"T{s[0]}-R{s[1]}-{s[8]}")
+def test_lowers_for_the_hardware(platform, kernel_name, shape):
+    """Mosaic (TPU) or Triton (CUDA) lowering of the real kernel, run here without a device."""
+    *dims, dtype, options = shape
+    args = abstract_case(*dims, jnp.dtype(dtype))
+    head_dim = dims[4]
+    fn = jax.jit(functools.partial(KERNELS[kernel_name], scale=1 / math.sqrt(head_dim),
+                                   **options))
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    exported = export.export(fn, platforms=[platform], disabled_checks=checks)(*args)
+    module = exported.mlir_module()
+    target = "tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton"
+    assert target in module
+    assert exported.out_avals[0].shape == args[0].shape
+
