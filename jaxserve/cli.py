@@ -7,6 +7,8 @@ import json
 import logging
 import sys
 
+from jaxserve.config import ATTENTION_BACKENDS
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags shared by every subcommand that loads a model (vLLM's names)."""
@@ -26,6 +28,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         default=True, help="reuse the KV cache of shared prompt prefixes "
                         "(default: on; --no-enable-prefix-caching turns it off)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
+                        help="auto (default): the Pallas kernel on TPU/GPU, XLA:CPU-tuned JAX "
+                        "on the CPU; pallas; reference (pure JAX); interpret / interpret-gpu "
+                        "(the TPU / GPU kernel in Pallas interpret mode, slow)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -33,7 +39,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-                enable_prefix_caching=args.enable_prefix_caching)
+                enable_prefix_caching=args.enable_prefix_caching,
+                attention_backend=args.attention_backend)
 
 
 def _generate_parser(sub) -> None:

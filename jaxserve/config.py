@@ -15,6 +15,7 @@ from pathlib import Path
 from jaxserve.models import resolve_architecture
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "pallas", "reference", "interpret", "interpret-gpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,14 +117,32 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Which ragged paged attention the step runs (runner.attention_for resolves it).
+
+    auto: the Pallas kernel on TPU and GPU, the XLA:CPU-tuned pure-JAX version on the CPU;
+    pallas: the platform's Pallas kernel (TPU or GPU only); reference: the pure-JAX reference;
+    interpret / interpret-gpu: the TPU / GPU kernel in Pallas interpret mode (any platform,
+    slow: for testing a kernel end to end).
+    """
+
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.backend!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
+    attention: AttentionConfig = AttentionConfig()
     compilation_cache_dir: str | None = None
     precompile: bool = True  # compile every bucket at start-up; False: on first use
-
 
     @classmethod
     def create(
@@ -143,6 +162,7 @@ class EngineConfig:
         max_num_batched_tokens: int | None = None,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
+        attention_backend: str = "auto",
         compilation_cache_dir: str | None = "default",
         precompile: bool = True,
         on_accelerator: bool = False,
@@ -178,6 +198,7 @@ class EngineConfig:
                                       max_model_len=max_model_len),
             parallel=ParallelConfig(data_parallel_size=data_parallel_size,
                                     tensor_parallel_size=tensor_parallel_size),
+            attention=AttentionConfig(backend=attention_backend),
             compilation_cache_dir=compilation_cache_dir,
             precompile=precompile,
         )

@@ -26,7 +26,8 @@ class LLM:
     With no model, loads the built-in default model (jaxserve.default_model_path()).
     Takes vLLM's engine arguments (model, tokenizer, dtype, max_model_len, max_num_seqs,
     max_num_batched_tokens, block_size, gpu_memory_utilization, seed, ...) plus
-    num_kv_blocks to fix the KV cache size.
+    num_kv_blocks to fix the KV cache size and attention_backend ("auto", "pallas",
+    "reference", "interpret", "interpret-gpu") to choose the attention implementation.
     """
 
     def __init__(self, model: str | None = None, **engine_args) -> None:

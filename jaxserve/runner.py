@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import logging
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jaxserve.batch import Batch, SamplingInputs
-from jaxserve.config import EngineConfig
+from jaxserve.config import ATTENTION_BACKENDS, EngineConfig
 from jaxserve.input_builder import build_step_inputs
 from jaxserve.kernels_pallas import cpu_attention, ref
 from jaxserve.kernels_pallas.ref import token_layout
@@ -101,12 +102,61 @@ class InFlightStep:
     num_rows: int
 
 
-def attention_for(platform: str):
-    """The ragged paged attention for a backend: the XLA:CPU-tuned version on the CPU, the
-    pure-JAX reference elsewhere (until the Pallas kernels land). Both compute the same
-    function (tests/test_ref_attention.py checks them against one oracle)."""
-    return cpu_attention.ragged_paged_attention if platform == "cpu" else \
-        ref.ragged_paged_attention
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def attention_for(backend: str, platform: str, head_dim: int | None = None) -> Callable:
+    """The ragged paged attention for an attention_backend setting on a JAX platform.
+
+    auto takes the platform's Pallas kernel on TPU and GPU, the XLA:CPU-tuned cpu_attention on
+    the CPU, and the reference elsewhere (also on a GPU for a head_dim its kernel cannot
+    tile). Every choice computes the reference's function (tests/test_ref_attention.py and the
+    kernel tests check them against it). Raises ValueError for pallas on a platform (or
+    head_dim) without a kernel.
+    """
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                         f"got {backend!r}.")
+    kernel = "tpu" if platform == "tpu" else "gpu" if platform in _GPU_PLATFORMS else None
+    if backend == "pallas" and kernel is None:
+        raise ValueError(
+            f"attention_backend='pallas' needs a TPU or GPU, but the engine runs on {platform}. "
+            "Use 'interpret' (the TPU kernel in Pallas interpret mode; 'interpret-gpu' for the "
+            "GPU kernel; both slow), 'reference' (the pure-JAX reference) or 'auto'.")
+    if kernel == "gpu" and head_dim is not None and backend in ("auto", "pallas"):
+        from jaxserve.kernels_pallas import gpu_ragged_paged_attention
+
+        if not gpu_ragged_paged_attention.supports(head_dim):
+            if backend == "pallas":
+                raise ValueError(f"The GPU kernel needs a power-of-two head_dim >= 16; this model "
+                                 f"has {head_dim}. Use attention_backend='reference' or 'auto'.")
+            logger.info("Attention: the GPU kernel cannot tile head_dim %d.", head_dim)
+            kernel = None
+    if backend in ("auto", "pallas"):
+        impl = kernel or ("cpu" if platform == "cpu" else "reference")
+    elif backend == "reference":
+        impl = "reference"
+    else:
+        impl = "gpu" if backend == "interpret-gpu" else "tpu"
+    fn, name = _implementation(impl, interpret=backend.startswith("interpret"))
+    logger.info("Attention: %s (attention_backend=%s on %s).", name, backend, platform)
+    return fn
+
+
+def _implementation(impl: str, *, interpret: bool) -> tuple[Callable, str]:
+    """One implementation and its name for the log. The Pallas kernel modules are imported
+    only when chosen, so that the other implementations never depend on them."""
+    if impl == "cpu":
+        return cpu_attention.ragged_paged_attention, "cpu_attention, the XLA:CPU-tuned pure JAX"
+    if impl == "reference":
+        return ref.ragged_paged_attention, "the pure-JAX reference (kernels_pallas/ref.py)"
+    if impl == "tpu":
+        from jaxserve.kernels_pallas import ragged_paged_attention as kernel
+    else:
+        from jaxserve.kernels_pallas import gpu_ragged_paged_attention as kernel
+    mode = "in Pallas interpret mode (slow)" if interpret else "compiled"
+    return (functools.partial(kernel.ragged_paged_attention, interpret=interpret),
+            f"the {impl.upper()} Pallas kernel ({kernel.__name__}), {mode}")
 
 
 def default_mesh() -> Mesh:
@@ -121,13 +171,15 @@ class ModelRunner:
         hf = config.model.hf_config
         resolve_architecture(hf)
         self.arch = LlamaArch.from_hf(hf)
+        # Chosen first: a backend the platform cannot run fails before the weights load.
+        self.attention_fn = attention_for(config.attention.backend,
+                                          self.mesh.devices.flat[0].platform, self.arch.head_dim)
         self.dtype, np_dtype = _DTYPES[config.model.dtype]
         abstract = nnx.eval_shape(lambda: LlamaForCausalLM(self.arch, self.dtype))
         model = load_params(abstract, config.model.model,
                             functools.partial(hf_param_path, arch=self.arch), np_dtype, self.mesh)
         self.graphdef, self.params = nnx.split(model)
         self.padding = PaddingStats()
-        self.attention_fn = attention_for(self.mesh.devices.flat[0].platform)
         self.block_size = config.cache.block_size
         self.blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.num_blocks = self._num_kv_blocks()

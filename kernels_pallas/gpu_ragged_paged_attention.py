@@ -8,7 +8,8 @@ paged cache through the block table (one vector load of C page ids, then a [C, S
 gather), scores [M, L] come from one tensor-core dot, and the online softmax state stays in
 registers.
 
-Decode-heavy buckets use small tiles and split each tile's context over `kv_splits`
+Decode-heavy buckets use one-token tiles (G query heads padded with zero heads to the 16
+rows a tensor-core dot needs) and split each tile's context over `kv_splits`
 programs (flash-decoding): every split writes its own normalised partial output and
 (m, l), and a few XLA ops outside merge them with the log-sum-exp rule, so a batch of one
 long sequence still fills the GPU. Prefill-heavy buckets use big tiles and one split, and
@@ -41,6 +42,12 @@ from jaxserve.kernels_pallas.kernel_layout import (
 )
 
 TARGET_PROGRAMS = 264  # two waves on an H100/H200 (132 SMs): enough to hide a split's tail
+MIN_DOT_ROWS = 16  # Triton's tl.dot needs every dimension >= 16
+
+
+def supports(head_dim: int) -> bool:
+    """Whether the kernel takes this head_dim (Triton tiles are powers of two >= 16)."""
+    return head_dim >= MIN_DOT_ROWS and not head_dim & (head_dim - 1)
 
 
 def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
@@ -50,15 +57,18 @@ def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
     num_tokens, num_heads, head_dim = q.shape
     num_pages, block_size, num_kv_heads, _ = k_cache.shape
     num_rows, width = batch.block_tables.shape
+    if not supports(head_dim):
+        raise ValueError(f"The GPU kernel needs a power-of-two head_dim >= 16, got {head_dim}; "
+                         "use attention_backend='reference' for this model.")
     group_p = padded_group(num_heads, num_kv_heads)
     sizes = block_sizes or default_block_sizes(
-        num_tokens, num_rows, block_size, min_rows=16, group_p=group_p,
+        num_tokens, num_rows, block_size, min_rows=1, group_p=group_p,
         num_kv_heads=num_kv_heads, target_programs=TARGET_PROGRAMS)
     tq, splits = sizes.q_tokens, sizes.kv_splits
+    # A tensor-core dot needs >= 16 rows: small tiles get zero query heads as filler rather
+    # than more tokens, so a decode tile still walks one sequence's pages, not 16 // G.
+    group_p = max(group_p, MIN_DOT_ROWS // tq)
     rows = tq * group_p
-    if rows < 16 or head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"the GPU kernel needs q_tokens * {group_p} >= 16 query rows and a "
-                         f"power-of-two head_dim >= 16; got {rows} rows, head_dim {head_dim}.")
     num_tiles = -(-num_tokens // tq)
     qg = group_queries(q, num_kv_heads, group_p, num_tiles * tq)  # [K, Tp*Gp, H]
     kernel = functools.partial(

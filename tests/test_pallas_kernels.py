@@ -88,12 +88,14 @@ def test_matrix(kind, block_size, ratio, head_dim, dtype, kernel):
     check(kernel, (q, k_cache, v_cache, batch), dtype)
 
 
-TILES = [BlockSizes(16, 1), BlockSizes(16, 2, kv_splits=4), BlockSizes(32, 4, kv_splits=2),
-         BlockSizes(64, 16)]
+# TPU tiles hold >= 8 rows (sublanes); the GPU's one-token decode tiles are its own.
+TILES = [("tpu", BlockSizes(8, 1)), ("tpu", BlockSizes(16, 2)), ("tpu", BlockSizes(64, 16)),
+         ("gpu", BlockSizes(1, 8, kv_splits=2)), ("gpu", BlockSizes(16, 1)),
+         ("gpu", BlockSizes(16, 2, kv_splits=4)), ("gpu", BlockSizes(32, 4, kv_splits=2))]
 
 
-@pytest.mark.parametrize("sizes", TILES, ids=str)
-def test_tile_sizes(sizes, kernel):
+@pytest.mark.parametrize("kernel,sizes", TILES, ids=lambda x: str(x))
+def test_tile_sizes(kernel, sizes):
     """Tiles spanning several sequences, one page per chunk or more pages than a context,
     context split over programs (GPU): all the same function."""
     rng = np.random.default_rng(sizes.q_tokens * sizes.pages_per_chunk)
@@ -108,7 +110,6 @@ def test_block_size_table():
     the GPU splits small batches' contexts, never a full one's."""
     decode = default_block_sizes(256, 256, 16, group_p=8)
     assert decode.q_tokens == 1 and decode.kv_splits == 1
-    assert default_block_sizes(256, 256, 16, min_rows=16, group_p=8).q_tokens == 2
     assert default_block_sizes(1024, 8, 16, group_p=4).q_tokens == 64
     single = default_block_sizes(16, 1, 16, min_rows=16, group_p=8, num_kv_heads=8,
                                  target_programs=264)
@@ -117,11 +118,11 @@ def test_block_size_table():
         BlockSizes(q_tokens=3, pages_per_chunk=8)
 
 
-def test_gpu_kernel_rejects_tiles_too_small_for_a_dot():
+def test_gpu_kernel_refuses_a_head_dim_triton_cannot_tile():
     rng = np.random.default_rng(0)
-    case = make_case(rng, [(1, 20)], block_size=16, num_kv_heads=1, num_heads=1, head_dim=64)
-    with pytest.raises(ValueError, match=">= 16 query rows"):
-        KERNELS["gpu"](*case, scale=0.125, interpret=True, block_sizes=BlockSizes(8, 8))
+    case = make_case(rng, [(1, 20)], block_size=16, num_kv_heads=1, num_heads=1, head_dim=80)
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        KERNELS["gpu"](*case, scale=0.125, interpret=True)
 
 
 # ----------------------------------------------------------------------------- lowering

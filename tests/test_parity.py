@@ -44,9 +44,10 @@ def hf_reference(tiny_checkpoints, checkpoint_script):
     return prompts, {arch: hf_greedy(tiny_checkpoints[arch], prompts) for arch in ARCHS}
 
 
-def run_jaxserve(folder, prompts, **engine_args) -> tuple[list[list[int]], LLM]:
+def run_jaxserve(folder, prompts, new_tokens=NEW_TOKENS,
+                 **engine_args) -> tuple[list[list[int]], LLM]:
     llm = LLM(str(folder), dtype="float32", max_model_len=256, precompile=False, **engine_args)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
     return [o.outputs[0].token_ids for o in outputs], llm

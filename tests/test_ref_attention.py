@@ -210,3 +210,38 @@ def test_write_then_attend(impl):
     got = JITTED[impl](q, k_cache, v_cache, batch, scale=0.125)
     want = numpy_attention(q, k_cache, v_cache, batch, scale=0.125, dense_kv=dense)
     assert_close(got, want, batch, "float32")
+
+
+def test_write_kv_updates_donated_caches_in_place():
+    """With the caches donated (as the runner's step does), the scatter writes into the same
+    buffers: the compiled program aliases them and the output keeps the input's address,
+    so a step never copies the whole cache."""
+    rng = np.random.default_rng(19)
+    q, k_cache, v_cache, batch = make_case(rng, [(1, 33), (12, 20)], block_size=16,
+                                           num_kv_heads=2, num_heads=4, head_dim=64,
+                                           num_pages=4096)  # 32 MiB per cache
+    T = q.shape[0]
+    k_new = jnp.asarray(rng.standard_normal((T, 2, 64)), jnp.float32)
+    write = jax.jit(write_kv, donate_argnums=(0, 1))
+    compiled = write.lower(k_cache, v_cache, k_new, k_new, batch.slot_mapping).compile()
+    assert "input_output_alias" in compiled.as_text()
+    addresses = (k_cache.unsafe_buffer_pointer(), v_cache.unsafe_buffer_pointer())
+    k_out, v_out = write(k_cache, v_cache, k_new, k_new, batch.slot_mapping)
+    assert (k_out.unsafe_buffer_pointer(), v_out.unsafe_buffer_pointer()) == addresses
+    assert k_cache.is_deleted() and v_cache.is_deleted()
+
+
+def test_engine_steps_keep_the_cache_buffers(tiny_checkpoint):
+    """The runner's step donates the caches, so every layer's K/V cache stays at its
+    address through prefill and decode steps: no step copies a cache."""
+    from jaxserve import LLM, SamplingParams
+
+    llm = LLM(str(tiny_checkpoint), dtype="float32", max_model_len=128, precompile=False)
+
+    def addresses():
+        return [a.unsafe_buffer_pointer() for pair in llm.engine.runner.kv_caches for a in pair]
+
+    before = addresses()
+    llm.generate(["a prompt of a few words", "another"],
+                 SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert addresses() == before
