@@ -65,6 +65,12 @@ def read_safetensors(path: Path):
         yield name, data[start:end].view(dtype).reshape(info["shape"])
 
 
+def place(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A host array onto its sharding, each device taking only its slice. With several
+    processes (multi-host) every process holds the same value and fills its own devices."""
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
 def load_params(abstract_model: nnx.Module, folder: str | Path, path_of, dtype, mesh: Mesh,
                 spec_of=lambda path: PartitionSpec()) -> nnx.Module:
     """Fill an abstract (eval_shape'd) model with the checkpoint's tensors.
@@ -98,7 +104,7 @@ def load_params(abstract_model: nnx.Module, folder: str | Path, path_of, dtype, 
                 if value.shape != want:
                     raise ValueError(f"{file.name}: tensor {name!r} has shape {array.shape}, "
                                      f"which does not fit {want} from config.json.")
-                loaded[path] = jax.device_put(value, NamedSharding(mesh, spec_of(path)))
+                loaded[path] = place(value, NamedSharding(mesh, spec_of(path)))
     missing = sorted(set(expected) - set(loaded))
     if missing:
         names = ", ".join(".".join(map(str, p)) for p in missing[:5])
