@@ -28,10 +28,58 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         default=True, help="reuse the KV cache of shared prompt prefixes "
                         "(default: on; --no-enable-prefix-caching turns it off)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mesh", default=None,
+                        help="device mesh DATAxMODEL, e.g. 2x4 (or data=2,model=4): DATA "
+                        "replicas, each tensor-parallel over MODEL devices (default 1x1)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="vLLM's name for the model axis of --mesh")
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="vLLM's name for the data axis of --mesh")
+    parser.add_argument("--expert-parallel", action="store_true",
+                        help="MoE models: split whole experts over the model axis instead of "
+                        "splitting every expert")
     parser.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
                         help="auto (default): the Pallas kernel on TPU/GPU, XLA:CPU-tuned JAX "
                         "on the CPU; pallas; reference (pure JAX); interpret / interpret-gpu "
                         "(the TPU / GPU kernel in Pallas interpret mode, slow)")
+
+
+def add_distributed_args(parser: argparse.ArgumentParser) -> None:
+    """Multi-host flags (jaxserve/distributed.py): the same command runs on every host."""
+    parser.add_argument("--coordinator", default=None,
+                        help="multi-host: host 0's HOST:PORT, where the hosts meet")
+    parser.add_argument("--num-hosts", type=int, default=None, help="multi-host: host count")
+    parser.add_argument("--host-id", type=int, default=None,
+                        help="multi-host: this host's index, 0 serves and schedules")
+    parser.add_argument("--multi-host", action="store_true",
+                        help="multi-host with the hosts found by JAX itself (a Cloud TPU pod "
+                        "slice, or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / "
+                        "JAX_PROCESS_ID)")
+
+
+def _join_hosts(args: argparse.Namespace, model: str | None):
+    """Multi-host: join the other hosts and, on a host other than 0, run host 0's steps.
+
+    Returns None on a single host, else (the EngineConfig, whether this host leads)."""
+    named = (args.coordinator, args.num_hosts, args.host_id)
+    if not args.multi_host and named == (None, None, None):
+        return None
+    from jaxserve import resolve_model
+    from jaxserve.config import EngineConfig
+    from jaxserve.distributed import initialize, is_leader, run_worker
+
+    initialize(args.coordinator, args.num_hosts, args.host_id)
+    import jax
+
+    config = EngineConfig.create(resolve_model(model, logging.getLogger("jaxserve")),
+                                 on_accelerator=jax.default_backend() != "cpu",
+                                 **engine_kwargs(args))
+    if config.parallel.data_parallel_size != 1:
+        raise ValueError("A multi-host run is one replica over every host's devices: use "
+                         f"--mesh 1x{jax.device_count()}.")
+    if not is_leader():
+        run_worker(config)
+    return config, is_leader()
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -40,13 +88,16 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
                 enable_prefix_caching=args.enable_prefix_caching,
-                attention_backend=args.attention_backend)
+                attention_backend=args.attention_backend, mesh=args.mesh,
+                tensor_parallel_size=args.tensor_parallel_size,
+                data_parallel_size=args.data_parallel_size, expert_parallel=args.expert_parallel)
 
 
 def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate completions for prompts (offline)",
                        description="Generate completions offline and print them.")
     add_engine_args(p)
+    add_distributed_args(p)
     p.add_argument("prompts", nargs="*", help="prompt strings")
     p.add_argument("--prompts-file", help="a file with one prompt per line ('-' for stdin)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat turn")
@@ -84,11 +135,17 @@ def _run_generate(args: argparse.Namespace) -> int:
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty, seed=args.sample_seed, stop=args.stop,
         ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+    hosts = _join_hosts(args, args.model)
+    if hosts is not None and not hosts[1]:
+        return 0  # a worker host: it ran host 0's steps until host 0 finished
     llm = LLM(args.model, **engine_kwargs(args))  # None: the built-in model
-    if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
-    else:
-        outputs = llm.generate(prompts, params)
+    try:
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        else:
+            outputs = llm.generate(prompts, params)
+    finally:
+        llm.engine.runner.close()  # multi-host: release the worker hosts
     for prompt, output in zip(prompts, outputs):
         if args.json:
             print(json.dumps({"prompt": prompt, "outputs": [
@@ -106,6 +163,7 @@ def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
                        description="Serve /v1/completions, /v1/chat/completions and friends.")
     add_engine_args(p)
+    add_distributed_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None,
@@ -142,9 +200,54 @@ def _run_serve(args: argparse.Namespace) -> int:
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
         shutdown_timeout=args.shutdown_timeout, limits=RequestLimits(max_n=args.max_n))
+    hosts = _join_hosts(args, args.model)
+    if hosts is not None and not hosts[1]:
+        return 0  # a worker host: it ran host 0's steps until host 0 stopped
     engine_config = EngineConfig.create(model, on_accelerator=jax.default_backend() != "cpu",
                                         **engine_kwargs(args))
     return serve(engine_config, server_config, args.log_level)
+
+
+def _plan_parser(sub) -> None:
+    p = sub.add_parser(
+        "plan", help="per-device memory, KV blocks and compile buckets, without loading weights",
+        description="Print what the engine would place on each device for a model folder "
+        "(only its config.json is read), a mesh and a per-device memory size: weight and KV "
+        "bytes, KV blocks, concurrency at max_model_len, compile buckets. Runs on the CPU; no "
+        "accelerator is touched. Defaults are the engine's on an accelerator.")
+    add_engine_args(p)
+    p.add_argument("--device-memory", required=True, type=_device_memory, metavar="SIZE",
+                   help="memory of one device: 16GiB or 16G (binary), 80GB (decimal), 16e9 "
+                   "(bytes)")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.set_defaults(func=_run_plan)
+
+
+def _device_memory(text: str) -> int:
+    from jaxserve.plan import parse_bytes  # no jax at import
+
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    # Pinned before anything initialises a JAX backend: the plan is abstract (nnx.eval_shape)
+    # and must not claim an accelerator that a running server may be using.
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+
+    from jaxserve import resolve_model
+    from jaxserve.config import EngineConfig
+    from jaxserve.plan import format_plan, make_plan, plan_dict
+
+    model = resolve_model(args.model, logging.getLogger("jaxserve.plan"))
+    config = EngineConfig.create(model, on_accelerator=True, **engine_kwargs(args))
+    plan = make_plan(config, args.device_memory)
+    print(json.dumps(plan_dict(plan), indent=2) if args.json else format_plan(plan))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
+    _plan_parser(sub)
     return parser
 
 

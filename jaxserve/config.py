@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+from jaxserve.mesh import MeshShape, ModelDims, parse_mesh, plan_sharding
 from jaxserve.models import resolve_architecture
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -105,15 +106,19 @@ class SchedulerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """Device placement. One device for now: every array still goes through a Mesh, so that
-    sharding later only adds partition specs."""
+    """Device placement: the (data, model) mesh (jaxserve/mesh.py) and whether MoE experts are
+    split whole over the model axis (expert parallelism) instead of inside each expert."""
 
-    data_parallel_size: int = 1
-    tensor_parallel_size: int = 1
+    mesh: MeshShape = MeshShape()
+    expert_parallel: bool = False
 
-    def __post_init__(self) -> None:
-        if self.data_parallel_size != 1 or self.tensor_parallel_size != 1:
-            raise ValueError("Only a single-device mesh (1x1) is supported in this version.")
+    @property
+    def data_parallel_size(self) -> int:
+        return self.mesh.data
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.mesh.model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,8 +165,10 @@ class EngineConfig:
         enable_prefix_caching: bool = True,
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
+        mesh: str | MeshShape | None = None,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
+        expert_parallel: bool = False,
         attention_backend: str = "auto",
         compilation_cache_dir: str | None = "default",
         precompile: bool = True,
@@ -196,12 +203,31 @@ class EngineConfig:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len),
-            parallel=ParallelConfig(data_parallel_size=data_parallel_size,
-                                    tensor_parallel_size=tensor_parallel_size),
+            parallel=_parallel_config(hf_config, mesh, data_parallel_size,
+                                      tensor_parallel_size, expert_parallel),
             attention=AttentionConfig(backend=attention_backend),
             compilation_cache_dir=compilation_cache_dir,
             precompile=precompile,
         )
+
+
+def _parallel_config(hf_config: dict, mesh, data_parallel_size: int, tensor_parallel_size: int,
+                     expert_parallel: bool) -> ParallelConfig:
+    """The mesh from `mesh` or vLLM's data/tensor_parallel_size, checked against the model
+    now (heads, kv heads, widths, experts), so a bad split fails before anything loads."""
+    sizes = MeshShape(data_parallel_size, tensor_parallel_size)
+    shape = parse_mesh(mesh) if mesh is not None else parse_mesh(sizes)
+    if mesh is not None and sizes != MeshShape() and sizes != shape:
+        raise ValueError(f"mesh={str(mesh)!r} contradicts data_parallel_size="
+                         f"{data_parallel_size} / tensor_parallel_size={tensor_parallel_size}; "
+                         "give one of them.")
+    if not isinstance(expert_parallel, bool):
+        raise ValueError(f"expert_parallel must be True or False, got {expert_parallel!r}.")
+    dims = ModelDims.from_hf(hf_config)
+    if expert_parallel and not dims.num_experts:
+        raise ValueError("expert_parallel needs a mixture-of-experts model; this one is dense.")
+    plan_sharding(dims, shape.model, expert_parallel)  # raises with the sizes that work
+    return ParallelConfig(mesh=shape, expert_parallel=expert_parallel)
 
 
 def read_hf_config(model: str | os.PathLike) -> dict:

@@ -21,7 +21,7 @@ from jaxserve.input_builder import MAX_BANNED_IDS
 from jaxserve.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.request import Request, RequestStatus
-from jaxserve.runner import ModelRunner
+from jaxserve.runner import ModelRunner, replica_mesh
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.tokenizer import load_tokenizer
@@ -47,14 +47,16 @@ class _Tracked:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
-        """runner: the device side; built from config when not given (benchmarks pass a
-        null runner to measure the host side alone)."""
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None,
+                 rank: int = 0) -> None:
+        """runner: the device side; built from config on data-parallel replica `rank`'s
+        devices when not given (benchmarks pass a null runner to measure the host side)."""
         install_counter()
         enable_persistent_cache(config.compilation_cache_dir)
         self.config = config
         self.tokenizer = load_tokenizer(config.model.tokenizer)
-        self.runner = runner if runner is not None else ModelRunner(config)
+        self.runner = runner if runner is not None else ModelRunner(
+            config, replica_mesh(config, rank))
         self.eos_token_ids = frozenset(_eos_token_ids(config, self.tokenizer))
         blocks, size = self.runner.num_blocks, config.cache.block_size
         self.kv_cache = KVCacheManager(blocks, size,
@@ -159,6 +161,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._tracked)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._tracked)
 
     # ---- one step -----------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from jaxserve import resolve_model
 from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.data_parallel import create_engine
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import apply_chat_template
@@ -42,7 +42,7 @@ class LLM:
             raise ValueError(f"Unsupported engine argument(s) {', '.join(unknown)}; jaxserve "
                              f"accepts {', '.join(sorted(accepted))}.")
         config = EngineConfig.create(model, on_accelerator=on_accelerator, **engine_args)
-        self.engine = LLMEngine(config)
+        self.engine = create_engine(config)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -29,13 +29,24 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
+from jaxserve.attend import make_attend
 from jaxserve.batch import Batch, SamplingInputs
 from jaxserve.config import ATTENTION_BACKENDS, EngineConfig
+from jaxserve.distributed import StepChannel, is_leader
 from jaxserve.input_builder import build_step_inputs
 from jaxserve.kernels_pallas import cpu_attention, ref
 from jaxserve.kernels_pallas.ref import token_layout
-from jaxserve.models import resolve_architecture
-from jaxserve.models.llama import LlamaArch, LlamaForCausalLM, hf_param_path
+from jaxserve.mesh import (
+    AXES,
+    KV_CACHE_SPEC,
+    MODEL,
+    ModelDims,
+    check_devices,
+    param_spec,
+    plan_sharding,
+)
+from jaxserve.models import model_family
+from jaxserve.models.mixtral import expert_parallel
 from jaxserve.packing import Layout, layout_of, pack, pack_device, unpack, unpack_host
 from jaxserve.sampler import (
     PenaltyState,
@@ -47,7 +58,7 @@ from jaxserve.sampler import (
 )
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.scheduler import SchedulerOutput
-from jaxserve.weights import load_params
+from jaxserve.weights import load_params, place
 
 logger = logging.getLogger(__name__)
 
@@ -159,47 +170,83 @@ def _implementation(impl: str, *, interpret: bool) -> tuple[Callable, str]:
             f"the {impl.upper()} Pallas kernel ({kernel.__name__}), {mode}")
 
 
-def default_mesh() -> Mesh:
-    return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+def replica_mesh(config: EngineConfig, rank: int = 0) -> Mesh:
+    """The (1, model) mesh of data-parallel replica `rank`: the rank-th run of `model`
+    devices. Checks first that the configured mesh fits the devices there are."""
+    parallel = config.parallel
+    devices = jax.devices()
+    check_devices(parallel.mesh, len(devices), ModelDims.from_hf(config.model.hf_config),
+                  parallel.expert_parallel)
+    model = parallel.mesh.model
+    mine = devices[rank * model:(rank + 1) * model]
+    return Mesh(np.array(mine).reshape(1, model), AXES)
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, mesh: Mesh | None = None) -> None:
+        """mesh: this replica's (1, model) mesh; replica 0's when not given."""
         self.config = config
-        self.mesh = mesh or default_mesh()
+        self.mesh = mesh or replica_mesh(config)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.local_device = next(d for d in self.mesh.devices.flat
+                                 if d.process_index == jax.process_index())
+        self.channel = StepChannel() if jax.process_count() > 1 else None
         hf = config.model.hf_config
-        resolve_architecture(hf)
-        self.arch = LlamaArch.from_hf(hf)
+        family = model_family(hf)
+        self.plan = plan_sharding(ModelDims.from_hf(hf), self.mesh.shape[MODEL],
+                                  config.parallel.expert_parallel)
+        self.arch = dataclasses.replace(family.arch_from_hf(hf), num_kv_heads=self.plan.kv_heads,
+                                        kv_replicas=self.plan.kv_replicas)
         # Chosen first: a backend the platform cannot run fails before the weights load.
         self.attention_fn = attention_for(config.attention.backend,
                                           self.mesh.devices.flat[0].platform, self.arch.head_dim)
         self.dtype, np_dtype = _DTYPES[config.model.dtype]
-        abstract = nnx.eval_shape(lambda: LlamaForCausalLM(self.arch, self.dtype))
+        options = {}
+        if config.parallel.expert_parallel:  # whole experts per device, summed over `model`
+            options["moe_fn"] = expert_parallel(self.mesh, MODEL)
+        abstract = nnx.eval_shape(lambda: family.model_cls(self.arch, self.dtype, **options))
         model = load_params(abstract, config.model.model,
-                            functools.partial(hf_param_path, arch=self.arch), np_dtype, self.mesh)
+                            functools.partial(family.param_path, arch=self.arch), np_dtype,
+                            self.mesh,
+                            lambda path: PartitionSpec(*param_spec(path, self.plan)))
+        self.attend = make_attend(self.attention_fn, self.mesh)
         self.graphdef, self.params = nnx.split(model)
+        self._log_placement()
         self.padding = PaddingStats()
         self.block_size = config.cache.block_size
         self.blocks_per_seq = -(-config.model.max_model_len // self.block_size)
-        self.num_blocks = self._num_kv_blocks()
-        shape = (self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
-        self.kv_caches = [(jnp.zeros(shape, self.dtype, device=self.replicated),
-                           jnp.zeros(shape, self.dtype, device=self.replicated))
-                          for _ in range(self.arch.num_layers)]
+        # Before sizing the KV cache, so that the device's bytes in use count it.
         self.penalty_state = PenaltyState.zeros(config.scheduler.max_num_seqs + 1,
                                                 self.arch.vocab_size, self.replicated)
+        self.num_blocks = self._num_kv_blocks()
+        shape = (self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        zeros = jax.jit(functools.partial(jnp.zeros, shape, self.dtype),
+                        out_shardings=NamedSharding(self.mesh, PartitionSpec(*KV_CACHE_SPEC)))
+        self.kv_caches = [(zeros(), zeros()) for _ in range(self.arch.num_layers)]
         self._step = jax.jit(self._step_fn, donate_argnums=(1, 2), static_argnames=("layout",))
         self._score = jax.jit(self._score_fn)
         self._compiled: dict = {}
         self._compiled_score: dict = {}
 
     # ---- sizing -------------------------------------------------------------------------
+    def _log_placement(self) -> None:
+        """The split and the weight bytes one device holds (`jaxserve plan` predicts both)."""
+        held = sum(shard.data.nbytes for leaf in jax.tree.leaves(self.params)
+                   for shard in leaf.addressable_shards if shard.device == self.local_device)
+        plan, arch = self.plan, self.arch
+        logger.info("Mesh %s: model axis %d; kv heads %d -> %d (%d per device); embeddings "
+                    "split on %s; weights %.2f MiB per device.",
+                    self.config.parallel.mesh, plan.model, arch.num_kv_heads // plan.kv_replicas,
+                    plan.kv_heads, plan.kv_heads_per_device, plan.embed_axis or "nothing",
+                    held / 2**20)
+
     @property
     def bytes_per_block(self) -> int:
+        """KV bytes of one block on each device (its share of the kv heads)."""
         a = self.arch
         itemsize = jnp.dtype(self.dtype).itemsize
-        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * itemsize
+        return (2 * a.num_layers * self.block_size * self.plan.kv_heads_per_device * a.head_dim
+                * itemsize)
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
@@ -207,7 +254,7 @@ class ModelRunner:
         if cache.num_kv_blocks is not None:
             blocks = cache.num_kv_blocks
         else:
-            stats = self.mesh.devices.flat[0].memory_stats() or {}
+            stats = self.local_device.memory_stats() or {}
             if cache.kv_cache_memory_bytes is not None:
                 budget = cache.kv_cache_memory_bytes
             elif "bytes_limit" in stats:
@@ -219,6 +266,8 @@ class ModelRunner:
             if "bytes_limit" not in stats:
                 # Host memory: no point holding more than every sequence can use at once.
                 blocks = min(blocks, self.config.scheduler.max_num_seqs * self.blocks_per_seq + 1)
+        if self.channel is not None:  # every host must build the same cache shape
+            blocks = self.channel.share(blocks)
         if blocks < needed:
             raise ValueError(
                 f"The KV cache has room for {blocks} blocks of {self.block_size} tokens, but one "
@@ -233,8 +282,11 @@ class ModelRunner:
         batch = Batch(**{f: arrays.pop(f) for f in _BATCH_FIELDS})
         sampling = SamplingInputs(**arrays)
         model = nnx.merge(self.graphdef, params)
-        kv_caches, hidden = model(kv_caches, batch, self.attention_fn)
-        logits = model.logits(hidden[batch.logits_indices])  # f32[R, V]
+        kv_caches, hidden = model(kv_caches, batch, self.attend)
+        hidden = jax.lax.with_sharding_constraint(hidden, self.replicated)  # [T, D]
+        # The sampler sees the whole vocabulary on every device.
+        logits = jax.lax.with_sharding_constraint(
+            model.logits(hidden[batch.logits_indices]), self.replicated)  # f32[R, V]
         seq, _, valid = token_layout(batch, batch.token_ids.shape[0])
         # The penalty rows are only read by requests with penalties, which are in the
         # steps that update them: other steps skip the scatter.
@@ -304,23 +356,53 @@ class ModelRunner:
                             num_rows)
         batch, sampling = build_step_inputs(out, num_tokens, num_rows, self.block_size,
                                             self.blocks_per_seq)
-        packed = jax.device_put(pack({**batch, **sampling}), self.replicated)
-        step = self._compiled.get((num_tokens, num_rows)) or self._compile_step(num_tokens,
-                                                                                num_rows)
-        self.kv_caches, self.penalty_state, hidden, result = step(
-            self.params, self.kv_caches, self.penalty_state, packed)
-        scores = None
+        packed = pack({**batch, **sampling})
+        targets = None
         if score_targets is not None:
             targets = np.zeros(num_tokens, np.int32)
             targets[: len(score_targets)] = np.maximum(score_targets, 0)
+        if self.channel is not None:  # multi-host: the other hosts run the same step
+            self.channel.send(num_tokens, num_rows, packed, targets)
+        return self._run(num_tokens, num_rows, packed, targets)
+
+    def _run(self, num_tokens: int, num_rows: int, packed: np.ndarray,
+             targets: np.ndarray | None) -> InFlightStep:
+        """Launch the compiled step (and prompt scoring) on packed host inputs."""
+        step = self._compiled.get((num_tokens, num_rows)) or self._compile_step(num_tokens,
+                                                                                num_rows)
+        self.kv_caches, self.penalty_state, hidden, result = step(
+            self.params, self.kv_caches, self.penalty_state, place(packed, self.replicated))
+        scores = None
+        if targets is not None:
             score = self._compiled_score.get(num_tokens) or self._compile_score(num_tokens)
-            scores = score(self.params, hidden, jax.device_put(targets, self.replicated))
+            scores = score(self.params, hidden, place(targets, self.replicated))
         return InFlightStep(result, scores, num_tokens, num_rows)
+
+    def follow(self) -> int:
+        """A non-zero host's loop: run host 0's steps until it says stop; the step count."""
+        steps = 0
+        while (message := self.channel.receive()) is not None:
+            jax.block_until_ready(self._run(*message).result)
+            steps += 1
+        return steps
+
+    def close(self) -> None:
+        """Host 0 of a multi-host run: tell the other hosts to stop following."""
+        if self.channel is not None and is_leader():
+            self.channel.send_stop()
+            self.channel = None
 
     def fetch(self, step: InFlightStep) -> StepResult:
         """Wait for a dispatched step; its results in one device-to-host transfer."""
-        result, scores = jax.device_get((step.result, step.scores))
+        result, scores = jax.device_get((_local(step.result), _local(step.scores)))
         result = unpack_host(result, self._result_like(step.num_rows))
         if scores is not None:
             scores = unpack_host(scores, self._result_like(step.num_tokens))
         return StepResult(result, scores)
+
+
+def _local(array: jax.Array | None) -> jax.Array | None:
+    """A replicated result as one array this process can read (multi-host: its own copy)."""
+    if array is None or array.is_fully_addressable:
+        return array
+    return array.addressable_data(0)

@@ -71,16 +71,31 @@ def place(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
+def _targets(target) -> list[tuple]:
+    """path_of's answer as a list of (path, transform, expert index or None)."""
+    if target is None:
+        return []
+    if isinstance(target, list):
+        return [t for one in target for t in _targets(one)]
+    path, transform, *index = target
+    return [(path, transform, index[0] if index else None)]
+
+
 def load_params(abstract_model: nnx.Module, folder: str | Path, path_of, dtype, mesh: Mesh,
                 spec_of=lambda path: PartitionSpec()) -> nnx.Module:
     """Fill an abstract (eval_shape'd) model with the checkpoint's tensors.
 
-    path_of(name) -> (param path, transform) or None (skip); raises KeyError for unknown names.
+    path_of(name) -> None (skip), (param path, transform), (param path, transform, index) for
+    slice `index` of the parameter's first axis (per-expert tensors stacked into one [E, ...]
+    parameter), or a list of such targets (one fused tensor feeding several parameters);
+    raises KeyError for unknown names. A stacked parameter is staged in one host array and
+    placed once all its slices have arrived.
     spec_of(path) -> PartitionSpec for that parameter on `mesh`.
     """
     graphdef, state = nnx.split(abstract_model)
     expected = {tuple(path): var for path, var in nnx.to_flat_state(state)}
     loaded: dict[tuple, jax.Array] = {}
+    staged: dict[tuple, tuple[np.ndarray, set]] = {}  # path -> (stack, slices filled)
     files = safetensors_files(folder)
     total = sum(len(_read_header(f)[1]) for f in files)
     with tqdm(total=total, desc="Loading weights", unit="tensor") as bar:
@@ -88,23 +103,28 @@ def load_params(abstract_model: nnx.Module, folder: str | Path, path_of, dtype, 
             for name, array in read_safetensors(file):
                 bar.update(1)
                 try:
-                    target = path_of(name)
+                    targets = _targets(path_of(name))
                 except KeyError:
                     raise ValueError(f"{file.name}: unexpected tensor {name!r} for this "
                                      "architecture; the checkpoint does not match its "
                                      "config.json.") from None
-                if target is None:
-                    continue
-                path, transform = target
-                if path not in expected:
-                    raise ValueError(f"{file.name}: tensor {name!r} has no place in the model "
-                                     "built from config.json.")
-                value = np.asarray(transform(array) if transform else array).astype(dtype)
-                want = expected[path].get_value().shape
-                if value.shape != want:
-                    raise ValueError(f"{file.name}: tensor {name!r} has shape {array.shape}, "
-                                     f"which does not fit {want} from config.json.")
-                loaded[path] = place(value, NamedSharding(mesh, spec_of(path)))
+                for path, transform, index in targets:
+                    if path not in expected:
+                        raise ValueError(f"{file.name}: tensor {name!r} has no place in the "
+                                         "model built from config.json.")
+                    value = np.asarray(transform(array) if transform else array).astype(dtype)
+                    want = expected[path].get_value().shape
+                    if index is not None:
+                        want = want[1:]
+                    if value.shape != want:
+                        raise ValueError(f"{file.name}: tensor {name!r} has shape {array.shape}, "
+                                         f"which does not fit {want} from config.json.")
+                    if index is not None:
+                        value = _stage(staged, path, value, index, expected[path].get_value().shape,
+                                       f"{file.name}: tensor {name!r}")
+                        if value is None:
+                            continue
+                    loaded[path] = place(value, NamedSharding(mesh, spec_of(path)))
     missing = sorted(set(expected) - set(loaded))
     if missing:
         names = ", ".join(".".join(map(str, p)) for p in missing[:5])
@@ -113,3 +133,17 @@ def load_params(abstract_model: nnx.Module, folder: str | Path, path_of, dtype, 
     flat = [(path, var.replace(loaded[path])) for path, var in nnx.to_flat_state(state)]
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
+
+def _stage(staged: dict, path: tuple, value: np.ndarray, index: int, shape: tuple, where: str):
+    """Put one slice of a stacked parameter into its host staging array; the whole stack
+    (and the staging array released) once every slice has arrived, else None."""
+    if not 0 <= index < shape[0]:
+        raise ValueError(f"{where} is slice (expert) {index} of a parameter that has "
+                         f"{shape[0]} from config.json.")
+    stack, filled = staged.setdefault(path, (np.empty(shape, value.dtype), set()))
+    stack[index] = value
+    filled.add(index)
+    if len(filled) < shape[0]:
+        return None
+    del staged[path]
+    return stack

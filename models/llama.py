@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.kernels_pallas.ref import write_kv
+from jaxserve.kernels_pallas.ref import ragged_paged_attention, write_kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,7 @@ class LlamaArch:
     qk_norm: bool
     tie_word_embeddings: bool
     sliding_windows: tuple  # per layer: window length or None
+    kv_replicas: int = 1  # each checkpoint kv head repeated this often (num_kv_heads counts them)
 
     @classmethod
     def from_hf(cls, hf: dict) -> LlamaArch:
@@ -139,7 +140,7 @@ class Attention(nnx.Module):
         self.scale = h ** -0.5
         self.window = arch.sliding_windows[layer]
 
-    def __call__(self, x, cos, sin, kv_cache, batch, attention_fn):
+    def __call__(self, x, cos, sin, kv_cache, batch, attend):
         q = jnp.einsum("td,dnh->tnh", x, self.wq[...])
         k = jnp.einsum("td,dkh->tkh", x, self.wk[...])
         v = jnp.einsum("td,dkh->tkh", x, self.wv[...])
@@ -148,10 +149,9 @@ class Attention(nnx.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = write_kv(*kv_cache, k, v, batch.slot_mapping)
-        out = attention_fn(q, k_cache, v_cache, batch, scale=self.scale,
-                           sliding_window=self.window)
-        return jnp.einsum("tnh,nhd->td", out, self.wo[...]), (k_cache, v_cache)
+        out, kv_cache = attend(q, k, v, kv_cache, batch, scale=self.scale,
+                               sliding_window=self.window)
+        return jnp.einsum("tnh,nhd->td", out, self.wo[...]), kv_cache
 
 
 class MLP(nnx.Module):
@@ -173,9 +173,8 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp = MLP(arch, dtype)
 
-    def __call__(self, x, cos, sin, kv_cache, batch, attention_fn):
-        attn_out, kv_cache = self.attn(self.input_norm(x), cos, sin, kv_cache, batch,
-                                       attention_fn)
+    def __call__(self, x, cos, sin, kv_cache, batch, attend):
+        attn_out, kv_cache = self.attn(self.input_norm(x), cos, sin, kv_cache, batch, attend)
         x = x + attn_out
         return x + self.mlp(self.post_attention_norm(x)), kv_cache
 
@@ -189,8 +188,12 @@ class LlamaForCausalLM(nnx.Module):
         if not arch.tie_word_embeddings:
             self.lm_head = nnx.Param(jnp.zeros((arch.vocab_size, arch.hidden_size), dtype))
 
-    def __call__(self, kv_caches: list, batch, attention_fn: Callable):
-        """Returns (updated per-layer (k, v) caches, final hidden states [T, D])."""
+    def __call__(self, kv_caches: list, batch, attend: Callable = None):
+        """Returns (updated per-layer (k, v) caches, final hidden states [T, D]).
+
+        attend(q, k, v, kv_cache, batch, scale=, sliding_window=) -> (out, kv_cache) writes a
+        layer's new K/V and attends (jaxserve/attend.py; the reference when not given)."""
+        attend = attend or reference_attend
         x = self.embed[...][batch.token_ids]
         inv_freq = rope_inv_freq(self.arch)  # a compile-time constant
         freqs = batch.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
@@ -198,7 +201,7 @@ class LlamaForCausalLM(nnx.Module):
         cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
         new_caches = []
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, kv_cache = layer(x, cos, sin, kv_cache, batch, attention_fn)
+            x, kv_cache = layer(x, cos, sin, kv_cache, batch, attend)
             new_caches.append(kv_cache)
         return new_caches, self.norm(x)
 
@@ -206,6 +209,14 @@ class LlamaForCausalLM(nnx.Module):
         """hidden: [X, D] -> f32[X, V]."""
         head = self.embed if self.arch.tie_word_embeddings else self.lm_head
         return jnp.einsum("xd,vd->xv", hidden, head[...]).astype(jnp.float32)
+
+
+def reference_attend(q, k, v, kv_cache, batch, *, scale, sliding_window=None):
+    """One device, the reference: write the step's K/V at slot_mapping, then attend."""
+    k_cache, v_cache = write_kv(*kv_cache, k, v, batch.slot_mapping)
+    out = ragged_paged_attention(q, k_cache, v_cache, batch, scale=scale,
+                                 sliding_window=sliding_window)
+    return out, (k_cache, v_cache)
 
 
 def hf_param_path(name: str, arch: LlamaArch):
@@ -225,7 +236,8 @@ def hf_param_path(name: str, arch: LlamaArch):
     if parts[0] != "layers":
         raise KeyError(name)
     layer, rest = int(parts[1]), ".".join(parts[2:])
-    heads_in = {"q": n, "k": k, "v": k}
+    heads_in = {"q": n, "k": k // arch.kv_replicas, "v": k // arch.kv_replicas}
+    repeat = {"q": 1, "k": arch.kv_replicas, "v": arch.kv_replicas}
     table = {
         "input_layernorm.weight": (("input_norm", "weight"), None),
         "post_attention_layernorm.weight": (("post_attention_norm", "weight"), None),
@@ -238,8 +250,10 @@ def hf_param_path(name: str, arch: LlamaArch):
     }
     for p, heads in heads_in.items():
         table[f"self_attn.{p}_proj.weight"] = (
-            ("attn", f"w{p}"), lambda w, heads=heads: w.T.reshape(d, heads, h))
+            ("attn", f"w{p}"),
+            lambda w, heads=heads, r=repeat[p]: np.repeat(w.T.reshape(d, heads, h), r, axis=1))
         table[f"self_attn.{p}_proj.bias"] = (
-            ("attn", f"b{p}"), lambda b, heads=heads: b.reshape(heads, h))
+            ("attn", f"b{p}"),
+            lambda b, heads=heads, r=repeat[p]: np.repeat(b.reshape(heads, h), r, axis=0))
     path, transform = table[rest]
     return ("layers", layer) + path, transform

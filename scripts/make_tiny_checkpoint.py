@@ -23,7 +23,7 @@ import tempfile
 import time
 import zlib
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|pad|>"
@@ -91,13 +91,56 @@ ARCH_CONFIGS = {
         use_sliding_window=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
+    # MoE: 8 experts, 8 query and 2 kv heads and widths divisible by 8, so that 1, 2, 4 and 8
+    # devices can shard experts and heads.
+    "mixtral": dict(
+        num_attention_heads=8,
+        head_dim=16,
+        intermediate_size=64,  # per expert
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "qwen2_moe": dict(  # layer 1 dense (mlp_only_layers); a gated shared expert; qkv bias
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        head_dim=16,
+        intermediate_size=128,  # dense layers
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "qwen3_moe": dict(  # top-3 of 8, renormalised; q/k norms
+        num_attention_heads=8,
+        head_dim=16,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=3,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
 }
 
 # Weight scales, as multiples of 1/sqrt(fan_in): large enough that attention is
 # far from uniform and greedy decoding has clear top-1/top-2 gaps.
 EMBED_STD = 0.3  # tied qwen2: larger makes the input token its own argmax
 PROJ_GAIN = {"q_proj": 2.0, "k_proj": 2.0, "v_proj": 1.5, "o_proj": 1.0,
-             "gate_proj": 1.5, "up_proj": 1.5, "down_proj": 1.0}
+             "gate_proj": 1.5, "up_proj": 1.5, "down_proj": 1.0,
+             "gate_up_proj": 1.5, "gate": 2.0, "shared_expert_gate": 1.0}  # MoE: fused experts
+# [E, out, in] (transformers 5 in memory), router ("gate") and Qwen2-MoE's shared-expert gate
 LM_HEAD_GAIN = 4.0
 BIAS_STD = 0.5
 NORM_RANGE = (0.5, 1.5)
@@ -106,7 +149,8 @@ NORM_RANGE = (0.5, 1.5)
 # the std (P(top-2 gap < 1e-3 * max|logit|) is ~1% per step). So the per-arch
 # offset added to --seed was picked by trying offsets until, with seed 0, every
 # step of greedy_margins(check_prompts()) has a gap above 1.7e-3 * max|logit|.
-SEED_OFFSET = {"llama": 193, "mistral": 273, "qwen2": 250, "qwen3": 735}
+SEED_OFFSET = {"llama": 193, "mistral": 273, "qwen2": 250, "qwen3": 735,
+               "mixtral": 695, "qwen2_moe": 5, "qwen3_moe": 12}
 
 
 def _corpus_files() -> list[pathlib.Path]:
@@ -169,12 +213,20 @@ def _tokenizer_files() -> tuple[tuple[str, bytes], ...]:
         return tuple((p.name, p.read_bytes()) for p in sorted(pathlib.Path(tmp).iterdir()))
 
 
-def make_config(arch: str):
+# For the mesh tests: 8 query heads (and the same 2 kv heads), so that model axes of 1, 2, 4
+# and 8 devices split the heads and 4 and 8 replicate the kv heads. Greedy tokens are
+# compared across meshes, not with HF, so no seed search is needed for margins.
+MESH_OVERRIDES = {"num_attention_heads": 8}
+
+
+def make_config(arch: str, overrides: dict | None = None):
     import transformers
 
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
-    return cls(**COMMON, **ARCH_CONFIGS[arch], dtype="float32")
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
+           "qwen3_moe": transformers.Qwen3MoeConfig}[arch]
+    return cls(**{**COMMON, **ARCH_CONFIGS[arch], **(overrides or {})}, dtype="float32")
 
 
 def _randomize(model, arch: str, seed: int) -> None:
@@ -197,9 +249,10 @@ def _randomize(model, arch: str, seed: int) -> None:
                 t.copy_(torch.randn(t.shape, generator=gen) * EMBED_STD)
             elif name.endswith("lm_head.weight"):
                 t.copy_(torch.randn(t.shape, generator=gen) * LM_HEAD_GAIN / math.sqrt(t.shape[1]))
-            else:
-                gain = PROJ_GAIN[name.split(".")[-2]]
-                t.copy_(torch.randn(t.shape, generator=gen) * gain / math.sqrt(t.shape[1]))
+            else:  # a [out, in] or [E, out, in] weight
+                parts = name.split(".")
+                gain = PROJ_GAIN[parts[-2] if parts[-1] == "weight" else parts[-1]]
+                t.copy_(torch.randn(t.shape, generator=gen) * gain / math.sqrt(t.shape[-1]))
     for name, t in model.state_dict().items():
         if t.numel() > 1 and bool((t == t.flatten()[0]).all()):
             raise RuntimeError(f"{arch}: parameter {name} is still constant")
@@ -219,8 +272,10 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
-def make_checkpoint(arch: str, out_dir, seed: int = 0) -> pathlib.Path:
-    """Write the `arch` checkpoint (weights, config, tokenizer) into out_dir."""
+def make_checkpoint(arch: str, out_dir, seed: int = 0,
+                    overrides: dict | None = None) -> pathlib.Path:
+    """Write the `arch` checkpoint (weights, config, tokenizer) into out_dir; overrides
+    change config values (e.g. MESH_OVERRIDES)."""
     import torch
     import transformers
 
@@ -230,7 +285,8 @@ def make_checkpoint(arch: str, out_dir, seed: int = 0) -> pathlib.Path:
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with torch_threads(1):
-        model = transformers.AutoModelForCausalLM.from_config(make_config(arch), dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_config(make_config(arch, overrides),
+                                                              dtype=torch.float32)
         _randomize(model, arch, seed)
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID], pad_token_id=PAD_ID,

@@ -59,9 +59,9 @@ class _DrainingServer(uvicorn.Server):
 
 
 def serve(engine_config, server_config: ServerConfig, log_level: str = "info") -> int:
-    from jaxserve.engine import LLMEngine
+    from jaxserve.data_parallel import create_engine
 
-    engine = LLMEngine(engine_config)
+    engine = create_engine(engine_config)
     metrics = EngineMetrics(server_config.served_model_name)
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=server_config.max_waiting_requests,
                                   metrics=metrics)
@@ -78,4 +78,5 @@ def serve(engine_config, server_config: ServerConfig, log_level: str = "info") -
         server.run()
     finally:
         async_engine.stop()
+        engine.runner.close()  # multi-host: release the worker hosts
     return 0

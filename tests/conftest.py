@@ -13,7 +13,7 @@ import tempfile
 import pytest
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "make_tiny_checkpoint.py"
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def pytest_addoption(parser):
@@ -54,13 +54,35 @@ def tiny_checkpoints(pytestconfig) -> dict[str, pathlib.Path]:
             script = _load_script()
             for arch in ARCHS:
                 script.make_checkpoint(arch, tmp / arch)
-            os.rename(tmp, final)  # atomic: readers see all four checkpoints or none
+            os.rename(tmp, final)  # atomic: readers see all checkpoints or none
         except OSError:
             if not final.is_dir():  # not just another process finishing first
                 raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return {arch: final / arch for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def mesh_checkpoints(tiny_checkpoints) -> dict[str, pathlib.Path]:
+    """llama and qwen2 with 8 query heads (2 kv heads), for meshes up to model=8; built
+    once beside the tiny checkpoints."""
+    script = _load_script()
+    folders = {}
+    for arch in ("llama", "qwen2"):
+        final = tiny_checkpoints[arch].parent / f"mesh-{arch}"
+        if not final.is_dir():
+            tmp = pathlib.Path(tempfile.mkdtemp(prefix=".building-", dir=final.parent))
+            try:
+                script.make_checkpoint(arch, tmp, overrides=script.MESH_OVERRIDES)
+                os.rename(tmp, final)
+            except OSError:
+                if not final.is_dir():
+                    raise
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        folders[arch] = final
+    return folders
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 NEW_TOKENS = 32
 
 
@@ -72,11 +72,12 @@ VARIANTS = {
 }
 
 
-# Every variant runs on llama (llama3 RoPE) and mistral (sliding window); qwen2 and qwen3
-# run "all-three" by default and the single variants with -m slow (the suite's time budget).
+# Every variant runs on llama (llama3 RoPE) and mistral (sliding window); the other
+# architectures run "all-three" by default and the single variants with -m slow (the
+# suite's time budget).
 PRESSURE_CASES = [
     pytest.param(arch, variant, marks=[pytest.mark.slow]
-                 if arch in ("qwen2", "qwen3") and variant != "all-three" else [])
+                 if arch not in ("llama", "mistral") and variant != "all-three" else [])
     for arch in ARCHS for variant in VARIANTS
 ]
 

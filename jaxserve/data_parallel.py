@@ -1,0 +1,154 @@
+"""Data parallelism: one engine per data rank behind one front end.
+
+With `--mesh DxM`, D replicas each run a whole LLMEngine (its own scheduler, KV block pool
+and compiled steps) on its own (1, M) sub-mesh: replica r gets devices r*M .. r*M + M - 1.
+This front end has LLMEngine's interface; it sends each new request to the replica with the
+fewest unfinished requests (the lowest rank on a tie), routes aborts to the owner, and steps
+every replica in turn. A replica's step only launches device work and returns (JAX dispatch
+is asynchronous), so while the host serves replica 1 the devices of replica 0 are computing:
+all ranks stay busy under load.
+
+One engine per rank rather than one scheduler over all ranks: each replica's batch, blocks
+and buckets are exactly those of a single-replica engine, so nothing in the scheduler, the
+block manager or the runner knows about data parallelism, and a replica's requests never
+wait for another replica's step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.kv_cache_manager import PrefixCacheStats
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def create_engine(config: EngineConfig):
+    """An LLMEngine, or a DataParallelEngine when the mesh has more than one data rank."""
+    if config.parallel.data_parallel_size == 1:
+        return LLMEngine(config)
+    return DataParallelEngine(config)
+
+
+class DataParallelEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        size = config.parallel.data_parallel_size
+        self.replicas = []
+        for rank in range(size):
+            logger.info("Data-parallel replica %d of %d", rank + 1, size)
+            self.replicas.append(LLMEngine(config, rank=rank))
+        self.tokenizer = self.replicas[0].tokenizer
+        self._owner: dict[str, LLMEngine] = {}
+        self.routed = [0] * size  # requests sent to each replica so far
+        self.scheduler = _Schedulers(self.replicas)
+        self.kv_cache = _KVCaches(self.replicas)
+
+    # ---- the LLMEngine interface ----------------------------------------------------------
+    @property
+    def runner(self):
+        """Replica 0's runner (every replica runs the same model on its own devices)."""
+        return self.replicas[0].runner
+
+    @property
+    def num_compilations(self) -> int:
+        return self.replicas[0].num_compilations  # process-wide
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self.kv_cache.stats
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.replicas[0].validate(prompt_token_ids, params)
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, priority: int = 0) -> None:
+        if request_id in self._owner:
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        rank = min(range(len(self.replicas)),
+                   key=lambda i: self.replicas[i].num_unfinished_requests)
+        self.replicas[rank].add_request(request_id, prompt, prompt_token_ids, params, priority)
+        self._owner[request_id] = self.replicas[rank]
+        self.routed[rank] += 1
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        replica = self._owner.pop(request_id, None)
+        return replica.abort_request(request_id) if replica is not None else None
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._owner)
+
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One step of every replica that has work; their outputs together."""
+        outputs = []
+        for replica in self.replicas:
+            if replica.has_unfinished_requests():
+                outputs.extend(replica.step(final_only))
+        for output in outputs:
+            if output.finished:
+                self._owner.pop(output.request_id, None)
+        return outputs
+
+    def load(self) -> list[int]:
+        """Unfinished requests per replica."""
+        return [r.num_unfinished_requests for r in self.replicas]
+
+
+@dataclasses.dataclass
+class _Schedulers:
+    """The replicas' schedulers seen as one, for gauges and admission limits."""
+
+    replicas: list
+
+    @property
+    def running(self) -> list:
+        return [r for e in self.replicas for r in e.scheduler.running]
+
+    @property
+    def waiting(self) -> list:
+        return [r for e in self.replicas for r in e.scheduler.waiting]
+
+    @property
+    def num_unfinished(self) -> int:
+        return sum(e.scheduler.num_unfinished for e in self.replicas)
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(e.scheduler.num_preemptions for e in self.replicas)
+
+
+@dataclasses.dataclass
+class _KVCaches:
+    """The replicas' KV block managers seen as one: usage over all blocks, summed hits."""
+
+    replicas: list
+
+    @property
+    def usage(self) -> float:
+        return sum(e.kv_cache.usage for e in self.replicas) / len(self.replicas)
+
+    @property
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(sum(e.kv_cache.queries for e in self.replicas),
+                                sum(e.kv_cache.hits for e in self.replicas))
+
+    @property
+    def queries(self) -> int:
+        return self.stats.queries
+
+    @property
+    def hits(self) -> int:
+        return self.stats.hits
+
+    @property
+    def hit_rate(self) -> float:
+        return self.stats.hit_rate

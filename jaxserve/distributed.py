@@ -1,0 +1,93 @@
+"""Multi-host serving: every host runs the same device steps; host 0 owns the scheduler.
+
+`jaxserve serve --coordinator HOST:PORT --num-hosts N --host-id I` (or JAX's own
+environment, e.g. on a Cloud TPU pod slice where jax.distributed finds everything itself)
+joins the N processes with jax.distributed. The mesh then spans every host's devices. Host 0
+runs the engine (scheduler, detokenizer, HTTP server); every other host runs `run_worker`: it
+builds the same runner (weights load on each host from its own copy of the model folder,
+each device taking its slice) and then, step after step, receives the step host 0 is about
+to run (its (T, R) bucket, the packed int32 inputs, the prompt-scoring targets) and runs the
+same compiled function on them, so the collectives inside the step line up on all hosts.
+
+The inputs travel by StepChannel: a fixed-size header, then the buffers it announces, each
+sent with multihost_utils.broadcast_one_to_all (a collective on the devices themselves).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+logger = logging.getLogger(__name__)
+
+_STOP, _STEP = 0, 1
+
+
+def initialize(coordinator: str | None, num_hosts: int | None, host_id: int | None) -> None:
+    """Join the hosts (before anything touches a JAX backend). With no arguments, JAX reads
+    its environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a
+    TPU pod's metadata)."""
+    given = [coordinator is not None, num_hosts is not None, host_id is not None]
+    if any(given) and not all(given):
+        raise ValueError("multi-host needs all of --coordinator HOST:PORT, --num-hosts N and "
+                         "--host-id I (or none of them, to let JAX read its environment).")
+    if num_hosts is not None and not 0 <= host_id < num_hosts:
+        raise ValueError(f"--host-id must be in [0, {num_hosts}), got {host_id}.")
+    # CPU hosts need gloo for cross-process collectives; accelerators ignore this setting.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_hosts,
+                               process_id=host_id)
+    logger.info("Host %d of %d joined; %d devices in all, %d here.", jax.process_index(),
+                jax.process_count(), jax.device_count(), jax.local_device_count())
+
+
+def is_leader() -> bool:
+    return jax.process_index() == 0
+
+
+class StepChannel:
+    """Host 0 -> all hosts: each step's bucket and inputs, or the order to stop."""
+
+    def send(self, num_tokens: int, num_rows: int, packed: np.ndarray,
+             targets: np.ndarray | None) -> None:
+        header = np.array([_STEP, num_tokens, num_rows, packed.size,
+                           -1 if targets is None else targets.size], np.int32)
+        self._broadcast(header)
+        self._broadcast(packed)
+        if targets is not None:
+            self._broadcast(targets)
+
+    def send_stop(self) -> None:
+        self._broadcast(np.array([_STOP, 0, 0, 0, -1], np.int32))
+
+    def receive(self):
+        """(num_tokens, num_rows, packed i32[X], targets i32[T] or None), or None: stop."""
+        kind, num_tokens, num_rows, size, num_targets = self._broadcast(np.zeros(5, np.int32))
+        if kind == _STOP:
+            return None
+        packed = self._broadcast(np.zeros(size, np.int32))
+        targets = self._broadcast(np.zeros(num_targets, np.int32)) if num_targets >= 0 else None
+        return int(num_tokens), int(num_rows), packed, targets
+
+    def share(self, value: int) -> int:
+        """Host 0's value of an integer, on every host (e.g. the KV block count)."""
+        return int(self._broadcast(np.array([value], np.int64))[0])
+
+    @staticmethod
+    def _broadcast(array: np.ndarray) -> np.ndarray:
+        return np.asarray(multihost_utils.broadcast_one_to_all(array))
+
+
+def run_worker(config) -> None:
+    """A non-zero host: build the runner and run host 0's steps until it stops."""
+    from jaxserve.runner import ModelRunner
+
+    runner = ModelRunner(config)
+    if config.precompile:
+        runner.warm_up()
+    logger.info("Host %d: following host 0's steps.", jax.process_index())
+    steps = runner.follow()
+    logger.info("Host %d: host 0 stopped after %d steps.", jax.process_index(), steps)

@@ -1,0 +1,212 @@
+"""Sparse mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE) as Flax NNX modules.
+
+A MoE model is llama.py's decoder with a sparse MoE block in place of the MLP on its sparse
+layers: attention, norms, RoPE, embeddings, the forward pass and the logits are llama.py's.
+The block is one pure function, `moe_block`, which routes each token to its top-k experts and
+runs them as grouped matmuls (`jax.lax.ragged_dot`) over the assignments sorted by expert. It
+can run on a slice of the experts, so expert parallelism is `moe_block` under `shard_map` on
+each device's experts plus a `psum` (see `expert_parallel`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxserve.models import llama
+from jaxserve.models.llama import MLP, DecoderLayer, LlamaArch, LlamaForCausalLM
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MixtralArch(LlamaArch):
+    """LlamaArch plus the MoE settings. intermediate_size stays HF's: the dense MLP width
+    (Qwen-MoE's dense layers; for Mixtral it equals the expert width)."""
+
+    num_experts: int  # E
+    top_k: int  # experts per token
+    moe_intermediate_size: int  # F of one expert
+    norm_topk_prob: bool  # renormalise the top-k routing weights to sum to 1
+    cast_routing_weights: bool  # Qwen: weights cast to the model dtype before weighting
+    shared_expert_size: int  # F of Qwen2-MoE's gated shared expert; 0 = none
+    sparse_layers: tuple  # per layer: True where the MLP is the sparse MoE block
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> MixtralArch:
+        arch = (hf.get("architectures") or [""])[0]
+        base = {f.name: getattr(LlamaArch.from_hf(hf), f.name)
+                for f in dataclasses.fields(LlamaArch)}
+        n = base["num_layers"]
+        # transformers 5 saves Qwen3-MoE's num_experts as num_local_experts (Mixtral's name).
+        num_experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
+        if arch == "MixtralForCausalLM":  # every layer sparse, Mistral's window on every layer
+            base["sliding_windows"] = (hf.get("sliding_window"),) * n
+            return cls(**base, num_experts=num_experts,
+                       top_k=int(hf["num_experts_per_tok"]),
+                       moe_intermediate_size=base["intermediate_size"], norm_topk_prob=True,
+                       cast_routing_weights=False, shared_expert_size=0,
+                       sparse_layers=(True,) * n)
+        step = int(hf.get("decoder_sparse_step") or 1)
+        dense = set(hf.get("mlp_only_layers") or ())
+        if arch == "Qwen2MoeForCausalLM":
+            base["attention_bias"] = bool(hf.get("qkv_bias", True))
+            if not hf.get("layer_types") and hf.get("use_sliding_window"):
+                # Qwen2MoeConfig's default layer_types (llama.py's fallback is Qwen2's).
+                first = int(hf.get("max_window_layers", n))
+                base["sliding_windows"] = tuple(hf["sliding_window"] if i % 2 == 0 and i < first
+                                                else None for i in range(n))
+            shared = int(hf.get("shared_expert_intermediate_size") or 0)
+        else:  # Qwen3MoeForCausalLM: Qwen3's q/k norms, one window for every layer
+            base["qk_norm"] = True
+            window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+            base["sliding_windows"] = (window,) * n
+            shared = 0
+        return cls(**base, num_experts=num_experts, top_k=int(hf["num_experts_per_tok"]),
+                   moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                   cast_routing_weights=True, shared_expert_size=shared,
+                   sparse_layers=tuple(num_experts > 0 and i not in dense and (i + 1) % step == 0
+                                       for i in range(n)))
+
+
+def moe_block(x, router_w, w_gate, w_up, w_down, *, top_k: int, normalize: bool,
+              first_expert=0, cast_weights: bool = False):
+    """The sparse MoE MLP of tokens x: [T, D] -> [T, D], as HF computes it.
+
+    router_w: [D, E] over all E experts. w_gate, w_up: [E_local, D, F], w_down: [E_local, F, D]
+    hold experts first_expert .. first_expert + E_local - 1 (all of them by default).
+    first_expert may be traced (e.g. axis_index * E_local under shard_map).
+
+    Routing: softmax over all E experts in float32, top_k, optionally renormalised to sum 1
+    (Mixtral always; Qwen with norm_topk_prob), cast to x's dtype first if cast_weights (Qwen).
+    Every shard routes identically; an assignment to an expert outside this slice contributes
+    zero, so summing (psum) the results of disjoint slices that cover all experts gives the
+    result on all experts. Shapes are static: T * top_k assignment rows whatever the routing.
+    """
+    num_tokens, num_local = x.shape[0], w_gate.shape[0]
+    probs = jax.nn.softmax((x @ router_w).astype(jnp.float32), axis=-1)  # f32[T, E]
+    weights, experts = jax.lax.top_k(probs, top_k)  # [T, k]
+    if normalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    if cast_weights:
+        weights = weights.astype(x.dtype)
+    local = experts - first_expert  # i32[T, k]
+    is_local = (local >= 0) & (local < num_local)
+    group = jnp.where(is_local, local, num_local).reshape(-1)  # i32[T*k]; num_local = elsewhere
+    order = jnp.argsort(group, stable=True)  # assignments grouped by local expert, others last
+    group_sizes = jnp.bincount(group, length=num_local + 1)[:num_local].astype(jnp.int32)
+    xs = x[order // top_k]  # [T*k, D]: the token of each sorted assignment
+    h = (jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes))
+         * jax.lax.ragged_dot(xs, w_up, group_sizes))  # [T*k, F]
+    ys = jax.lax.ragged_dot(h, w_down, group_sizes)  # [T*k, D]
+    y = jnp.zeros_like(ys).at[order].set(ys).reshape(num_tokens, top_k, -1)  # [T, k, D]
+    # Each weighted expert output is cast to x's dtype and then summed, like HF's index_add_.
+    contrib = jnp.where(is_local[..., None], y * weights[..., None], 0).astype(x.dtype)
+    return contrib.sum(axis=1)
+
+
+def expert_parallel(mesh: Mesh, axis: str) -> Callable:
+    """moe_block with the experts sharded over mesh axis `axis` (E divisible by its size):
+    each device runs its own experts on all tokens, then the results are summed. x and the
+    router are replicated over `axis`. Pass it as MixtralForCausalLM(..., moe_fn=...)."""
+
+    def fn(x, router_w, w_gate, w_up, w_down, **kw):
+        def local(x, router_w, w_gate, w_up, w_down):
+            first = jax.lax.axis_index(axis) * w_gate.shape[0]
+            out = moe_block(x, router_w, w_gate, w_up, w_down, first_expert=first, **kw)
+            return jax.lax.psum(out, axis)
+
+        rep, split = PartitionSpec(), PartitionSpec(axis)
+        return jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, split, split, split),
+                             out_specs=rep)(x, router_w, w_gate, w_up, w_down)
+
+    return fn
+
+
+class SparseMoE(nnx.Module):
+    def __init__(self, arch: MixtralArch, dtype, moe_fn: Callable = moe_block) -> None:
+        d, e, f = arch.hidden_size, arch.num_experts, arch.moe_intermediate_size
+        self.router = nnx.Param(jnp.zeros((d, e), dtype))  # [D, E]
+        self.experts_gate = nnx.Param(jnp.zeros((e, d, f), dtype))  # [E, D, F]
+        self.experts_up = nnx.Param(jnp.zeros((e, d, f), dtype))  # [E, D, F]
+        self.experts_down = nnx.Param(jnp.zeros((e, f, d), dtype))  # [E, F, D]
+        if arch.shared_expert_size:
+            shared = dataclasses.replace(arch, intermediate_size=arch.shared_expert_size)
+            self.shared_expert = MLP(shared, dtype)
+            self.shared_gate = nnx.Param(jnp.zeros((d, 1), dtype))  # [D, 1]
+        self.has_shared = bool(arch.shared_expert_size)
+        self.moe_fn = functools.partial(moe_fn, top_k=arch.top_k, normalize=arch.norm_topk_prob,
+                                        cast_weights=arch.cast_routing_weights)
+
+    def __call__(self, x):
+        out = self.moe_fn(x, self.router[...], self.experts_gate[...], self.experts_up[...],
+                          self.experts_down[...])
+        if self.has_shared:
+            out = out + jax.nn.sigmoid(x @ self.shared_gate[...]) * self.shared_expert(x)
+        return out
+
+
+class MoEDecoderLayer(DecoderLayer):
+    """llama.py's decoder layer (its forward pass included) with the MoE block as its MLP on
+    sparse layers; dense layers keep llama's MLP of intermediate_size."""
+
+    def __init__(self, arch: MixtralArch, layer: int, dtype, moe_fn: Callable) -> None:
+        super().__init__(arch, layer, dtype)
+        if arch.sparse_layers[layer]:
+            self.mlp = SparseMoE(arch, dtype, moe_fn)
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Mixtral, Qwen2-MoE and Qwen3-MoE: LlamaForCausalLM (call, logits) with MoE layers.
+    moe_fn replaces moe_block (same signature), e.g. by expert_parallel(mesh, axis)."""
+
+    def __init__(self, arch: MixtralArch, dtype=jnp.float32, moe_fn: Callable = moe_block) -> None:
+        # llama's dense layers are built, then replaced: free under nnx.eval_shape, which is
+        # how the runner builds models.
+        super().__init__(arch, dtype)
+        self.layers = nnx.List([MoEDecoderLayer(arch, i, dtype, moe_fn)
+                                for i in range(arch.num_layers)])
+
+
+_EXPERT_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}  # Mixtral -> Qwen names
+_EXPERT_PARAM = {"gate_proj": "experts_gate", "up_proj": "experts_up",
+                 "down_proj": "experts_down"}
+_DENSE_PARAM = {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
+
+
+def _transpose(w):  # [E, out, in] -> [E, in, out]
+    return w.transpose(0, 2, 1)
+
+
+def hf_param_path(name: str, arch: MixtralArch):
+    """llama.hf_param_path for the MoE family. Sparse-layer MLP tensors come in two layouts:
+    the Hub's per-expert tensors (`experts.{j}.w1.weight` / `experts.{j}.gate_proj.weight`),
+    mapped to (path, transform, expert index j) for load_params to stack, and transformers
+    5's fused `experts.gate_up_proj` [E, 2F, D] (a list of two targets: gate rows first) and
+    `experts.down_proj` [E, D, F]. Mixtral's `block_sparse_moe.` reads as `mlp.`."""
+    parts = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.").split(".")
+    if not (len(parts) > 3 and parts[0] == "layers" and parts[2] == "mlp"
+            and int(parts[1]) < arch.num_layers and arch.sparse_layers[int(parts[1])]):
+        return llama.hf_param_path(name, arch)
+    prefix, rest = ("layers", int(parts[1]), "mlp"), parts[3:]
+    if rest == ["gate", "weight"]:
+        return prefix + ("router",), lambda w: w.T
+    if rest == ["shared_expert_gate", "weight"]:
+        return prefix + ("shared_gate",), lambda w: w.T
+    if len(rest) == 3 and rest[0] == "shared_expert" and rest[2] == "weight":
+        return prefix + ("shared_expert", _DENSE_PARAM[rest[1]]), lambda w: w.T
+    if rest == ["experts", "gate_up_proj"]:
+        f = arch.moe_intermediate_size
+        return [(prefix + ("experts_gate",), lambda w: _transpose(w[:, :f])),
+                (prefix + ("experts_up",), lambda w: _transpose(w[:, f:]))]
+    if rest == ["experts", "down_proj"]:
+        return prefix + ("experts_down",), _transpose
+    if len(rest) == 4 and rest[0] == "experts" and rest[1].isdigit() and rest[3] == "weight":
+        proj = _EXPERT_PROJ.get(rest[2], rest[2])
+        return prefix + (_EXPERT_PARAM[proj],), lambda w: w.T, int(rest[1])
+    raise KeyError(name)

@@ -1,0 +1,48 @@
+"""Greedy generation on several meshes in one process with 8 fake CPU devices.
+
+test_mesh.py runs this file in a subprocess (the device count is fixed when JAX starts):
+    python tests/mesh_runs.py CHECKPOINT MESH [MESH ...]
+(MESH like 2x4, or 1x8:ep for expert parallelism) and reads one JSON line per mesh: the
+greedy token ids of every prompt (the tiny checkpoints' check prompts), and per
+data-parallel replica the requests routed to it and the device steps it ran.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+
+NUM_PROMPTS = 4  # of the checkpoint script's check prompts: 3, 7, 16 and 33 tokens
+NEW_TOKENS = 12
+
+
+def prompts() -> list[list[int]]:
+    path = pathlib.Path(__file__).parents[1] / "scripts" / "make_tiny_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("make_tiny_checkpoint", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.check_prompts()[:NUM_PROMPTS]
+
+
+def run(folder: str, mesh: str) -> dict:
+    from jaxserve import LLM, SamplingParams
+
+    shape, _, option = mesh.partition(":")
+    llm = LLM(folder, dtype="float32", max_model_len=64, precompile=False, mesh=shape,
+              expert_parallel=option == "ep", max_num_seqs=4, max_num_batched_tokens=32)
+    replicas = getattr(llm.engine, "replicas", [llm.engine])
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompts(), params, use_tqdm=False)
+    return {"mesh": mesh, "tokens": [o.outputs[0].token_ids for o in outputs],
+            "routed": getattr(llm.engine, "routed", [NUM_PROMPTS]), "steps": [r.runner.padding.steps for r in replicas],
+            "devices": [[d.id for d in r.runner.mesh.devices.flat] for r in replicas]}
+
+
+if __name__ == "__main__":
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"  # before JAX starts
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    for mesh in sys.argv[2:]:
+        print(json.dumps(run(sys.argv[1], mesh)), flush=True)
