@@ -36,13 +36,16 @@ def create_engine(config: EngineConfig):
 
 
 class DataParallelEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, replicas: list | None = None) -> None:
+        """replicas: the engines (tests pass stand-ins); one LLMEngine per data rank."""
         self.config = config
         size = config.parallel.data_parallel_size
-        self.replicas = []
-        for rank in range(size):
-            logger.info("Data-parallel replica %d of %d", rank + 1, size)
-            self.replicas.append(LLMEngine(config, rank=rank))
+        if replicas is None:
+            replicas = []
+            for rank in range(size):
+                logger.info("Data-parallel replica %d of %d", rank + 1, size)
+                replicas.append(LLMEngine(config, rank=rank))
+        self.replicas = replicas
         self.tokenizer = self.replicas[0].tokenizer
         self._owner: dict[str, LLMEngine] = {}
         self.routed = [0] * size  # requests sent to each replica so far

@@ -1,0 +1,100 @@
+"""The data-parallel front end with stand-in replicas: routing to the least-loaded replica,
+aborts reaching the owner, outputs of every replica, and the merged scheduler and KV views
+the server's gauges read. (tests/test_mesh.py runs real replicas on fake devices.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+
+from jaxserve.data_parallel import DataParallelEngine
+from jaxserve.kv_cache_manager import PrefixCacheStats
+from jaxserve.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass
+class FakeOutput:
+    request_id: str
+    finished: bool
+
+
+class FakeReplica:
+    """Requests finish after `steps_to_finish` steps; counts what it was asked to do."""
+
+    def __init__(self, steps_to_finish: int, blocks_used: float, hits: int) -> None:
+        self.requests: dict[str, int] = {}
+        self.steps_to_finish = steps_to_finish
+        self.steps = 0
+        self.tokenizer = object()
+        self.scheduler = types.SimpleNamespace(running=[], waiting=[], num_preemptions=1,
+                                               num_unfinished=0)
+        self.kv_cache = types.SimpleNamespace(usage=blocks_used, queries=10, hits=hits)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, request_id, prompt, ids, params, priority=0) -> None:
+        self.requests[request_id] = 0
+
+    def abort_request(self, request_id):
+        self.requests.pop(request_id)
+        return FakeOutput(request_id, True)
+
+    def step(self, final_only=False):
+        self.steps += 1
+        outputs = []
+        for request_id in list(self.requests):
+            self.requests[request_id] += 1
+            done = self.requests[request_id] >= self.steps_to_finish
+            if done:
+                del self.requests[request_id]
+            outputs.append(FakeOutput(request_id, done))
+        return outputs
+
+
+def make_engine():
+    config = types.SimpleNamespace(parallel=types.SimpleNamespace(data_parallel_size=2))
+    replicas = [FakeReplica(2, 0.5, 3), FakeReplica(5, 0.1, 1)]
+    return DataParallelEngine(config, replicas=replicas), replicas
+
+
+def test_requests_go_to_the_least_loaded_replica_and_finish_everywhere():
+    engine, (fast, slow) = make_engine()
+    params = SamplingParams()
+    for i in range(4):
+        engine.add_request(f"r{i}", None, [1, 2], params)
+    assert engine.routed == [2, 2] and engine.load() == [2, 2]
+    finished = set()
+    for _ in range(2):
+        finished |= {o.request_id for o in engine.step() if o.finished}
+    assert finished == {"r0", "r2"}  # the fast replica's
+    engine.add_request("r4", None, [1], params)  # the fast replica is empty now
+    assert engine.routed == [3, 2]
+    while engine.has_unfinished_requests():
+        finished |= {o.request_id for o in engine.step() if o.finished}
+    assert finished == {f"r{i}" for i in range(5)} and fast.steps and slow.steps
+
+
+def test_abort_reaches_the_owner_and_ids_stay_unique():
+    engine, (fast, slow) = make_engine()
+    engine.add_request("a", None, [1], SamplingParams())
+    engine.add_request("b", None, [1], SamplingParams())
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a", None, [1], SamplingParams())
+    assert engine.abort_request("b").request_id == "b" and "b" not in slow.requests
+    assert engine.abort_request("b") is None
+    assert engine.load() == [1, 0]
+
+
+def test_gauges_merge_the_replicas():
+    engine, _ = make_engine()
+    assert engine.kv_cache.usage == pytest.approx(0.3)
+    assert engine.prefix_cache_stats == PrefixCacheStats(20, 4)
+    assert engine.kv_cache.hit_rate == pytest.approx(0.2)
+    assert engine.num_preemptions == 2 and engine.scheduler.num_unfinished == 0
