@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "check_kernels_on_device.py"
 
@@ -25,6 +26,7 @@ def load_script():
     return module
 
 
+@pytest.mark.slow  # ~25 s; the kernels themselves are tested in test_pallas_kernels.py
 def test_cpu_run_checks_every_kernel_in_interpret_mode(tmp_path):
     report = tmp_path / "report.json"
     out = subprocess.run([sys.executable, str(SCRIPT), "--json", str(report)],

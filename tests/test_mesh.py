@@ -108,14 +108,16 @@ def mesh_runs(folder, meshes) -> dict:
 
 
 # The 8-head tiny checkpoints: 1x4 and 1x8 replicate their 2 kv heads, 2x2 and 2x4 are two
-# replicas. Every mesh of the issue on both; qwen2 (tied embeddings, qkv bias) with -m slow
-# (the suite's time budget).
-MESHES = ["1x1", "1x2", "1x4", "2x2", "2x4", "1x8"]
+# replicas. By default llama on the shapes that differ in kind; every mesh of the issue, and
+# qwen2 (tied embeddings, qkv bias), with -m slow (the suite's time budget).
+ALL_MESHES = ["1x1", "1x2", "1x4", "2x2", "2x4", "1x8"]
+MESH_CASES = [("llama", ["1x1", "1x4", "2x2", "1x8"])] + [
+    pytest.param(arch, ALL_MESHES, marks=pytest.mark.slow) for arch in ("llama", "qwen2")]
 
 
-@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
-def test_greedy_tokens_do_not_depend_on_the_mesh(arch, mesh_checkpoints):
-    runs = mesh_runs(mesh_checkpoints[arch], MESHES)
+@pytest.mark.parametrize("arch,meshes", MESH_CASES, ids=["llama-kinds", "llama", "qwen2"])
+def test_greedy_tokens_do_not_depend_on_the_mesh(arch, meshes, mesh_checkpoints):
+    runs = mesh_runs(mesh_checkpoints[arch], meshes)
     single = runs["1x1"]["tokens"]
     for mesh, run in runs.items():
         assert run["tokens"] == single, mesh
@@ -127,11 +129,14 @@ def test_greedy_tokens_do_not_depend_on_the_mesh(arch, mesh_checkpoints):
         assert min(run["steps"]) > 0
 
 
-def test_mixtral_matches_transformers_with_experts_sharded(tiny_checkpoints):
-    """Experts split whole over 4 and 8 devices (expert parallelism) and split inside every
-    expert (tensor parallelism): HF's greedy tokens each time."""
+@pytest.mark.parametrize("meshes", [["1x4:ep", "1x8:ep"],
+                                    pytest.param(["1x4"], marks=pytest.mark.slow)],
+                         ids=["expert-parallel", "tensor-parallel"])
+def test_mixtral_matches_transformers_with_experts_sharded(meshes, tiny_checkpoints):
+    """Experts split whole over 4 and 8 devices (expert parallelism), or split inside every
+    expert (tensor parallelism): HF's greedy tokens each time (1 device: test_parity.py)."""
     folder = tiny_checkpoints["mixtral"]
-    runs = mesh_runs(folder, ["1x4:ep", "1x8:ep", "1x4"])  # 1x1: test_parity.py
+    runs = mesh_runs(folder, meshes)
     want = hf_greedy(folder, mesh_prompts(), new_tokens=NEW_TOKENS)
     for mesh, run in runs.items():
         assert run["tokens"] == want, mesh

@@ -25,7 +25,7 @@ def free_port() -> int:
 def test_two_processes_match_one(mesh_checkpoints, tmp_path):
     folder = str(mesh_checkpoints["llama"])
     engine = ["--model", folder, "--dtype", "float32", "--max-model-len", "128",
-              "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--mesh", "1x2"]
+              "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--mesh", "1x2"]
     cluster = ["--coordinator", f"127.0.0.1:{free_port()}", "--num-hosts", "2"]
     command = [sys.executable, "-m", "jaxserve.cli", "--log-level", "WARNING", "generate",
                *engine, *cluster, "--max-tokens", str(NEW_TOKENS), "--ignore-eos", "--json",

@@ -53,7 +53,8 @@ def run_jaxserve(folder, prompts, new_tokens=NEW_TOKENS,
     return [o.outputs[0].token_ids for o in outputs], llm
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=[pytest.mark.slow] if a.endswith("_moe")
+                                                else []) for a in ARCHS])
 def test_greedy_matches_transformers(arch, tiny_checkpoints, hf_reference):
     prompts, expected = hf_reference
     got, _ = run_jaxserve(tiny_checkpoints[arch], prompts, block_size=32,
@@ -72,12 +73,14 @@ VARIANTS = {
 }
 
 
-# Every variant runs on llama (llama3 RoPE) and mistral (sliding window); the other
-# architectures run "all-three" by default and the single variants with -m slow (the
-# suite's time budget).
+# By default every variant runs on llama (llama3 RoPE) and "all-three" on mistral (sliding
+# window), qwen2 and qwen3; everything else with -m slow (the suite's time budget on cold
+# compilation caches). The MoE families' defaults are in test_moe.py and test_mesh.py.
+DEFAULT_PRESSURE = {"llama": tuple(VARIANTS), "mistral": ("all-three",), "qwen2": ("all-three",),
+                    "qwen3": ("all-three",)}
 PRESSURE_CASES = [
-    pytest.param(arch, variant, marks=[pytest.mark.slow]
-                 if arch not in ("llama", "mistral") and variant != "all-three" else [])
+    pytest.param(arch, variant, marks=[] if variant in DEFAULT_PRESSURE.get(arch, ())
+                 else [pytest.mark.slow])
     for arch in ARCHS for variant in VARIANTS
 ]
 

@@ -42,6 +42,10 @@ JITTED = {name: jax.jit(fn, static_argnames=("scale", "sliding_window", "soft_ca
           for name, fn in IMPLS.items()}
 
 
+XLA_IMPLS = ("ref", "cpu")
+KERNEL_IMPLS = ("tpu-interpret", "gpu-interpret")
+
+
 @pytest.fixture(params=sorted(IMPLS))
 def impl(request):
     return request.param
@@ -71,7 +75,7 @@ CASES = [
 
 
 # The kernels' own matrix (test_pallas_kernels.py) covers these kinds more widely.
-@pytest.mark.parametrize("impl", ["ref", "cpu"])
+@pytest.mark.parametrize("impl", XLA_IMPLS)
 @pytest.mark.parametrize("kind,block_size,kv_heads,heads,head_dim,dtype", CASES)
 def test_matches_numpy(kind, block_size, kv_heads, heads, head_dim, dtype, impl):
     rng = np.random.default_rng(CASES.index((kind, block_size, kv_heads, heads, head_dim, dtype)))
@@ -96,7 +100,14 @@ def test_long_sequences_span_several_loop_steps(block_size, impl):
     run_and_check(impl, *case, "float32")
 
 
-@pytest.mark.parametrize("window", [1, 37, 200])
+def cases(values, kernel_values):
+    """(value, impl) pairs: every value on the XLA implementations, kernel_values on the
+    kernels (test_pallas_kernels.py covers them more widely; the suite's time budget)."""
+    return [(v, impl) for v in values for impl in XLA_IMPLS] + \
+        [(v, impl) for v in kernel_values for impl in KERNEL_IMPLS]
+
+
+@pytest.mark.parametrize("window,impl", cases([1, 37, 200], [1]))
 def test_sliding_window(window, impl):
     rng = np.random.default_rng(window)
     S = 16
@@ -106,8 +117,10 @@ def test_sliding_window(window, impl):
     run_and_check(impl, *case, "float32", sliding_window=window)
 
 
-@pytest.mark.parametrize("soft_cap,window,dtype", [(2.0, None, "float32"), (3.0, 48, "bfloat16")])
-def test_soft_cap(soft_cap, window, dtype, impl):
+@pytest.mark.parametrize("settings,impl", cases([(2.0, None, "float32"), (3.0, 48, "bfloat16")],
+                                               [(3.0, 48, "bfloat16")]))
+def test_soft_cap(settings, impl):
+    soft_cap, window, dtype = settings
     rng = np.random.default_rng(7)
     S = 32
     specs = [(1, 150), (40, 99), (1, 1), (5, 5)]
