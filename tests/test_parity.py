@@ -73,11 +73,11 @@ VARIANTS = {
 }
 
 
-# By default every variant runs on llama (llama3 RoPE) and "all-three" on mistral (sliding
-# window), qwen2 and qwen3; everything else with -m slow (the suite's time budget on cold
-# compilation caches). The MoE families' defaults are in test_moe.py and test_mesh.py.
-DEFAULT_PRESSURE = {"llama": tuple(VARIANTS), "mistral": ("all-three",), "qwen2": ("all-three",),
-                    "qwen3": ("all-three",)}
+# By default "all-three" (chunked prefill, preemption and block size 16 at once) runs on
+# llama (llama3 RoPE), mistral (sliding window), qwen2 and qwen3; the single variants, which
+# tell which one broke, and the MoE families run with -m slow (the suite's time budget on
+# cold compilation caches; the MoE defaults are in test_moe.py and test_mesh.py).
+DEFAULT_PRESSURE = {arch: ("all-three",) for arch in ("llama", "mistral", "qwen2", "qwen3")}
 PRESSURE_CASES = [
     pytest.param(arch, variant, marks=[] if variant in DEFAULT_PRESSURE.get(arch, ())
                  else [pytest.mark.slow])
