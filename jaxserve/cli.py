@@ -57,29 +57,25 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
                         "JAX_PROCESS_ID)")
 
 
-def _join_hosts(args: argparse.Namespace, model: str | None):
-    """Multi-host: join the other hosts and, on a host other than 0, run host 0's steps.
-
-    Returns None on a single host, else (the EngineConfig, whether this host leads)."""
+def _join_hosts(args: argparse.Namespace, model: str | None) -> bool:
+    """Multi-host: join the other hosts; on a host other than 0, run host 0's steps until it
+    stops. True when this process was such a worker (its work is done)."""
     named = (args.coordinator, args.num_hosts, args.host_id)
     if not args.multi_host and named == (None, None, None):
-        return None
+        return False
     from jaxserve import resolve_model
     from jaxserve.config import EngineConfig
     from jaxserve.distributed import initialize, is_leader, run_worker
 
     initialize(args.coordinator, args.num_hosts, args.host_id)
+    if is_leader():
+        return False
     import jax
 
-    config = EngineConfig.create(resolve_model(model, logging.getLogger("jaxserve")),
-                                 on_accelerator=jax.default_backend() != "cpu",
-                                 **engine_kwargs(args))
-    if config.parallel.data_parallel_size != 1:
-        raise ValueError("A multi-host run is one replica over every host's devices: use "
-                         f"--mesh 1x{jax.device_count()}.")
-    if not is_leader():
-        run_worker(config)
-    return config, is_leader()
+    run_worker(EngineConfig.create(resolve_model(model, logging.getLogger("jaxserve")),
+                                   on_accelerator=jax.default_backend() != "cpu",
+                                   **engine_kwargs(args)))
+    return True
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -135,8 +131,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty, seed=args.sample_seed, stop=args.stop,
         ignore_eos=args.ignore_eos, logprobs=args.logprobs)
-    hosts = _join_hosts(args, args.model)
-    if hosts is not None and not hosts[1]:
+    if _join_hosts(args, args.model):
         return 0  # a worker host: it ran host 0's steps until host 0 finished
     llm = LLM(args.model, **engine_kwargs(args))  # None: the built-in model
     try:
@@ -200,8 +195,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
         shutdown_timeout=args.shutdown_timeout, limits=RequestLimits(max_n=args.max_n))
-    hosts = _join_hosts(args, args.model)
-    if hosts is not None and not hosts[1]:
+    if _join_hosts(args, args.model):
         return 0  # a worker host: it ran host 0's steps until host 0 stopped
     engine_config = EngineConfig.create(model, on_accelerator=jax.default_backend() != "cpu",
                                         **engine_kwargs(args))

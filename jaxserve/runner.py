@@ -177,6 +177,9 @@ def replica_mesh(config: EngineConfig, rank: int = 0) -> Mesh:
     devices = jax.devices()
     check_devices(parallel.mesh, len(devices), ModelDims.from_hf(config.model.hf_config),
                   parallel.expert_parallel)
+    if jax.process_count() > 1 and parallel.mesh.data != 1:
+        raise ValueError("A multi-host run is one replica over every host's devices: use "
+                         f"--mesh 1x{len(devices)}.")
     model = parallel.mesh.model
     mine = devices[rank * model:(rank + 1) * model]
     return Mesh(np.array(mine).reshape(1, model), AXES)
