@@ -173,8 +173,15 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="admission cap: beyond it new requests get 429")
     p.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
+    p.add_argument("--max-prompts-per-request", type=int, default=256,
+                   help="most prompts one batched completion request may carry")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
+    p.add_argument("--request-read-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a request's headers, then its body "
+                   "(a body not received in time gets 408 and the connection closes)")
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection stays open")
     p.set_defaults(func=_run_serve)
 
 
@@ -194,7 +201,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key, metrics_require_auth=args.metrics_require_auth,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
-        shutdown_timeout=args.shutdown_timeout, limits=RequestLimits(max_n=args.max_n))
+        shutdown_timeout=args.shutdown_timeout, request_read_timeout=args.request_read_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
+        limits=RequestLimits(max_n=args.max_n, max_prompts=args.max_prompts_per_request))
     if _join_hosts(args, args.model):
         return 0  # a worker host: it ran host 0's steps until host 0 stopped
     engine_config = EngineConfig.create(model, on_accelerator=jax.default_backend() != "cpu",

@@ -2,12 +2,24 @@
 
 A request with n > 1 becomes n sequences (children) that share the prompt; each child has
 its own seed (seed + i when a seed is given), detokenizer and finish reason.
+
+One request never stops the engine. When preparing, running or reading a step raises, the
+engine finds the request(s) that caused it and fails only those (finish_reason "error",
+RequestOutput.error says why), freeing their blocks:
+- a step that cannot be dispatched is dispatched again one request at a time, at once
+  (nothing ran on the device); a request that fails alone is the culprit;
+- a step that fails on the device has unknown effects on the device state of its requests:
+  they are recomputed from scratch, each in a step of its own (suspects), and a suspect
+  whose own step fails is the culprit;
+- a failure while reading one request's results, detokenizing it or building its output
+  fails that request.
+After a culprit's step failed, an empty step checks the device; only when that fails too (an
+error that persists with no request in it: the device is lost) does step() raise
+EngineDeadError.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
 import logging
 from pathlib import Path
@@ -19,8 +31,9 @@ from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.input_builder import MAX_BANNED_IDS
 from jaxserve.kv_cache_manager import KVCacheManager, PrefixCacheStats
-from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request, RequestStatus
+from jaxserve.request_outputs import OutputBuilder, TrackedRequest
 from jaxserve.runner import ModelRunner, replica_mesh
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler, SchedulerOutput
@@ -29,21 +42,8 @@ from jaxserve.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class _Tracked:
-    """One user request: its children sequences and what has been reported."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    children: list[Request]
-    detokenizers: list[IncrementalDetokenizer]
-    prompt_logprobs: list | None
-
-    @property
-    def finished(self) -> bool:
-        return all(c.finished for c in self.children)
+class EngineDeadError(RuntimeError):
+    """The engine can no longer run steps: a step with no request in it failed too."""
 
 
 class LLMEngine:
@@ -71,12 +71,15 @@ class LLMEngine:
         if config.precompile:
             self.runner.warm_up()
         self._rng = np.random.default_rng(config.model.seed)
-        # A token's text for logprob entries (up to 21 per sampled token), cached per engine.
-        self._decode_one = functools.lru_cache(maxsize=65536)(self._decode_token)
-        self._tracked: dict[str, _Tracked] = {}
-        self._by_child: dict[str, _Tracked] = {}
-        # The step dispatched to the device and not collected yet: (its batch, its handle).
-        self._in_flight: tuple[SchedulerOutput, object] | None = None
+        self.outputs = OutputBuilder(self.tokenizer)
+        self._tracked: dict[str, TrackedRequest] = {}
+        self._by_child: dict[str, TrackedRequest] = {}
+        # The step dispatched to the device and not collected yet, as (batch, handle) parts:
+        # one part, unless suspects or a failed dispatch split the step.
+        self._in_flight: list[tuple[SchedulerOutput, object]] = []
+        self._suspects: set[str] = set()  # children whose step failed: each runs alone
+        self._failed: list[TrackedRequest] = []  # failed since the last step() returned
+        self._device_failure: BaseException | None = None  # a culprit's step failed
 
     # ---- admission ----------------------------------------------------------------------
     @property
@@ -86,7 +89,12 @@ class LLMEngine:
     @property
     def in_flight(self) -> SchedulerOutput | None:
         """The batch of the step running on the device, not collected yet (None if none)."""
-        return self._in_flight[0] if self._in_flight is not None else None
+        if not self._in_flight:
+            return None
+        parts = [out for out, _ in self._in_flight]
+        return SchedulerOutput([r for p in parts for r in p.requests],
+                               [n for p in parts for n in p.num_scheduled_tokens],
+                               [r for p in parts for r in p.preempted])
 
     @property
     def num_preemptions(self) -> int:
@@ -126,6 +134,8 @@ class LLMEngine:
         if request_id in self._tracked:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         self.validate(prompt_token_ids, params)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r:.40}.")
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         children, detoks = [], []
         for i in range(params.n):
@@ -140,7 +150,7 @@ class LLMEngine:
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 skip_special_tokens=params.skip_special_tokens,
                 spaces_between_special_tokens=params.spaces_between_special_tokens))
-        tracked = _Tracked(request_id, prompt, prompt_token_ids, params, children, detoks,
+        tracked = TrackedRequest(request_id, prompt, prompt_token_ids, params, children, detoks,
                            [None] if params.prompt_logprobs is not None else None)
         self._tracked[request_id] = tracked
         for child in children:
@@ -150,14 +160,17 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks. Returns its last output (unfinished choices
         end with finish_reason 'abort'), or None if it is not (or no longer) known."""
-        tracked = self._tracked.pop(request_id, None)
+        tracked = self._tracked.get(request_id)
         if tracked is None:
             return None
         for child in tracked.children:
             if not child.finished:
                 self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
-            self._by_child.pop(child.request_id, None)
-        return self._make_output(tracked)
+        self._forget(request_id)
+        if tracked.error is not None:  # failed, not reported yet: report it now instead
+            self._failed.remove(tracked)
+            return self.outputs.error_output(tracked)
+        return self.outputs.make_output(tracked)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._tracked)
@@ -172,68 +185,167 @@ class LLMEngine:
         runs detokenize and build outputs (JAX dispatch is asynchronous, so that host work
         overlaps the device's).
 
-        Returns the outputs of the requests that got tokens (finished ones are then
-        forgotten); with final_only, only of those that finished (offline generation needs
-        no intermediate outputs). Results come one call after the step that made them:
-        call until has_unfinished_requests() is False."""
-        appended = self._collect()  # sampling results: tokens, stop tokens, lengths
-        self._launch()  # the next step, scheduled with those tokens
-        changed: dict[str, _Tracked] = {}
-        for tracked, req, token in appended:  # overlaps the device step just launched
-            self._detokenize(tracked, req, token)
-            changed[tracked.request_id] = tracked
-        outputs = [self._make_output(t) for t in changed.values()
-                   if not final_only or t.finished]
+        Returns the outputs of the requests that got tokens or failed (finished ones are
+        then forgotten); with final_only, only of those that finished (offline generation
+        needs no intermediate outputs). Results come one call after the step that made
+        them: call until has_unfinished_requests() is False. Raises EngineDeadError when
+        the device no longer runs even an empty step."""
+        try:
+            changed = self._step()
+        except EngineDeadError:
+            raise
+        except Exception as err:  # noqa: BLE001 - outside any one request: fail them all
+            logger.error("The engine failed outside any one request (%s): failing all %d "
+                         "requests", _describe(err), len(self._tracked), exc_info=err)
+            self._in_flight = []
+            self._drop_cached_blocks()
+            for tracked in list(self._tracked.values()):
+                self._fail(tracked, err, "in the engine", log=False)
+            self._device_failure = err
+            changed = []
+        if self._device_failure is not None:
+            self._check_device()
+        outputs = []
+        for tracked in changed:
+            if tracked.error is not None:
+                continue  # failed after its tokens came: reported with the failures
+            try:
+                output = self.outputs.make_output(tracked)
+            except Exception as err:  # noqa: BLE001 - this request's output only
+                self._fail(tracked, err, "while building its output")
+                continue
+            if not final_only or output.finished:
+                outputs.append(output)
+        outputs += [self.outputs.error_output(t) for t in self._failed]
+        self._failed = []
         for output in outputs:
             if output.finished:
-                tracked = self._tracked.pop(output.request_id)
-                for child in tracked.children:
-                    self._by_child.pop(child.request_id, None)
+                self._forget(output.request_id)
         return outputs
+
+    def _step(self) -> list[TrackedRequest]:
+        """Collect, launch, detokenize; the requests that got tokens."""
+        appended = self._collect()  # sampling results: tokens, stop tokens, lengths
+        self._launch()  # the next step, scheduled with those tokens
+        changed: dict[str, TrackedRequest] = {}
+        for tracked, req, token in appended:  # overlaps the device step just launched
+            if tracked.error is not None:
+                continue
+            try:
+                self._detokenize(tracked, req, token)
+            except Exception as err:  # noqa: BLE001 - this request only
+                self._fail(tracked, err, "while detokenizing")
+                continue
+            changed[tracked.request_id] = tracked
+        return list(changed.values())
+
+    def _forget(self, request_id: str) -> None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is not None:
+            for child in tracked.children:
+                self._by_child.pop(child.request_id, None)
+                self._suspects.discard(child.request_id)
 
     def _launch(self) -> None:
         out = self.scheduler.schedule()
         if out.empty:
             return
-        targets = self._prompt_score_targets(out)
+        if not self._suspects:
+            self._dispatch(out)
+            return
+        rest = SchedulerOutput([], [], out.preempted)
+        for req, count in zip(out.requests, out.num_scheduled_tokens):
+            if req.request_id in self._suspects:
+                self._dispatch(SchedulerOutput([req], [count], []))
+            else:
+                rest.requests.append(req)
+                rest.num_scheduled_tokens.append(count)
+        if rest.requests:
+            self._dispatch(rest)
+
+    def _dispatch(self, out: SchedulerOutput) -> None:
+        """Start a step on the device. If it cannot start, nothing of it ran: start its
+        requests one at a time, and fail one that cannot start alone."""
         try:
-            self._in_flight = (out, self.runner.dispatch(out, targets))
-        except BaseException:
+            handle = self.runner.dispatch(out, self._prompt_score_targets(out))
+        except BaseException as err:
             self._drop_cached_blocks()
-            raise
+            if not isinstance(err, Exception):
+                raise  # Ctrl-C, exit
+            if len(out.requests) == 1:
+                self._fail(self._by_child[out.requests[0].request_id], err,
+                           "while its step was prepared", device=True)
+                return
+            logger.warning("A step of %d requests could not start (%s); starting them one at "
+                           "a time", len(out.requests), _describe(err))
+            for req, count in zip(out.requests, out.num_scheduled_tokens):
+                if not req.finished:
+                    self._dispatch(SchedulerOutput([req], [count], []))
+            return
+        for req in out.requests:
+            req.needs_state_reset = False  # the step carries the reset of a new state row
+        self._in_flight.append((out, handle))
 
     def _drop_cached_blocks(self) -> None:
         # Scheduling registered the blocks a step fills; if the step did not run (an error,
         # Ctrl-C), their KV may be missing, so no later request may hit them.
         self.kv_cache.reset_prefix_cache()
 
-    def _collect(self) -> list[tuple[_Tracked, Request, int]]:
+    def _collect(self) -> list[tuple[TrackedRequest, Request, int]]:
         """Wait for the step in flight and fold its results in: computed tokens, prompt
         logprobs, sampled tokens, and the finishes that need no text (stop token ids, EOS,
         length). Returns the (request, token) pairs sampled."""
-        if self._in_flight is None:
-            return []
-        out, handle = self._in_flight
-        self._in_flight = None
-        try:
-            result = self.runner.fetch(handle)
-        except BaseException:
-            self._drop_cached_blocks()
-            raise
+        parts, self._in_flight = self._in_flight, []
+        appended = []
+        for out, handle in parts:
+            try:
+                result = self.runner.fetch(handle)
+            except BaseException as err:
+                self._drop_cached_blocks()
+                if not isinstance(err, Exception):
+                    raise  # Ctrl-C, exit
+                self._step_failed(out, err)
+                continue
+            for req in out.requests:
+                self._suspects.discard(req.request_id)  # ran alone and succeeded
+            appended += self._fold(out, result)
+        return appended
+
+    def _step_failed(self, out: SchedulerOutput, err: Exception) -> None:
+        """A step failed on the device. What it did to its requests' KV and penalty state is
+        unknown, so they are recomputed from scratch, each alone; one that was alone already
+        is the culprit."""
+        live = [req for req in out.requests if not req.finished]
+        if len(live) == 1:
+            self._fail(self._by_child[live[0].request_id], err, "while its step ran",
+                       device=True)
+            return
+        if live:
+            logger.warning("A step of %d requests failed on the device (%s); recomputing "
+                           "each alone", len(live), _describe(err))
+        for req in live:
+            self.scheduler.recompute(req)
+            self._suspects.add(req.request_id)
+
+    def _fold(self, out: SchedulerOutput, result) -> list[tuple[TrackedRequest, Request, int]]:
         appended = []
         start = 0
         for row, (req, count) in enumerate(zip(out.requests, out.num_scheduled_tokens)):
             first, start = start, start + count
             if req.finished:
-                continue  # stopped (stop string) or aborted while the step ran: dropped
+                continue  # stopped (stop string), aborted or failed while the step ran
             tracked = self._by_child[req.request_id]
-            if result.prompt_scores is not None and tracked.prompt_logprobs is not None \
-                    and req is tracked.children[0]:
-                self._record_prompt_logprobs(tracked, req, first, count, result.prompt_scores)
-            req.num_computed_tokens += count
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # a prefill chunk: nothing sampled yet
-            appended.append((tracked, req, self._append(req, row, result.sampled)))
+            try:
+                if result.prompt_scores is not None and tracked.prompt_logprobs is not None \
+                        and req is tracked.children[0]:
+                    self.outputs.record_prompt_logprobs(tracked, req, first, count,
+                                                        result.prompt_scores)
+                req.num_computed_tokens += count
+                if req.num_computed_tokens < req.num_tokens:
+                    continue  # a prefill chunk: nothing sampled yet
+                appended.append((tracked, req, self._append(req, row, result.sampled)))
+            except Exception as err:  # noqa: BLE001 - this request only
+                self._fail(tracked, err, "while its results were read")
         return appended
 
     def _append(self, req: Request, row: int, sampled) -> int:
@@ -241,7 +353,7 @@ class LLMEngine:
         req.append_token(token)
         if req.params.logprobs is not None:
             k = req.params.logprobs
-            req.logprobs.append(self._logprob_dict(
+            req.logprobs.append(self.outputs.logprob_dict(
                 token, float(sampled.logprobs[row]), int(sampled.ranks[row]),
                 sampled.top_ids[row][:k], sampled.top_logprobs[row][:k]))
             req.cumulative_logprob += float(sampled.logprobs[row])
@@ -249,7 +361,7 @@ class LLMEngine:
             self.scheduler.finish(req, req.status)
         return token
 
-    def _detokenize(self, tracked: _Tracked, req: Request, token: int) -> None:
+    def _detokenize(self, tracked: TrackedRequest, req: Request, token: int) -> None:
         """Text for the token, and stop strings: a request that matches one finishes now,
         and its row in the step already running is dropped when that step is collected."""
         detok = tracked.detokenizers[tracked.children.index(req)]
@@ -259,6 +371,33 @@ class LLMEngine:
         if stop_str is not None:
             req.stop_reason = stop_str
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+
+    def _fail(self, tracked: TrackedRequest, err: BaseException, stage: str, *,
+              device: bool = False, log: bool = True) -> None:
+        """End a request with finish_reason "error" and free what it holds. device: the
+        error came from its own step on the runner, so the device is checked next."""
+        if tracked.error is not None:
+            return
+        tracked.error = f"the engine failed on this request {stage} ({type(err).__name__})"
+        if log:
+            logger.error("Request %s failed %s: %s", tracked.request_id, stage,
+                         _describe(err), exc_info=err)
+        for child in tracked.children:
+            self._suspects.discard(child.request_id)
+            if not child.finished:
+                self.scheduler.finish(child, RequestStatus.FINISHED_ERROR)
+        self._failed.append(tracked)
+        if device:
+            self._device_failure = err
+
+    def _check_device(self) -> None:
+        """After a culprit's step failed: does the device still run an empty step?"""
+        cause, self._device_failure = self._device_failure, None
+        try:
+            self.runner.fetch(self.runner.dispatch(SchedulerOutput([], [], [])))
+        except Exception as err:  # noqa: BLE001 - reported as the reason the engine died
+            raise EngineDeadError(f"the device fails even an empty step: {_describe(err)} "
+                                  f"(first failure: {_describe(cause)})") from err
 
     def _prompt_score_targets(self, out) -> np.ndarray | None:
         wanted = []
@@ -278,49 +417,11 @@ class LLMEngine:
             start += count
         return targets
 
-    def _record_prompt_logprobs(self, tracked, req, start, count, scores) -> None:
-        k = tracked.params.prompt_logprobs
-        have = len(tracked.prompt_logprobs)  # positions 0..have-1 are done
-        first = req.num_computed_tokens
-        for pos in range(max(first, have - 1), min(first + count, req.num_prompt_tokens - 1)):
-            i = start + pos - first
-            target = int(req.token_ids[pos + 1])
-            tracked.prompt_logprobs.append(self._logprob_dict(
-                target, float(scores.logprobs[i]), int(scores.ranks[i]),
-                scores.top_ids[i][:k], scores.top_logprobs[i][:k]))
-
-    def _logprob_dict(self, token, logprob, rank, top_ids, top_logprobs) -> dict[int, Logprob]:
-        entries = {int(t): Logprob(float(lp), r + 1, self._decode_one(int(t)))
-                   for r, (t, lp) in enumerate(zip(top_ids, top_logprobs))}
-        if token not in entries:
-            entries = {token: Logprob(logprob, rank, self._decode_one(token)), **entries}
-        return entries
-
-    def _decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    def _make_output(self, tracked: _Tracked) -> RequestOutput:
-        completions = []
-        for i, (child, detok) in enumerate(zip(tracked.children, tracked.detokenizers)):
-            logprobs = cumulative = None
-            if child.params.logprobs is not None:
-                logprobs, cumulative = list(child.logprobs), child.cumulative_logprob
-            # Safe text: while running, the tail that could still become a stop string (or
-            # an incomplete character) is held back, so streamed deltas never retract.
-            finished = child.finished
-            text = detok.get_next_output_text(finished=finished, delta=False)
-            reason = child.status.value if finished else None
-            completions.append(CompletionOutput(i, text, child.output_token_ids, cumulative,
-                                                logprobs, reason, child.stop_reason))
-        scheduled = [c.scheduled_time for c in tracked.children if c.scheduled_time is not None]
-        metrics = RequestMetrics(tracked.children[0].arrival_time,
-                                 min(scheduled) if scheduled else None)
-        # Prompt tokens served from the prefix cache, for the first choice (with n > 1 the
-        # other choices usually hit the blocks the first one computed).
-        cached = tracked.children[0].num_cached_tokens or 0
-        return RequestOutput(tracked.request_id, tracked.prompt, tracked.prompt_token_ids,
-                             tracked.prompt_logprobs, completions, tracked.finished,
-                             num_cached_tokens=cached, metrics=metrics)
+def _describe(err: BaseException) -> str:
+    """A one-line, bounded description of an exception (no traceback)."""
+    text = str(err).splitlines()[0] if str(err) else ""
+    text = text if len(text) <= 200 else text[:197] + "..."
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def _eos_token_ids(config: EngineConfig, tokenizer) -> set[int]:

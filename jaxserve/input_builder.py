@@ -12,7 +12,6 @@ import numpy as np
 from jaxserve.scheduler import SchedulerOutput
 
 MAX_BANNED_IDS = 16  # stop tokens masked while a request is below min_tokens
-_INT32_MAX = 2**31 - 1
 
 
 def _fill_tokens(reqs, counts, firsts, starts, block_size, token_ids, positions, slot_mapping):
@@ -83,12 +82,11 @@ def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, bloc
         presence[:n], frequency[:n], repetition[:n] = floats[:, 3], floats[:, 4], floats[:, 5]
         ints = np.array([(r.sampling_top_k, r.seed, r.num_prompt_tokens, r.state_slot)
                          for r in reqs], np.int64)
-        top_k[:n] = np.minimum(ints[:, 0], _INT32_MAX)  # k >= V means all tokens anyway
+        top_k[:n] = ints[:, 0]  # SamplingParams keeps top_k within int32
         seeds[:n], prompt_lens[:n], state_slots[:n] = ints[:, 1], ints[:, 2], ints[:, 3]
         for row, req in enumerate(reqs):
-            if req.needs_state_reset:
+            if req.needs_state_reset:  # cleared by the engine once the step is dispatched
                 reset_state[row] = True
-                req.needs_state_reset = False
             if req.params.logprobs is not None:
                 wants_logprobs[row] = True
             if req.num_output_tokens < req.params.min_tokens:

@@ -17,11 +17,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # the engine failed on this request (as vLLM v1's ERROR)
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 class Request:
@@ -68,7 +69,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.state_slot = 0  # row of the device-side penalty state; 0 = none held
-        self.needs_state_reset = False  # set when a row is handed out, cleared once sent
+        self.needs_state_reset = False  # set when a row is handed out, cleared once dispatched
         # Per output token {token_id: Logprob} (chosen + top-k), when logprobs are asked for.
         self.logprobs: list[dict] = []
         self.cumulative_logprob = 0.0

@@ -1,4 +1,12 @@
-"""SamplingParams: how one request is sampled, validated when it is made (vLLM's names)."""
+"""SamplingParams: how one request is sampled, validated when it is made (vLLM's names).
+
+Validation is also the contract with the device: every number must survive its trip there.
+Counts, top_k and token ids travel as int32; temperatures, probabilities and penalties as
+float32, where a value beyond float32's range becomes infinite and a nonzero value below its
+smallest normal number becomes 0 (or a denormal that XLA flushes to 0). Such values are
+refused here, naming the field, so that the HTTP server, the offline LLM and any other front
+end share one check and nothing unrepresentable ever reaches a step.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +14,14 @@ import dataclasses
 import math
 
 MAX_LOGPROBS = 20  # top-k logprobs the device step computes; logprobs/prompt_logprobs cap
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+# Scales logits (divides positive, multiplies negative ones): beyond this range the effect no
+# longer changes (every seen token is pinned near 0 or pushed to -inf), and near float32's
+# limits a penalised logit overflows.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclasses.dataclass
@@ -39,49 +55,57 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        elif self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        else:
+            raise _bad("stop", "a string or a list of strings", self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        else:
+            raise _bad("stop_token_ids", "a list of token ids", self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
 
     def _validate(self) -> None:
-        def bad(field: str, allowed: str, value: object) -> ValueError:
-            return ValueError(f"SamplingParams.{field} must be {allowed}, got {value!r}.")
-
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "an integer >= 1", self.n)
-        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
-            raise bad("temperature", "a finite number >= 0 (0 means greedy)", self.temperature)
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "in (0, 1]", self.top_p)
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", "-1 or 0 (disabled) or an integer >= 1", self.top_k)
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "in [0, 1]", self.min_p)
+        _check_int("n", self.n, 1, INT32_MAX)
+        _check_float("temperature", self.temperature, 0.0, FLOAT32_MAX,
+                     "a number in [0, 3.4e38] (0 means greedy)")
+        _check_float("top_p", self.top_p, FLOAT32_TINY, 1.0, "in (0, 1]")
+        _check_int("top_k", self.top_k, 0, INT32_MAX, "-1 or 0 (disabled) or an integer in "
+                   f"[1, {INT32_MAX}] (any k >= the vocabulary keeps every token)")
+        _check_float("min_p", self.min_p, 0.0, 1.0, "in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:
-                raise bad(name, "in [-2, 2]", value)
-        if not self.repetition_penalty > 0.0:
-            raise bad("repetition_penalty", "> 0 (1 means no penalty)", self.repetition_penalty)
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
-        ):
-            raise bad("max_tokens", "an integer >= 1 (or None for up to max_model_len)",
-                      self.max_tokens)
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", "an integer >= 0", self.min_tokens)
+            _check_float(name, getattr(self, name), -2.0, 2.0, "in [-2, 2]")
+        low, high = REPETITION_PENALTY_RANGE
+        _check_float("repetition_penalty", self.repetition_penalty, low, high,
+                     f"in [{low:g}, {high:g}] (1 means no penalty)")
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, INT32_MAX,
+                       f"an integer in [1, {INT32_MAX}] (or None for up to max_model_len)")
+        _check_int("min_tokens", self.min_tokens, 0, INT32_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+            raise _bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
-                raise bad(name, f"an integer in [0, {MAX_LOGPROBS}] or None", value)
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, MAX_LOGPROBS,
+                           f"an integer in [0, {MAX_LOGPROBS}] or None")
+        if self.seed is not None:
+            _check_int("seed", self.seed, INT64_MIN, INT64_MAX,
+                       "a 64-bit signed integer or None")
         if any(not isinstance(s, str) or not s or "\ufffd" in s for s in self.stop):
-            raise bad("stop", "a list of non-empty strings (without U+FFFD)", self.stop)
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "an integer or None", self.seed)
+            raise _bad("stop", "a list of non-empty strings (without U+FFFD)", self.stop)
+        if any(not _is_int(t) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise _bad("stop_token_ids", f"a list of token ids in [0, {INT32_MAX}]",
+                       self.stop_token_ids)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, "true or false", getattr(self, name))
 
     @property
     def greedy(self) -> bool:
@@ -89,3 +113,32 @@ class SamplingParams:
 
     def clone(self, **changes: object) -> SamplingParams:
         return dataclasses.replace(self, **changes)
+
+
+def _bad(field: str, allowed: str, value: object) -> ValueError:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return ValueError(f"SamplingParams.{field} must be {allowed}, got {shown}.")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(field: str, value: object, low: int, high: int,
+               allowed: str | None = None) -> None:
+    if not _is_int(value) or not low <= value <= high:
+        raise _bad(field, allowed or f"an integer in [{low}, {high}]", value)
+
+
+def _check_float(field: str, value: object, low: float, high: float, allowed: str) -> None:
+    """A finite number in [low, high] that float32 holds: 0, or at least FLOAT32_TINY in
+    magnitude (a smaller one would be 0 on the device)."""
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value) and low <= value <= high
+          and (value == 0 or abs(value) >= FLOAT32_TINY))
+    if not ok:
+        if low <= 0 <= high:
+            allowed += " (float32: 0, or at least 1.2e-38 in magnitude)"
+        raise _bad(field, allowed, value)

@@ -119,6 +119,13 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def recompute(self, request: Request) -> None:
+        """Send a running request back to the waiting queue, to be computed again from its
+        first token: the results of its last step were lost. Its blocks are freed."""
+        if request in self.running:
+            self.running.remove(request)
+            self._preempt(request)
+
     def _release_slot(self, request: Request) -> None:
         if request.state_slot:
             self._free_slots.append(request.state_slot)

@@ -33,8 +33,16 @@ def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_promp
     for message in messages:
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts.")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template,
-                                         add_generation_prompt=add_generation_prompt, **kwargs)
+    from jinja2 import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             chat_template=chat_template,
+                                             add_generation_prompt=add_generation_prompt,
+                                             **kwargs)
+    except TemplateError as err:  # the template refused the conversation (raise_exception)
+        raise ValueError(f"messages: the chat template refused this conversation: "
+                         f"{str(err)[:200]}") from None
     return tokenize_rendered_chat(tokenizer, text, messages)
 
 

@@ -1,15 +1,22 @@
-"""The FastAPI application: routes, auth, body-size cap, draining, error envelopes.
+"""The FastAPI application: routes, auth, bounded body reading, draining, error envelopes.
 
 Built by create_app() around a started AsyncLLMEngine; `jaxserve serve` runs it with uvicorn.
+Request bodies are read in full (up to max_body_bytes, within request_read_timeout) before a
+route runs; parsing, validation and tokenization then run in a worker thread, so neither a
+slow client nor a large request stalls the event loop that every other client shares.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import hmac
-import json
 import logging
+import os
 import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -20,15 +27,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 import jaxserve
 from jaxserve.server.async_engine import AsyncLLMEngine
 from jaxserve.server.errors import APIError, from_validation_error
-from jaxserve.server.openai_serving import OpenAIServing
-from jaxserve.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    RequestLimits,
-    TokenizeRequest,
-)
-from jaxserve.tokenizer import apply_chat_template
+from jaxserve.server.openai_serving import REQUEST_ID_KEY, OpenAIServing
+from jaxserve.server.protocol import RequestLimits
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,9 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     max_waiting_requests: int = 1024
     shutdown_timeout: float = 30.0
+    # A request's headers, then its body, must each arrive within this many seconds.
+    request_read_timeout: float = 30.0
+    keep_alive_timeout: float = 5.0  # an idle keep-alive connection is closed after this
     limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
@@ -53,8 +56,15 @@ class ServerConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}.")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}.")
-        if self.shutdown_timeout < 0:
-            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}.")
+        for name in ("shutdown_timeout", "keep_alive_timeout"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}.")
+        if not self.request_read_timeout > 0:
+            raise ValueError(f"request_read_timeout must be > 0, got "
+                             f"{self.request_read_timeout}.")
+        if self.limits.max_prompts < 1:
+            raise ValueError(f"max_prompts_per_request must be >= 1, got "
+                             f"{self.limits.max_prompts}.")
 
 
 class ServerState:
@@ -66,6 +76,13 @@ class ServerState:
         self.serving = OpenAIServing(engine, config.served_model_name, config.limits)
         self.draining = False
         self.started = time.time()
+        # Parsing, chat templates and tokenization (the tokenizer releases the GIL).
+        self.workers = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                                          thread_name_prefix="jaxserve-prepare")
+
+    async def off_loop(self, fn, *args):
+        """Run fn(*args) in a worker thread and await its result."""
+        return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
 
 
 def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
@@ -102,13 +119,15 @@ def _install_errors(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal(_: Request, err: Exception):
-        logger.exception("Unhandled error")
+        # Only for an error in the guard itself (the guard catches and logs every other):
+        # uvicorn logs it once when Starlette re-raises it after this response.
         return APIError(500, "internal server error", code="internal_error").response()
 
 
 class _Guard:
     """Pure ASGI middleware (so streaming and disconnect detection pass through untouched):
-    API key, draining, and the body-size cap, before any route runs."""
+    a request id, API key, draining, and the bounded body read, before any route runs; and
+    the one place an unhandled error is logged (once, with the request id) and answered."""
 
     def __init__(self, app, state: ServerState) -> None:
         self.app, self.state = app, state
@@ -119,6 +138,8 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         config, path = self.state.config, scope["path"]
+        request_id = uuid.uuid4().hex
+        scope.setdefault("state", {})[REQUEST_ID_KEY] = request_id
         headers = dict(scope["headers"])
         open_path = path in _OPEN_PATHS or (path == "/metrics" and not config.metrics_require_auth)
         if self.expected is not None and not open_path and scope["method"] != "OPTIONS":
@@ -129,27 +150,73 @@ class _Guard:
         if self.state.draining and path not in _OPEN_PATHS and path != "/metrics":
             error = APIError(503, "The server is shutting down.", code="draining")
             return await error.response()(scope, receive, send)
-        if scope["method"] not in ("POST", "PUT", "PATCH"):
-            return await self.app(scope, receive, send)
-        length = headers.get(b"content-length", b"0")
-        if not length.isdigit() or int(length) > config.max_body_bytes:
-            return await _too_large(config)(scope, receive, send)
-        body, messages = 0, []
-        while True:  # read the whole body first, stopping at the cap
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request":
-                break
-            body += len(message.get("body", b""))
-            if body > config.max_body_bytes:
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            length = headers.get(b"content-length", b"0")
+            if not length.isdigit() or int(length) > config.max_body_bytes:
                 return await _too_large(config)(scope, receive, send)
+            messages = await self._read_body(scope, receive, send, request_id)
+            if messages is None:
+                return  # answered (408, 413) or the client left
+            return await self._run(scope, _replay(messages, receive), send, request_id)
+        await self._run(scope, receive, send, request_id)
+
+    async def _read_body(self, scope, receive, send, request_id: str) -> list | None:
+        """The body's messages, read up to the size cap and within the read timeout; None
+        once the request is answered or the client has gone."""
+        config = self.state.config
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + config.request_read_timeout
+        size, messages = 0, []
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                logger.info("Request %s: the body did not arrive within %g s; answering 408",
+                            request_id, config.request_read_timeout)
+                error = APIError(408, f"The request body did not arrive within "
+                                 f"{config.request_read_timeout:g} s.", code="request_timeout")
+                await error.response(headers={"Connection": "close"})(scope, receive, send)
+                return None
+            if message["type"] != "http.request":  # http.disconnect
+                logger.debug("Request %s: the client left before sending its body", request_id)
+                return None
+            messages.append(message)
+            size += len(message.get("body", b""))
+            if size > config.max_body_bytes:
+                await _too_large(config)(scope, receive, send)
+                return None
             if not message.get("more_body", False):
-                break
+                return messages
 
-        async def replay():
-            return messages.pop(0) if messages else await receive()
+    async def _run(self, scope, receive, send, request_id: str) -> None:
+        started = False
 
-        return await self.app(scope, replay, send)
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception as err:  # noqa: BLE001 - logged once here, answered with a 500
+            logger.error("Unhandled error in %s %s (request %s)", scope["method"],
+                         scope["path"][:80], request_id, exc_info=err)
+            if not started:
+                error = APIError(500, "internal server error", code="internal_error")
+                await error.response()(scope, receive, send)
+            else:  # end the response already under way (the client sees it cut short)
+                with contextlib.suppress(Exception):
+                    await send({"type": "http.response.body", "body": b"",
+                                "more_body": False})
+
+
+def _replay(messages: list, receive):
+    """An ASGI receive that first hands out the body messages already read."""
+
+    async def replay():
+        return messages.pop(0) if messages else await receive()
+
+    return replay
 
 
 def _too_large(config: ServerConfig) -> JSONResponse:
@@ -157,41 +224,20 @@ def _too_large(config: ServerConfig) -> JSONResponse:
                     code="body_too_large").response()
 
 
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
-
-
-async def _json_body(request: Request, model):
-    """Parse the body ourselves so that every malformed input gets the 400 envelope."""
-    try:
-        data = json.loads(await request.body(), parse_constant=_reject_constant)
-        json.dumps(data, ensure_ascii=False).encode("utf-8")  # no lone surrogates
-    except (ValueError, UnicodeError):
-        raise APIError(400, "The request body is not valid JSON (UTF-8, no NaN or Infinity).",
-                       code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
-    try:
-        return model.model_validate(data)
-    except Exception as err:  # pydantic.ValidationError
-        if hasattr(err, "errors"):
-            raise from_validation_error(err) from None
-        raise
-
-
 def _install_routes(app: FastAPI, state: ServerState) -> None:
     serving = state.serving
     engine = state.engine
-    tokenizer = engine.engine.tokenizer
     config = state.config
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await serving.completions(await _json_body(request, CompletionRequest), request)
+        prepared = await state.off_loop(serving.prepare_completion, await request.body())
+        return await serving.respond(prepared, request)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await serving.chat(await _json_body(request, ChatCompletionRequest), request)
+        prepared = await state.off_loop(serving.prepare_chat, await request.body())
+        return await serving.respond(prepared, request)
 
     @app.get("/v1/models")
     async def models():
@@ -202,35 +248,18 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        body = await _json_body(request, TokenizeRequest)
-        serving.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "Give exactly one of prompt or messages.", param="prompt")
-        if body.messages is not None:
-            try:
-                ids = apply_chat_template(tokenizer, [m.as_template_message()
-                                                      for m in body.messages],
-                                          add_generation_prompt=body.add_generation_prompt)
-            except ValueError as err:
-                raise APIError(400, str(err)[:300], param="messages") from None
-        else:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"tokens": ids, "count": len(ids),
-                "max_model_len": engine.engine.config.model.max_model_len}
+        return await state.off_loop(serving.tokenize, await request.body())
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        body = await _json_body(request, DetokenizeRequest)
-        serving.check_model(body.model)
-        vocab = engine.engine.config.model.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise APIError(400, f"tokens must be in [0, {vocab}).", param="tokens")
-        return {"prompt": tokenizer.decode(body.tokens)}
+        return await state.off_loop(serving.detokenize, await request.body())
 
     @app.get("/health")
     async def health():
         if not engine.is_running:
-            return APIError(503, "The engine loop has stopped.", code="engine_dead").response()
+            reason = engine.dead_reason or "the engine loop has stopped"
+            return APIError(503, f"{reason[:1].upper()}{reason[1:]}.",
+                            code="engine_dead").response()
         return Response(status_code=200)
 
     @app.get("/ready")

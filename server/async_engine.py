@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
-from jaxserve.engine import LLMEngine
+from jaxserve.engine import EngineDeadError, LLMEngine
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.metrics import EngineMetrics
@@ -27,9 +27,7 @@ logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05
 _LOG_INTERVAL_S = 10.0
 
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped on an error; the server can no longer generate."""
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "OverloadedError"]
 
 
 class OverloadedError(RuntimeError):
@@ -57,7 +55,7 @@ class AsyncLLMEngine:
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams between the two threads
-        self._pending = 0  # adds sent to the engine thread, not yet taken in
+        self._pending = 0  # sequences sent to the engine thread, not yet taken in
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
@@ -78,6 +76,13 @@ class AsyncLLMEngine:
         return self._thread.is_alive() and self.error is None
 
     @property
+    def dead_reason(self) -> str:
+        """Why the engine loop stopped (for /health), '' while it runs."""
+        if self.error is not None:
+            return f"the engine loop has stopped: {self.error}"[:300]
+        return "" if self._thread.is_alive() else "the engine loop is not running"
+
+    @property
     def num_in_flight(self) -> int:
         with self._lock:
             return len(self._streams)
@@ -85,25 +90,39 @@ class AsyncLLMEngine:
     # ---- the HTTP side ------------------------------------------------------------------
     def submit(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Queue a request now (raising ValueError, OverloadedError or EngineDeadError at
+        """Queue one request now (raising ValueError, OverloadedError or EngineDeadError at
         once) and return the iterator of its outputs. Leaving the iteration before the
         request finishes aborts it. Call from the event loop."""
+        return self.submit_many([(request_id, prompt, prompt_token_ids)], params)[0]
+
+    def submit_many(self, prompts: list[tuple[str, str | None, list[int]]],
+                    params: SamplingParams) -> list[AsyncIterator[RequestOutput]]:
+        """Queue several requests, (request id, prompt text, prompt token ids) each, all or
+        none: each is validated, and the admission cap is checked for all of them at once, so
+        refusing a large request never refuses or aborts anyone else's."""
         if not self.is_running:
-            raise EngineDeadError("the engine loop has stopped")
-        self.engine.validate(prompt_token_ids, params)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic(),
-                         len(prompt_token_ids))
+            raise EngineDeadError(self.dead_reason or "the engine loop has stopped")
+        for _, _, ids in prompts:
+            self.engine.validate(ids, params)
+        loop = asyncio.get_running_loop()
+        streams = [_Stream(loop, asyncio.Queue(), time.monotonic(), len(ids))
+                   for _, _, ids in prompts]
+        sequences = len(prompts) * params.n
         with self._lock:
             waiting = len(self.engine.scheduler.waiting) + self._pending
-            if waiting >= self.max_waiting_requests:
-                raise OverloadedError(f"{waiting} requests are already waiting; retry later")
-            if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = stream
-            self._pending += 1
-        self._inbox.put(("add", (request_id, prompt, prompt_token_ids, params)))
+            if waiting + sequences > self.max_waiting_requests:
+                raise OverloadedError(
+                    f"{waiting} sequences are already waiting and this request adds "
+                    f"{sequences} (the cap is {self.max_waiting_requests}); retry later")
+            ids = [request_id for request_id, _, _ in prompts]
+            if len(set(ids)) != len(ids) or any(i in self._streams for i in ids):
+                raise ValueError("request ids must be unique and not already in use")
+            self._streams.update(zip(ids, streams))
+            self._pending += sequences
+        for request_id, prompt, prompt_token_ids in prompts:
+            self._inbox.put(("add", (request_id, prompt, prompt_token_ids, params)))
         self._wake.set()
-        return self._outputs(request_id, stream)
+        return [self._outputs(request_id, stream) for request_id, stream in zip(ids, streams)]
 
     async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -133,6 +152,9 @@ class AsyncLLMEngine:
 
     # ---- the engine thread --------------------------------------------------------------
     def _run(self) -> None:
+        """The engine thread. A request the engine fails ends alone (its output carries the
+        error); the loop stops only when the engine is dead (EngineDeadError: the device
+        fails even with no request in the step) or on an error outside the engine."""
         try:
             while not self._stop.is_set():
                 self._take_inbox()
@@ -147,13 +169,14 @@ class AsyncLLMEngine:
                 self._update_gauges()
         except BaseException as err:  # noqa: BLE001 - reported to every waiting request
             self.error = err
-            logger.exception("The engine loop died; failing all requests")
+            logger.error("The engine loop stopped (%s); failing all %d requests in flight",
+                         err, self.num_in_flight, exc_info=err)
             with self._lock:
                 streams = list(self._streams.values())
                 self._streams.clear()
             for stream in streams:
                 stream.loop.call_soon_threadsafe(
-                    stream.queue.put_nowait, EngineDeadError("the engine loop has stopped"))
+                    stream.queue.put_nowait, EngineDeadError(self.dead_reason))
 
     def _take_inbox(self) -> None:
         while True:
@@ -162,7 +185,7 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                request_id = payload[0]
+                request_id, params = payload[0], payload[3]
                 with self._lock:
                     stream = self._streams.get(request_id)
                 try:
@@ -170,9 +193,14 @@ class AsyncLLMEngine:
                 except ValueError as err:
                     self._close(request_id, err)
                     continue
+                except Exception as err:  # noqa: BLE001 - this request only
+                    logger.error("Request %s could not be added: %s", request_id, err,
+                                 exc_info=err)
+                    self._close(request_id, err)
+                    continue
                 finally:
                     with self._lock:  # only now is it counted in scheduler.waiting
-                        self._pending -= 1
+                        self._pending -= params.n
                 if stream is not None and self.metrics:
                     self.metrics.prompt_tokens.inc(stream.num_prompt_tokens)
             elif kind == "abort":  # the consumer is gone: nobody to tell

@@ -13,7 +13,8 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error",
+          405: "invalid_request_error", 408: "invalid_request_error",
+          413: "invalid_request_error",
           429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable"}
 _FIELD = re.compile(r"^(?:SamplingParams\.)?([a-z_]+)\b")
 _PROMPT_FIELDS = {"prompt", "prompt_token_ids"}
@@ -30,8 +31,8 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": _TYPES.get(self.status, "error"),
                           "param": self.param, "code": self.code or str(self.status)}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def from_validation_error(err: RequestValidationError | ValidationError) -> APIError:

@@ -10,7 +10,9 @@ import asyncio
 import logging
 import time
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from jaxserve.server.app import ServerConfig, create_app
 from jaxserve.server.async_engine import AsyncLLMEngine
@@ -19,6 +21,49 @@ from jaxserve.server.metrics import EngineMetrics
 logger = logging.getLogger(__name__)
 
 _FLUSH_S = 2.0  # after aborting, time for the last chunks to reach clients
+
+
+def _timed_protocol(header_timeout: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a deadline for each request's headers: uvicorn bounds
+    idle keep-alive connections but not a client that connects and then sends its headers
+    slowly or never (slowloris). The body has its own deadline in the app."""
+
+    class TimedH11Protocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._watch_headers()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._watch_headers()
+
+        def connection_lost(self, exc) -> None:
+            self._stop_watch()
+            super().connection_lost(exc)
+
+        def _watch_headers(self) -> None:
+            """Runs from the first byte of a request until its headers are complete."""
+            waiting = self.conn.their_state is h11.IDLE and not self.transport.is_closing()
+            if not waiting:
+                self._stop_watch()
+            elif self._header_timer is None:
+                self._header_timer = self.loop.call_later(header_timeout, self._headers_late)
+
+        def _stop_watch(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                logger.info("Closing a connection whose request headers did not arrive within "
+                            "%g s", header_timeout)
+                self.transport.close()
+
+    return TimedH11Protocol
 
 
 class _DrainingServer(uvicorn.Server):
@@ -69,6 +114,8 @@ def serve(engine_config, server_config: ServerConfig, log_level: str = "info") -
     app = create_app(async_engine, server_config)
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                             log_level=log_level.lower(), access_log=False,
+                            http=_timed_protocol(server_config.request_read_timeout),
+                            timeout_keep_alive=server_config.keep_alive_timeout,
                             timeout_graceful_shutdown=5)
     server = _DrainingServer(config, app.state.jaxserve, async_engine,
                              server_config.shutdown_timeout)

@@ -1,15 +1,23 @@
-"""/v1/completions and /v1/chat/completions: requests in, JSON or SSE streams out.
+"""/v1/completions, /v1/chat/completions, /tokenize, /detokenize: requests in, JSON or SSE out.
 
-A completion request with several prompts becomes one engine request per prompt; choice
-index = prompt index * n + sample index, as in the OpenAI API. Streams send only text the
-detokenizer has released (never part of a stop string), exactly one chunk per choice with a
-finish_reason, and, with stream_options.include_usage, a last chunk with the usage.
+Each request is prepared in two halves. The first (prepare_*) runs in a worker thread: it
+parses and validates the body, renders the chat template and tokenizes, so a large request
+never stalls the event loop. The second (respond) runs on the event loop: it queues the
+engine requests and turns their outputs into responses.
+
+A completion request with several prompts becomes one engine request per prompt, admitted
+all or none; choice index = prompt index * n + sample index, as in the OpenAI API. Streams
+send only text the detokenizer has released (never part of a stop string), exactly one chunk
+per choice with a finish_reason, and, with stream_options.include_usage, a last chunk with
+the usage. A request the engine fails gets a 500 envelope, or an error event in its stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,12 +26,38 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.async_engine import AsyncLLMEngine, EngineDeadError, OverloadedError
 from jaxserve.server.errors import APIError, from_value_error
-from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, RequestLimits
+from jaxserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    RequestLimits,
+    TokenizeRequest,
+)
+from jaxserve.server.request_body import parse_body
 from jaxserve.tokenizer import apply_chat_template
 
+logger = logging.getLogger(__name__)
+
 _DISCONNECT_POLL_S = 0.5
+REQUEST_ID_KEY = "jaxserve_request_id"  # in the ASGI scope's state, set by the app's guard
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A parsed, validated, tokenized request, ready to queue."""
+
+    kind: str  # "text_completion" | "chat.completion"
+    body: CompletionRequest | ChatCompletionRequest
+    params: SamplingParams
+    prompts: list[tuple[str | None, list[int]]]  # (text if given as text, token ids)
+    prompt_param: str  # the field a prompt problem is reported on
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request (its output carries the reason)."""
 
 
 class OpenAIServing:
@@ -32,41 +66,55 @@ class OpenAIServing:
         self.model_name = model_name
         self.limits = limits
         self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.config.model.max_model_len
+        self.vocab_size = engine.engine.config.model.vocab_size
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError(404, f"The model {name[:64]!r} does not exist; this server serves "
                            f"{self.model_name!r}.", param="model", code="model_not_found")
 
-    # ---- endpoints ----------------------------------------------------------------------
-    async def completions(self, body: CompletionRequest, raw: Request):
+    # ---- worker thread: parse, validate, tokenize -------------------------------------
+    def prepare_completion(self, raw: bytes) -> Prepared:
+        body = parse_body(raw, CompletionRequest)
         self.check_model(body.model)
         params = _params(body, self.limits, "prompt")
-        prompts = self._completion_prompts(body.prompt)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = self._start(request_id, prompts, params, "prompt")
-        view = _View("text_completion", request_id, self.model_name, body, prompts, self)
-        if body.stream:
-            return _sse(self._stream(view, streams))
-        return await self._respond(view, streams, raw)
+        return Prepared("text_completion", body, params, self._completion_prompts(body.prompt),
+                        "prompt")
 
-    async def chat(self, body: ChatCompletionRequest, raw: Request):
+    def prepare_chat(self, raw: bytes) -> Prepared:
+        body = parse_body(raw, ChatCompletionRequest)
         self.check_model(body.model)
         params = _params(body, self.limits, "messages")
+        ids = self._render_chat(body.template_messages(), body.add_generation_prompt)
+        return Prepared("chat.completion", body, params, [(None, ids)], "messages")
+
+    def tokenize(self, raw: bytes) -> dict:
+        body = parse_body(raw, TokenizeRequest)
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "Give exactly one of prompt or messages.", param="prompt")
+        if body.messages is not None:
+            ids = self._render_chat([m.as_template_message() for m in body.messages],
+                                    body.add_generation_prompt)
+        else:
+            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+
+    def detokenize(self, raw: bytes) -> dict:
+        body = parse_body(raw, DetokenizeRequest)
+        self.check_model(body.model)
+        if any(not 0 <= t < self.vocab_size for t in body.tokens):
+            raise APIError(400, f"tokens must be in [0, {self.vocab_size}).", param="tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         try:
-            ids = apply_chat_template(self.tokenizer, body.template_messages(),
-                                      add_generation_prompt=body.add_generation_prompt)
+            return apply_chat_template(self.tokenizer, messages,
+                                       add_generation_prompt=add_generation_prompt)
         except ValueError as err:
             raise from_value_error(err, "messages") from None
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        prompts = [(None, ids)]
-        streams = self._start(request_id, prompts, params, "messages")
-        view = _View("chat.completion", request_id, self.model_name, body, prompts, self)
-        if body.stream:
-            return _sse(self._stream(view, streams))
-        return await self._respond(view, streams, raw)
 
-    # ---- plumbing -----------------------------------------------------------------------
     def _completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, str):
             prompt = [prompt]
@@ -74,6 +122,10 @@ class OpenAIServing:
             prompt = [prompt]
         if not prompt:
             raise APIError(400, "prompt must not be empty.", param="prompt")
+        if len(prompt) > self.limits.max_prompts:
+            raise APIError(400, f"A request may carry at most {self.limits.max_prompts} "
+                           f"prompts; this one has {len(prompt)}.", param="prompt",
+                           code="invalid_value")
         out = []
         for item in prompt:
             if isinstance(item, str):
@@ -84,22 +136,22 @@ class OpenAIServing:
                 out.append((None, list(item)))
         return out
 
-    def _start(self, request_id, prompts, params, prompt_param) -> list[AsyncIterator]:
-        """Validate every prompt, then queue them all; nothing is queued if one is bad."""
-        for _, ids in prompts:
-            try:
-                self.engine.engine.validate(ids, params)
-            except ValueError as err:
-                raise from_value_error(err, prompt_param) from None
-        streams = []
+    # ---- event loop: queue and respond ----------------------------------------------------
+    async def respond(self, prepared: Prepared, raw: Request):
+        prefix = "chatcmpl" if prepared.kind == "chat.completion" else "cmpl"
+        http_id = raw.scope.get("state", {}).get(REQUEST_ID_KEY) or uuid.uuid4().hex
+        request_id = f"{prefix}-{http_id}"
         try:
-            for i, (text, ids) in enumerate(prompts):
-                streams.append(self.engine.submit(f"{request_id}-{i}", text, ids, params))
+            streams = self.engine.submit_many(
+                [(f"{request_id}-{i}", text, ids) for i, (text, ids) in
+                 enumerate(prepared.prompts)], prepared.params)
         except (OverloadedError, EngineDeadError, ValueError) as err:
-            for i in range(len(streams)):  # all or nothing
-                self.engine.abort(f"{request_id}-{i}")
-            raise _api_error(err) from None
-        return streams
+            raise _api_error(err, prepared.prompt_param) from None
+        view = _View(prepared.kind, request_id, self.model_name, prepared.body,
+                     prepared.prompts, self)
+        if prepared.body.stream:
+            return _sse(self._stream(view, streams))
+        return await self._respond(view, streams, raw)
 
     async def _respond(self, view, streams, raw: Request) -> JSONResponse:
         async def last(stream):
@@ -123,6 +175,9 @@ class OpenAIServing:
         finally:
             if not task.done():
                 task.cancel()
+        failed = next((f for f in finals if f.error is not None), None)
+        if failed is not None:
+            raise _api_error(RequestFailedError(failed.error))
         return JSONResponse(view.full_response(finals))
 
     async def _stream(self, view, streams) -> AsyncIterator[str]:
@@ -148,6 +203,8 @@ class OpenAIServing:
                     open_streams -= 1
                 elif isinstance(item, BaseException):
                     raise item
+                elif item.error is not None:
+                    raise RequestFailedError(item.error)
                 else:
                     for chunk in view.chunks(index, item):
                         yield _event(chunk)
@@ -155,6 +212,8 @@ class OpenAIServing:
             if usage is not None:
                 yield _event(usage)
         except Exception as err:  # noqa: BLE001 - the stream has started: report in-band
+            if _api_error(err).status == 500 and not isinstance(err, RequestFailedError):
+                logger.error("Stream %s failed: %s", view.id, err, exc_info=err)
             yield _event(_api_error(err).body())
         finally:
             for task in tasks:
@@ -169,15 +228,18 @@ def _params(body, limits: RequestLimits, prompt_param: str):
         raise from_value_error(err, prompt_param) from None
 
 
-def _api_error(err: BaseException) -> APIError:
+def _api_error(err: BaseException, prompt_param: str = "prompt") -> APIError:
     if isinstance(err, APIError):
         return err
     if isinstance(err, OverloadedError):
         return APIError(429, str(err), code="overloaded")
     if isinstance(err, EngineDeadError):
         return APIError(503, str(err), code="engine_dead")
+    if isinstance(err, RequestFailedError):
+        return APIError(500, f"{str(err)[:1].upper()}{str(err)[1:]}; other requests are not "
+                        "affected.", code="internal_error")
     if isinstance(err, ValueError):
-        return from_value_error(err)
+        return from_value_error(err, prompt_param)
     return APIError(500, "internal error while generating", code="internal_error")
 
 

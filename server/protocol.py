@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxserve.sampling_params import INT32_MAX, MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
@@ -21,6 +21,7 @@ class RequestLimits(BaseModel):
     """Server-side caps on what one request may ask for."""
 
     max_n: int = 16
+    max_prompts: int = 256  # prompts in one (batched) completion request
     max_stop_strings: int = MAX_STOP_STRINGS
     max_stop_length: int = MAX_STOP_LENGTH
 
@@ -153,8 +154,9 @@ class ChatCompletionRequest(_Sampling):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_tokens
         if self.max_completion_tokens is not None:
-            if self.max_completion_tokens < 1:
-                raise ParamError("max_completion_tokens", "max_completion_tokens must be >= 1")
+            if not 1 <= self.max_completion_tokens <= INT32_MAX:
+                raise ParamError("max_completion_tokens", "max_completion_tokens must be an "
+                                 f"integer in [1, {INT32_MAX}]")
             max_tokens = self.max_completion_tokens
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self._common(limits))
 

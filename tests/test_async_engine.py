@@ -88,6 +88,27 @@ def test_admission_cap_raises_overloaded(engine):
     asyncio.run(main())
 
 
+def test_a_request_too_big_for_the_queue_is_refused_whole_and_alone(engine):
+    idle = AsyncLLMEngine(engine, max_waiting_requests=4)  # not started: nothing drains
+
+    async def main():
+        idle._thread = type("Alive", (), {"is_alive": lambda self: True})()
+        idle.submit("w0", None, [5, 6], PARAMS)
+        many = [(f"big-{i}", None, [5, 6]) for i in range(4)]
+        with pytest.raises(OverloadedError):  # 1 + 4 > 4: none of the four is queued
+            idle.submit_many(many, PARAMS)
+        assert idle.num_in_flight == 1
+        with pytest.raises(OverloadedError):  # n counts: 2 prompts x n=2 do not fit in 3
+            idle.submit_many(many[:2], PARAMS.clone(n=2, temperature=1.0))
+        with pytest.raises(ValueError):  # an id in use: nothing queued
+            idle.submit_many([("w9", None, [5]), ("w0", None, [5])], PARAMS)
+        assert idle.num_in_flight == 1
+        idle.submit_many(many[:3], PARAMS)  # still room for a request that fits
+        assert idle.num_in_flight == 4
+
+    asyncio.run(main())
+
+
 def test_dead_loop_fails_requests_and_health(engine, monkeypatch):
     async_engine = AsyncLLMEngine(engine)
 

@@ -44,6 +44,7 @@ HOST_MODULES = [
     "jaxserve.input_builder",
     "jaxserve.detokenizer",
     "jaxserve.outputs",
+    "jaxserve.request_outputs",
 ]
 
 

@@ -218,10 +218,46 @@ def test_chat_content_cannot_forge_special_tokens(llm):
     (lambda: SamplingParams(top_k=-3), "top_k"),
     (lambda: SamplingParams(min_p=2.0), "min_p"),
     (lambda: SamplingParams(stop=["ok", ""]), "stop"),
+    # Beyond what the device holds: int32 counts and ids, float32 normals, a 64-bit seed.
+    (lambda: SamplingParams(top_k=2**31), "top_k"),
+    (lambda: SamplingParams(top_k=2**63), "top_k"),
+    (lambda: SamplingParams(max_tokens=2**31), "max_tokens"),
+    (lambda: SamplingParams(min_tokens=2**64), "min_tokens"),
+    (lambda: SamplingParams(n=2**31), "n"),
+    (lambda: SamplingParams(seed=2**64), "seed"),
+    (lambda: SamplingParams(stop_token_ids=[2**31]), "stop_token_ids"),
+    (lambda: SamplingParams(stop_token_ids=[True]), "stop_token_ids"),
+    (lambda: SamplingParams(repetition_penalty=1e-320), "repetition_penalty"),
+    (lambda: SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
+    (lambda: SamplingParams(repetition_penalty=1e4), "repetition_penalty"),
+    (lambda: SamplingParams(temperature=1e-320), "temperature"),
+    (lambda: SamplingParams(temperature=1e39), "temperature"),
+    (lambda: SamplingParams(temperature=float("inf")), "temperature"),
+    (lambda: SamplingParams(top_p=1e-40), "top_p"),
+    (lambda: SamplingParams(top_p=float("nan")), "top_p"),
+    (lambda: SamplingParams(min_p=1e-320), "min_p"),
+    (lambda: SamplingParams(presence_penalty=-1e-320), "presence_penalty"),
+    (lambda: SamplingParams(frequency_penalty=float("nan")), "frequency_penalty"),
+    (lambda: SamplingParams(n=True), "n"),
+    (lambda: SamplingParams(temperature="0.5"), "temperature"),
+    (lambda: SamplingParams(ignore_eos="yes"), "ignore_eos"),
+    (lambda: SamplingParams(stop=5), "stop"),
 ])
 def test_bad_sampling_params_name_the_field(make, field):
     with pytest.raises(ValueError, match=rf"\b{field}\b"):
         make()
+
+
+def test_extreme_but_representable_sampling_params_run(llm):
+    params = SamplingParams(top_k=2**31 - 1, temperature=3.0e38, top_p=1.2e-38, seed=-(2**63),
+                            repetition_penalty=100.0, max_tokens=4, ignore_eos=True)
+    out = llm.generate([[5, 6, 7], [5, 6, 8]],
+                       [params, params.clone(repetition_penalty=0.01, temperature=1e-30)],
+                       use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
+    assert all(o.outputs[0].finish_reason == "length" for o in out)
+    # A penalty that survived as a float32 normal: the tokens are not all one padding id.
+    assert len(set(out[0].outputs[0].token_ids + out[1].outputs[0].token_ids)) > 1
 
 
 @pytest.mark.parametrize("prompt, field", [

@@ -157,7 +157,8 @@ def test_per_expert_and_fused_layouts_load_the_same(arch_name, tiny_checkpoints,
         assert any(".experts.7." in name for name in f.keys())
     fuse_experts(src, dst)
     ids = [0, 17, 300, 999, 5, 6]
-    np.testing.assert_array_equal(hf_logits(dst, ids), hf_logits(src, ids))  # HF reads it too
+    # HF reads it too (transformers 5.24 computes the two layouts with different rounding).
+    np.testing.assert_allclose(hf_logits(dst, ids), hf_logits(src, ids), rtol=1e-5, atol=2e-5)
     per_expert = nnx.to_flat_state(nnx.state(load_model(src)[1]))
     fused = dict(nnx.to_flat_state(nnx.state(load_model(dst)[1])))
     assert len(per_expert) == len(fused)

@@ -572,15 +572,15 @@ def test_openai_client_with_right_and_wrong_key(auth_server):
         assert sum(c.choices[0].finish_reason is not None for c in chunks) == 1
 
 
-# Keep this test last: a regression would kill the auth server's engine loop for good.
-def test_huge_top_k_means_no_limit_and_does_not_kill_the_engine(auth_server):
+def test_top_k_up_to_int32_means_no_limit_and_beyond_is_refused(auth_server):
     url, good = auth_server.url, {"Authorization": "Bearer secret"}
-    resp = httpx.post(url + C, json=_c(top_k=2**40), headers=good, timeout=30)
-    try:
-        assert resp.status_code == 200, resp.text  # as vLLM: any k >= vocab keeps every token
-    finally:
-        assert httpx.get(url + "/health", timeout=30).status_code == 200
-        assert httpx.post(url + C, json=NORMAL, headers=good, timeout=30).status_code == 200
+    resp = httpx.post(url + C, json=_c(top_k=2**31 - 1), headers=good, timeout=30)
+    assert resp.status_code == 200, resp.text  # as vLLM: any k >= vocab keeps every token
+    for top_k in (2**31, 2**40, 2**63, 2**64):  # more than the device's int32 holds
+        resp = httpx.post(url + C, json=_c(top_k=top_k), headers=good, timeout=30)
+        assert_envelope(resp, 400, "top_k")
+    assert httpx.get(url + "/health", timeout=30).status_code == 200
+    assert httpx.post(url + C, json=NORMAL, headers=good, timeout=30).status_code == 200
 
 
 def test_streamed_text_offsets_continue_across_chunks(client):
@@ -593,3 +593,12 @@ def test_streamed_text_offsets_continue_across_chunks(client):
             streamed += chunk.choices[0].logprobs.text_offset
     assert streamed == whole.text_offset
     assert whole.text_offset == sorted(whole.text_offset) and whole.text_offset[0] == 0
+
+
+# Keep last: the log of everything this module did.
+@pytest.mark.parametrize("which", ["server", "auth_server"])
+def test_the_server_logs_have_no_error_lines(which, request):
+    log = request.getfixturevalue(which).log()
+    errors = [line for line in log.splitlines()
+              if line.startswith(("ERROR", "CRITICAL")) or "Traceback" in line]
+    assert not errors, "\n".join(errors[:20])

@@ -340,6 +340,12 @@ def test_metrics_and_request_log_follow_the_requests(server):
     assert f"prompt {one.usage.prompt_tokens} tokens, output 7 tokens" in line, line
 
 
+def test_the_shared_server_log_has_no_error_lines(server):
+    errors = [line for line in server.log().splitlines()
+              if line.startswith(("ERROR", "CRITICAL")) or "Traceback" in line]
+    assert not errors, "\n".join(errors[:20])
+
+
 # ---- overload -----------------------------------------------------------------------------
 def test_overload_answers_429_never_5xx(tiny_checkpoints, tmp_path):
     flood = 16

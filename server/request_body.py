@@ -1,0 +1,61 @@
+"""Request bodies: JSON bytes -> a validated pydantic model, or a 400. Nothing else escapes.
+
+Bounded: a body nested deeper than MAX_JSON_DEPTH is refused before it is parsed (Python's
+parser and pydantic both recurse, and a deep enough body would exhaust the stack); NaN and
+Infinity literals and lone surrogates are refused. Runs off the event loop (the caller's
+worker thread), so a large body never stalls other clients.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+import numpy as np
+from pydantic import BaseModel, ValidationError
+
+from jaxserve.server.errors import APIError, from_validation_error
+
+logger = logging.getLogger(__name__)
+
+MAX_JSON_DEPTH = 128  # nested arrays/objects; JSON schemas of tools fit well inside
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)  # a JSON string literal
+_OPEN, _CLOSE = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
+
+
+def json_depth(raw: bytes) -> int:
+    """The deepest nesting of arrays and objects in a JSON text (brackets inside strings do
+    not count). For a malformed text, an upper bound of what the parser could reach."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return 0 if b"[" not in raw and b"{" not in raw else 1  # cannot exceed the limit
+    codes = np.frombuffer(_STRING.sub(b"", raw), np.uint8)
+    steps = np.isin(codes, _OPEN).astype(np.int32) - np.isin(codes, _CLOSE).astype(np.int32)
+    return int(np.cumsum(steps).max(initial=0))
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    """The body as `model`; APIError(400) for anything else."""
+    if json_depth(raw) > MAX_JSON_DEPTH:
+        raise APIError(400, f"The request body nests arrays/objects deeper than "
+                       f"{MAX_JSON_DEPTH} levels.", code="invalid_json")
+    try:
+        data = json.loads(raw, parse_constant=_reject_constant)
+        json.dumps(data, ensure_ascii=False).encode("utf-8")  # no lone surrogates
+    except (ValueError, UnicodeError, RecursionError):
+        raise APIError(400, "The request body is not valid JSON (UTF-8, no NaN or Infinity).",
+                       code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise from_validation_error(err) from None
+    except Exception as err:  # noqa: BLE001 - a validator that raised something else
+        logger.debug("Request body refused: %s", err, exc_info=err)
+        raise APIError(400, "The request body does not match the expected schema.",
+                       code="invalid_value") from None
