@@ -27,11 +27,15 @@ logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05
 _LOG_INTERVAL_S = 10.0
 
-__all__ = ["AsyncLLMEngine", "EngineDeadError", "OverloadedError"]
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "OverloadedError", "RequestFailedError"]
 
 
 class OverloadedError(RuntimeError):
     """Too many requests are waiting; the client should retry later."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request alone (the message says where); others go on."""
 
 
 @dataclasses.dataclass
@@ -196,7 +200,9 @@ class AsyncLLMEngine:
                 except Exception as err:  # noqa: BLE001 - this request only
                     logger.error("Request %s could not be added: %s", request_id, err,
                                  exc_info=err)
-                    self._close(request_id, err)
+                    self._close(request_id, RequestFailedError(
+                        f"the engine failed on this request while adding it "
+                        f"({type(err).__name__})"))
                     continue
                 finally:
                     with self._lock:  # only now is it counted in scheduler.waiting

@@ -27,7 +27,12 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server.async_engine import AsyncLLMEngine, EngineDeadError, OverloadedError
+from jaxserve.server.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    OverloadedError,
+    RequestFailedError,
+)
 from jaxserve.server.errors import APIError, from_value_error
 from jaxserve.server.protocol import (
     ChatCompletionRequest,
@@ -54,10 +59,6 @@ class Prepared:
     params: SamplingParams
     prompts: list[tuple[str | None, list[int]]]  # (text if given as text, token ids)
     prompt_param: str  # the field a prompt problem is reported on
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed this request (its output carries the reason)."""
 
 
 class OpenAIServing:
@@ -161,6 +162,7 @@ class OpenAIServing:
             return final
 
         task = asyncio.gather(*(last(s) for s in streams))
+        task.add_done_callback(_retrieve)
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
@@ -170,7 +172,7 @@ class OpenAIServing:
                     task.cancel()
                     return JSONResponse({}, status_code=499)
             finals = task.result()
-        except (OverloadedError, EngineDeadError, ValueError) as err:
+        except (OverloadedError, EngineDeadError, RequestFailedError, ValueError) as err:
             raise _api_error(err) from None
         finally:
             if not task.done():
@@ -219,6 +221,13 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()
         yield "data: [DONE]\n\n"
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Read a finished future's exception, so that asyncio does not log a cancelled gather's
+    CancelledError as "never retrieved"."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _params(body, limits: RequestLimits, prompt_param: str):

@@ -85,6 +85,18 @@ def mesh_checkpoints(tiny_checkpoints) -> dict[str, pathlib.Path]:
     return folders
 
 
+@pytest.fixture(scope="session")
+def api_server(tiny_checkpoints, tmp_path_factory):
+    """One `jaxserve serve` of the tiny llama as "tiny" (small buckets), shared by the HTTP
+    test modules: each leaves it healthy, and each checks its log holds no ERROR line."""
+    from server_helpers import SHARED_READ_TIMEOUT, running_server
+
+    with running_server(tiny_checkpoints["llama"], "--request-read-timeout",
+                        str(SHARED_READ_TIMEOUT),
+                        log_dir=tmp_path_factory.mktemp("api-server")) as server:
+        yield server
+
+
 @pytest.fixture
 def tiny_checkpoint(request, tiny_checkpoints) -> pathlib.Path:
     """One checkpoint; parametrize indirectly with the arch name (default llama)."""

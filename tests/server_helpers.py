@@ -18,6 +18,9 @@ JAXSERVE = pathlib.Path(sys.executable).parent / "jaxserve"
 # Small buckets: start-up compiles 7 step shapes (cached on disk after the first run).
 SMALL_ENGINE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "128",
                 "--max-model-len", "512"]
+# The shared server's --request-read-timeout (conftest.api_server): short, so that tests of
+# stalled requests finish quickly.
+SHARED_READ_TIMEOUT = 2.0
 
 
 @dataclasses.dataclass

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 
 import pytest
 from starlette.testclient import TestClient
@@ -132,3 +134,22 @@ def test_dead_loop_fails_requests_and_health(engine, monkeypatch):
     body = client.post("/v1/completions", json={"prompt": "hi"}).json()
     assert set(body["error"]) == {"message", "type", "param", "code"}
     engine.abort_request("doomed")
+
+
+def test_an_unhandled_error_is_a_500_logged_once_with_the_request_id(engine, caplog):
+    async_engine = AsyncLLMEngine(engine)
+    app = create_app(async_engine, ServerConfig(served_model_name="t"))
+
+    def broken(raw):
+        raise RuntimeError("a bug")
+
+    app.state.jaxserve.serving.prepare_completion = broken
+    with caplog.at_level(logging.INFO):
+        resp = TestClient(app).post("/v1/completions", json={"prompt": "hi"})
+    assert resp.status_code == 500
+    assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+    assert "a bug" not in resp.text  # no internals in the answer
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, [r.getMessage() for r in errors]
+    assert re.search(r"POST /v1/completions \(request [0-9a-f]{32}\)", errors[0].getMessage())
+    assert errors[0].exc_info is not None

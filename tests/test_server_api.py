@@ -3,7 +3,8 @@ against a real `jaxserve serve` process (tiny llama checkpoint, served as "tiny"
 
 Greedy output equals the offline LLM's; streaming, n/seed, logprobs, echo, stop strings that
 span token boundaries, usage, tokenize; every bad request gets a 4xx with the full error
-envelope and leaves the server healthy; API-key auth on a second server.
+envelope and leaves the server healthy (the server shared by the HTTP test modules); API-key
+auth on a second server.
 """
 
 from __future__ import annotations
@@ -34,10 +35,8 @@ ANY = object()
 
 # ---- fixtures -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server(tiny_checkpoints, tmp_path_factory):
-    with running_server(tiny_checkpoints["llama"],
-                        log_dir=tmp_path_factory.mktemp("server-api")) as srv:
-        yield srv
+def server(api_server):
+    return api_server  # conftest: one server for the HTTP test modules
 
 
 @pytest.fixture(scope="module")

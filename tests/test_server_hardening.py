@@ -22,20 +22,17 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_helpers import running_server
+from server_helpers import SHARED_READ_TIMEOUT as READ_TIMEOUT
 
 C, CH = "/v1/completions", "/v1/chat/completions"
 NORMAL = {"model": "tiny", "prompt": [1, 5, 6, 7], "max_tokens": 4, "temperature": 0,
           "ignore_eos": True}
 ENVELOPE_KEYS = {"message", "type", "param", "code"}
-READ_TIMEOUT = 2.0  # --request-read-timeout of this module's server
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoints, tmp_path_factory):
-    with running_server(tiny_checkpoints["llama"], "--request-read-timeout", str(READ_TIMEOUT),
-                        log_dir=tmp_path_factory.mktemp("hardening")) as srv:
-        yield srv
+def server(api_server):
+    return api_server  # conftest: one server for the HTTP test modules
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """A real `jaxserve serve` process under abuse: disconnects, load, SIGTERM, overload, metrics.
 
-Every request goes to 127.0.0.1 and every loop is bounded in count and in time. One server
-is shared by the disconnect, load and metrics tests (they compare metric deltas, never
-absolute values); the SIGTERM and overload tests start servers of their own.
+Every request goes to 127.0.0.1 and every loop is bounded in count and in time. The
+disconnect, load and metrics tests use the server shared by the HTTP test modules (they
+compare metric deltas, never absolute values); the SIGTERM and overload tests start servers
+of their own.
 """
 
 from __future__ import annotations
@@ -179,10 +180,8 @@ def run_async(coro, timeout: float):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoints, tmp_path_factory):
-    with running_server(tiny_checkpoints["llama"],
-                        log_dir=tmp_path_factory.mktemp("robust")) as running:
-        yield running
+def server(api_server):
+    return api_server  # conftest: one server for the HTTP test modules
 
 
 # ---- disconnects --------------------------------------------------------------------------
