@@ -77,7 +77,9 @@ class LLMEngine:
         # The step dispatched to the device and not collected yet, as (batch, handle) parts:
         # one part, unless suspects or a failed dispatch split the step.
         self._in_flight: list[tuple[SchedulerOutput, object]] = []
-        self._suspects: set[str] = set()  # children whose step failed: each runs alone
+        # Children whose step failed on the device -> the computed length up to which they
+        # run alone (the end of that step): a culprit fails alone before it catches up.
+        self._suspects: dict[str, int] = {}
         self._failed: list[TrackedRequest] = []  # failed since the last step() returned
         self._device_failure: BaseException | None = None  # a culprit's step failed
 
@@ -244,7 +246,7 @@ class LLMEngine:
         if tracked is not None:
             for child in tracked.children:
                 self._by_child.pop(child.request_id, None)
-                self._suspects.discard(child.request_id)
+                self._suspects.pop(child.request_id, None)
 
     def _launch(self) -> None:
         out = self.scheduler.schedule()
@@ -306,26 +308,28 @@ class LLMEngine:
                     raise  # Ctrl-C, exit
                 self._step_failed(out, err)
                 continue
-            for req in out.requests:
-                self._suspects.discard(req.request_id)  # ran alone and succeeded
             appended += self._fold(out, result)
+            if self._suspects:  # a suspect that ran alone up to its failed step is cleared
+                for req in out.requests:
+                    if req.num_computed_tokens >= self._suspects.get(req.request_id, 0):
+                        self._suspects.pop(req.request_id, None)
         return appended
 
     def _step_failed(self, out: SchedulerOutput, err: Exception) -> None:
         """A step failed on the device. What it did to its requests' KV and penalty state is
         unknown, so they are recomputed from scratch, each alone; one that was alone already
         is the culprit."""
-        live = [req for req in out.requests if not req.finished]
-        if len(live) == 1:
-            self._fail(self._by_child[live[0].request_id], err, "while its step ran",
-                       device=True)
+        if len(out.requests) == 1:
+            if not out.requests[0].finished:
+                self._fail(self._by_child[out.requests[0].request_id], err,
+                           "while its step ran", device=True)
             return
-        if live:
-            logger.warning("A step of %d requests failed on the device (%s); recomputing "
-                           "each alone", len(live), _describe(err))
-        for req in live:
-            self.scheduler.recompute(req)
-            self._suspects.add(req.request_id)
+        logger.warning("A step of %d requests failed on the device (%s); recomputing each "
+                       "alone", len(out.requests), _describe(err))
+        for req, count in zip(out.requests, out.num_scheduled_tokens):
+            if not req.finished:
+                self._suspects[req.request_id] = req.num_computed_tokens + count
+                self.scheduler.recompute(req)
 
     def _fold(self, out: SchedulerOutput, result) -> list[tuple[TrackedRequest, Request, int]]:
         appended = []
@@ -383,7 +387,7 @@ class LLMEngine:
             logger.error("Request %s failed %s: %s", tracked.request_id, stage,
                          _describe(err), exc_info=err)
         for child in tracked.children:
-            self._suspects.discard(child.request_id)
+            self._suspects.pop(child.request_id, None)
             if not child.finished:
                 self.scheduler.finish(child, RequestStatus.FINISHED_ERROR)
         self._failed.append(tracked)

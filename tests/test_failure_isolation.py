@@ -61,8 +61,10 @@ class FaultyRunner:
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoints):
+    # bfloat16, as real checkpoints: the reference tokens come from this same engine.
     config = EngineConfig.create(str(tiny_checkpoints["llama"]), max_model_len=256,
-                                 max_num_seqs=8, max_num_batched_tokens=128, precompile=False)
+                                 max_num_seqs=8, max_num_batched_tokens=128, precompile=False,
+                                 dtype="bfloat16")
     return LLMEngine(config, runner=FaultyRunner(ModelRunner(config)))
 
 
@@ -89,14 +91,18 @@ def run(engine, prompts: dict[str, list[int]], params=PARAMS) -> dict:
     return finals
 
 
-def check_poisoned_batch(engine, good_prompts, reference, mode: str) -> None:
+def check_poisoned_batch(engine, good_prompts, reference, mode: str,
+                         poison: list[int] = POISON) -> None:
     engine.runner.mode, engine.runner.failed_steps = mode, []
     try:
-        finals = run(engine, {"poison": POISON, **{f"good{i}": p
+        finals = run(engine, {"poison": poison, **{f"good{i}": p
                                                    for i, p in enumerate(good_prompts)}})
     finally:
         engine.runner.mode = None
-    assert max(engine.runner.failed_steps) > 1, "the poison must fail a step shared with others"
+    # One shared step failed, then the poison alone: it was found at once, and no other
+    # request's step ever failed with it again.
+    failed = engine.runner.failed_steps
+    assert len(failed) == 2 and failed[0] > 1 and failed[1] == 1, failed
     poisoned = finals.pop("poison")
     assert [c.finish_reason for c in poisoned.outputs] == ["error"]
     assert poisoned.error and "InjectedError" in poisoned.error
@@ -119,6 +125,20 @@ def test_a_step_that_cannot_be_prepared_fails_only_its_culprit(engine, good_prom
 def test_a_step_that_fails_on_the_device_fails_only_its_culprit(engine, good_prompts,
                                                                  reference):
     check_poisoned_batch(engine, good_prompts, reference, "fetch")
+
+
+def test_a_culprit_that_fails_only_in_a_later_prompt_chunk_is_found(engine, good_prompts,
+                                                                      reference):
+    # 200 tokens with a budget of 128 per step: the prompt runs in two chunks, and only steps
+    # with the second one fail. Suspects run alone until they pass the step that failed, so
+    # the culprit's first chunk succeeding alone does not clear it.
+    runner = engine.runner
+    runner.is_poison = lambda r: r.request_id.startswith("poison") and r.num_computed_tokens
+    try:
+        check_poisoned_batch(engine, good_prompts, reference, "fetch",
+                             poison=[1] + list(range(40, 239)))
+    finally:
+        runner.is_poison = FaultyRunner(None).is_poison
 
 
 def test_a_failure_reading_one_requests_results_fails_it_alone(engine, good_prompts,
