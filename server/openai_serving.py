@@ -155,31 +155,34 @@ class OpenAIServing:
         return await self._respond(view, streams, raw)
 
     async def _respond(self, view, streams, raw: Request) -> JSONResponse:
+        """Wait for every prompt's last output; the first failure ends the request (and
+        aborts its other prompts), as does the client leaving."""
         async def last(stream):
             final = None
             async for output in stream:
+                if output.error is not None:
+                    raise RequestFailedError(output.error)
                 final = output
             return final
 
-        task = asyncio.gather(*(last(s) for s in streams))
-        task.add_done_callback(_retrieve)
+        tasks = [asyncio.ensure_future(last(s)) for s in streams]
+        for task in tasks:
+            task.add_done_callback(_retrieve)
         try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-                if done:
-                    break
-                if await raw.is_disconnected():
-                    task.cancel()
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending, timeout=_DISCONNECT_POLL_S,
+                                                   return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    task.result()  # raises the first failure
+                if pending and await raw.is_disconnected():
                     return JSONResponse({}, status_code=499)
-            finals = task.result()
+            finals = [task.result() for task in tasks]
         except (OverloadedError, EngineDeadError, RequestFailedError, ValueError) as err:
             raise _api_error(err) from None
         finally:
-            if not task.done():
-                task.cancel()
-        failed = next((f for f in finals if f.error is not None), None)
-        if failed is not None:
-            raise _api_error(RequestFailedError(failed.error))
+            for task in tasks:
+                task.cancel()  # those still waiting: their requests are aborted
         return JSONResponse(view.full_response(finals))
 
     async def _stream(self, view, streams) -> AsyncIterator[str]:
@@ -224,8 +227,8 @@ class OpenAIServing:
 
 
 def _retrieve(future: asyncio.Future) -> None:
-    """Read a finished future's exception, so that asyncio does not log a cancelled gather's
-    CancelledError as "never retrieved"."""
+    """Read a finished task's exception, so that asyncio does not log one that lost the race
+    to report first as "never retrieved"."""
     if not future.cancelled():
         future.exception()
 

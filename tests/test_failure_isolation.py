@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from starlette.testclient import TestClient
@@ -36,6 +37,7 @@ class FaultyRunner:
         self.runner = runner
         self.mode: str | None = None
         self.failed_steps: list[int] = []  # the request count of each step that failed
+        self.steps = 0  # dispatched (or attempted)
         self.is_poison = lambda request: request.request_id.startswith("poison")
 
     def __getattr__(self, name):
@@ -45,6 +47,7 @@ class FaultyRunner:
         return self.mode == "lost" or any(self.is_poison(r) for r in out.requests)
 
     def dispatch(self, out, score_targets=None):
+        self.steps += 1
         if self.mode in ("dispatch", "lost") and self._poisoned(out):
             self.failed_steps.append(len(out.requests))
             raise InjectedError("injected while preparing the step")
@@ -177,6 +180,18 @@ def test_failed_request_is_a_500_or_an_error_event_and_the_server_stays_healthy(
         events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["error"]["code"] == "internal_error"
+        # A poisoned prompt among several fails the request at once and aborts the others
+        # (one would need 200 steps to finish).
+        steps = runner.steps
+        resp = client.post("/v1/completions", json={"prompt": [[1, 5, 6], POISON],
+                                                    "max_tokens": 200, "ignore_eos": True})
+        assert resp.status_code == 500, resp.text
+        for _ in range(100):
+            if not engine.has_unfinished_requests():
+                break
+            time.sleep(0.02)
+        assert not engine.has_unfinished_requests() and engine.kv_cache.usage == 0
+        assert runner.steps - steps < 100, runner.steps - steps
         assert client.get("/health").status_code == 200
         resp = client.post("/v1/completions", json={"prompt": [1, 5, 6, 7], "max_tokens": 3})
         assert resp.status_code == 200 and resp.json()["choices"][0]["finish_reason"]
