@@ -53,20 +53,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        elif self.stop is None:
-            self.stop = []
-        elif isinstance(self.stop, (list, tuple)):
-            self.stop = list(self.stop)
-        else:
-            raise _bad("stop", "a string or a list of strings", self.stop)
-        if self.stop_token_ids is None:
-            self.stop_token_ids = []
-        elif isinstance(self.stop_token_ids, (list, tuple)):
-            self.stop_token_ids = list(self.stop_token_ids)
-        else:
-            raise _bad("stop_token_ids", "a list of token ids", self.stop_token_ids)
+        self.stop = ([self.stop] if isinstance(self.stop, str) else
+                     _as_list("stop", self.stop, "a string or a list of strings"))
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids,
+                                       "a list of token ids")
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -120,6 +110,15 @@ def _bad(field: str, allowed: str, value: object) -> ValueError:
     if len(shown) > 80:
         shown = shown[:77] + "..."
     return ValueError(f"SamplingParams.{field} must be {allowed}, got {shown}.")
+
+
+def _as_list(field: str, value: object, allowed: str) -> list:
+    """None as [], a list or tuple as a list; anything else is refused."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise _bad(field, allowed, value)
+    return list(value)
 
 
 def _is_int(value: object) -> bool:

@@ -24,14 +24,14 @@ _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)  # a JSON string litera
 _OPEN, _CLOSE = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
 
 
-def json_depth(raw: bytes) -> int:
-    """The deepest nesting of arrays and objects in a JSON text (brackets inside strings do
-    not count). For a malformed text, an upper bound of what the parser could reach."""
+def too_deep(raw: bytes) -> bool:
+    """Whether a JSON text nests arrays and objects deeper than MAX_JSON_DEPTH (brackets
+    inside strings do not count; a malformed text counts as deep as the parser could go)."""
     if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
-        return 0 if b"[" not in raw and b"{" not in raw else 1  # cannot exceed the limit
+        return False
     codes = np.frombuffer(_STRING.sub(b"", raw), np.uint8)
     steps = np.isin(codes, _OPEN).astype(np.int32) - np.isin(codes, _CLOSE).astype(np.int32)
-    return int(np.cumsum(steps).max(initial=0))
+    return int(np.cumsum(steps).max(initial=0)) > MAX_JSON_DEPTH
 
 
 def _reject_constant(name: str):
@@ -40,7 +40,7 @@ def _reject_constant(name: str):
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
     """The body as `model`; APIError(400) for anything else."""
-    if json_depth(raw) > MAX_JSON_DEPTH:
+    if too_deep(raw):
         raise APIError(400, f"The request body nests arrays/objects deeper than "
                        f"{MAX_JSON_DEPTH} levels.", code="invalid_json")
     try:
