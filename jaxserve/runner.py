@@ -223,7 +223,9 @@ class ModelRunner:
                                                 self.arch.vocab_size, self.replicated)
         self.num_blocks = self._num_kv_blocks()
         shape = (self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
-        zeros = jax.jit(functools.partial(jnp.zeros, shape, self.dtype),
+        # On the CPU a bf16 / f16 cache holds its bits as integers (ref.kv_storage_dtype).
+        self.cache_dtype = ref.kv_storage_dtype(self.dtype, self.mesh.devices.flat[0].platform)
+        zeros = jax.jit(functools.partial(jnp.zeros, shape, self.cache_dtype),
                         out_shardings=NamedSharding(self.mesh, PartitionSpec(*KV_CACHE_SPEC)))
         self.kv_caches = [(zeros(), zeros()) for _ in range(self.arch.num_layers)]
         self._step = jax.jit(self._step_fn, donate_argnums=(1, 2), static_argnames=("layout",))

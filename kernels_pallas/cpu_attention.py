@@ -39,7 +39,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.kernels_pallas.ref import token_layout
+from jaxserve.kernels_pallas.ref import token_layout, values
 
 STEP_TILE = 32  # Q: query (and key) tile of the in-step part
 DECODE_GROUP = 32  # tokens per group in the decode context part
@@ -143,11 +143,12 @@ def _step_part(q, k_new, v_new, seq, pos, valid, start, sliding_window, soft_cap
 
 
 def _decode_context_part(q, k_cache, v_cache, tables, context, pos, num_rows, sliding_window,
-                         soft_cap):
+                         soft_cap, dtype):
     """Attention of each token to its own cached keys 0 .. context - 1 (0 for none).
 
     q: f32[T, K, G, H] scaled; tables: i32[T, B], each token's block-table row; context,
-    pos: i32[T]; num_rows: R. Returns (m, l, acc) as _step_part.
+    pos: i32[T]; num_rows: R; dtype: the keys' dtype (ref.values). Returns (m, l, acc) as
+    _step_part.
 
     A step has at most R decode tokens (one per row), and sorting puts them first, so
     groups of min(DECODE_GROUP, R) tokens hold no idle slots in small batches (every slot
@@ -177,8 +178,9 @@ def _decode_context_part(q, k_cache, v_cache, tables, context, pos, num_rows, sl
         def body(i, carry):
             pages = jax.lax.dynamic_slice_in_dim(tab, i * pages_per_step, pages_per_step, 1)
             pages = pages.reshape(-1)
-            k = k_flat[pages].reshape(tg, step_len, num_kv, head_dim).astype(jnp.float32)
-            v = v_flat[pages].reshape(tg, step_len, num_kv, head_dim).astype(jnp.float32)
+            k = values(k_flat[pages], dtype).reshape(tg, step_len, num_kv, head_dim)
+            v = values(v_flat[pages], dtype).reshape(tg, step_len, num_kv, head_dim)
+            k, v = k.astype(jnp.float32), v.astype(jnp.float32)
             k, v = jax.lax.optimization_barrier((k, v))  # a copy at memory speed, then hot
             s = _cap((qg[:, None] * k[:, :, :, None, :]).sum(-1), soft_cap)  # [tg, L, K, G]
             kv_pos = i * step_len + jnp.arange(step_len)
@@ -220,10 +222,10 @@ def _chunk_items(batch, rows_q_len, rows_ctx, tile):
     return ends[-1], item_of
 
 
-def _chunk_context_part(q, k_cache, v_cache, batch, pos, sliding_window, soft_cap):
+def _chunk_context_part(q, k_cache, v_cache, batch, pos, sliding_window, soft_cap, dtype):
     """Attention of the tokens of multi-token rows to their row's cached context.
 
-    q: f32[T, K, G, H] scaled; pos: i32[T]. Returns (m, l, acc) as _step_part (empty for
+    q: f32[T, K, G, H] scaled; pos: i32[T]; dtype: the keys' dtype (ref.values). Returns (m, l, acc) as _step_part (empty for
     tokens of single-token rows and rows without cached context)."""
     num_tokens, num_kv, group, head_dim = q.shape
     num_pages, block_size = k_cache.shape[:2]
@@ -248,8 +250,9 @@ def _chunk_context_part(q, k_cache, v_cache, batch, pos, sliding_window, soft_ca
 
         def body(i, carry):
             pages = jax.lax.dynamic_slice_in_dim(tab, i * pages_per_step, pages_per_step, 0)
-            k = k_cache[pages].reshape(step_len, num_kv, head_dim).astype(jnp.float32)
-            v = v_cache[pages].reshape(step_len, num_kv, head_dim).astype(jnp.float32)
+            k = values(k_cache[pages], dtype).reshape(step_len, num_kv, head_dim)
+            v = values(v_cache[pages], dtype).reshape(step_len, num_kv, head_dim)
+            k, v = k.astype(jnp.float32), v.astype(jnp.float32)
             s = _cap(jnp.einsum("kxh,lkh->kxl", qk, k), soft_cap)  # [K, C*G, L]
             kv_pos = i * step_len + jnp.arange(step_len)
             ok = jnp.broadcast_to(kv_pos[None, :] < ctx, (tile, step_len))
@@ -280,7 +283,8 @@ def _chunk_context_part(q, k_cache, v_cache, batch, pos, sliding_window, soft_ca
 def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None):
     """q: [T, N, H]; k_cache, v_cache: [P, S, K, H] holding this step's keys and values
-    already (written at slot_mapping); returns [T, N, H], zeros for padding tokens."""
+    already (written at slot_mapping), as q's dtype or its bits (ref.kv_storage_dtype);
+    returns [T, N, H], zeros for padding tokens."""
     num_tokens, num_heads, head_dim = q.shape
     pages, block_size, num_kv, _ = k_cache.shape
     group = num_heads // num_kv
@@ -291,13 +295,13 @@ def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
 
     qg = q.reshape(num_tokens, num_kv, group, head_dim).astype(jnp.float32) * scale
     flat = (pages * block_size, num_kv, head_dim)
-    k_new = k_cache.reshape(flat)[batch.slot_mapping].astype(jnp.float32)
-    v_new = v_cache.reshape(flat)[batch.slot_mapping].astype(jnp.float32)
+    k_new = values(k_cache.reshape(flat)[batch.slot_mapping], q.dtype).astype(jnp.float32)
+    v_new = values(v_cache.reshape(flat)[batch.slot_mapping], q.dtype).astype(jnp.float32)
     parts = [
         _step_part(qg, k_new, v_new, seq, pos, valid, batch.cu_q_lens[seq], sliding_window,
                    soft_cap),
         _decode_context_part(qg, k_cache, v_cache, batch.block_tables[seq], context, pos,
-                             batch.kv_lens.shape[0], sliding_window, soft_cap),
-        _chunk_context_part(qg, k_cache, v_cache, batch, pos, sliding_window, soft_cap),
+                             batch.kv_lens.shape[0], sliding_window, soft_cap, q.dtype),
+        _chunk_context_part(qg, k_cache, v_cache, batch, pos, sliding_window, soft_cap, q.dtype),
     ]
     return _merge(parts).reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

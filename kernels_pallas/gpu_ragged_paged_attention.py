@@ -40,6 +40,7 @@ from jaxserve.kernels_pallas.kernel_layout import (
     ungroup_output,
     zero_dead_keys,
 )
+from jaxserve.kernels_pallas.ref import values
 
 TARGET_PROGRAMS = 264  # two waves on an H100/H200 (132 SMs): enough to hide a split's tail
 MIN_DOT_ROWS = 16  # Triton's tl.dot needs every dimension >= 16
@@ -127,8 +128,8 @@ def _kernel(cu_ref, kv_lens_ref, tables_ref, num_seqs_ref,  # i32[R+1], [R], [R*
     def attend_chunk(s, c, state):
         index = jnp.minimum(c * pages_per_chunk + jnp.arange(pages_per_chunk), width - 1)
         pages = tables_ref[s * width + index]  # i32[C]
-        k = k_ref[pages].reshape(chunk_len, head_dim)
-        v = v_ref[pages].reshape(chunk_len, head_dim)
+        k = values(k_ref[pages], q.dtype).reshape(chunk_len, head_dim)  # bits on the CPU
+        v = values(v_ref[pages], q.dtype).reshape(chunk_len, head_dim)
         v = zero_dead_keys(v, c, chunk_len, kv_lens_ref[s])
         return online_update(q, k, v, walk.mask(s, c, rows, group_p), state, scale=scale,
                              soft_cap=soft_cap)

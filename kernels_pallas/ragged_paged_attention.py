@@ -41,6 +41,7 @@ from jaxserve.kernels_pallas.kernel_layout import (
     ungroup_output,
     zero_dead_keys,
 )
+from jaxserve.kernels_pallas.ref import values
 
 
 def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
@@ -126,8 +127,9 @@ def _kernel(cu_ref, kv_lens_ref, tables_ref, num_seqs_ref,  # SMEM: i32[R+1], [R
             _when(exists, pair, "wait")
 
     def compute(s, c, slot):
-        k = k_buf[slot].reshape(chunk_len, -1)
-        v = zero_dead_keys(v_buf[slot].reshape(chunk_len, -1), c, chunk_len, kv_lens_ref[s])
+        k = values(k_buf[slot], q_ref.dtype).reshape(chunk_len, -1)  # bits on the CPU
+        v = values(v_buf[slot], q_ref.dtype).reshape(chunk_len, -1)
+        v = zero_dead_keys(v, c, chunk_len, kv_lens_ref[s])
         mask = walk.mask(s, c, q_ref.shape[0], group_p)
         state = (m_ref[...][:, :1], l_ref[...][:, :1], acc_ref[...])
         m, denom, acc = online_update(q_ref[...], k, v, mask, state, scale=scale,

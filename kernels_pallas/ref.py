@@ -17,6 +17,33 @@ import jax.numpy as jnp
 
 KV_TOKENS_PER_STEP = 128  # keys gathered per loop iteration (pages_per_step * block_size)
 
+_BITS = {1: jnp.uint8, 2: jnp.uint16}
+
+
+def kv_storage_dtype(dtype, platform: str):
+    """The dtype the paged KV cache is stored in, for model dtype `dtype` on a JAX platform.
+
+    XLA:CPU has no bfloat16 / float16 gather, scatter or dynamic-update-slice: it widens
+    them to float32 by converting the whole operand, so a bf16 cache would be converted
+    (and written back) in full at every step, making the step's cost grow with the cache's
+    size rather than with its work. On the CPU a narrow float cache therefore holds the same
+    bits as unsigned integers of the same width, which every one of those ops moves as they
+    are; the attention reads its pages back as `dtype` with `values` (a free bitcast of the
+    pages it gathered). TPU and GPU handle narrow floats natively and store them as they are.
+    """
+    dtype = jnp.dtype(dtype)
+    if platform == "cpu" and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize in _BITS:
+        return jnp.dtype(_BITS[dtype.itemsize])
+    return dtype
+
+
+def values(x, dtype):
+    """Cache contents x as `dtype`: the bits reinterpreted when the cache stores integers
+    (kv_storage_dtype), else x itself."""
+    if jnp.issubdtype(x.dtype, jnp.unsignedinteger) and jnp.issubdtype(dtype, jnp.floating):
+        return jax.lax.bitcast_convert_type(x, dtype)
+    return x
+
 
 def token_layout(batch, num_tokens: int):
     """For each of the T tokens: its sequence row, absolute position, and whether it is real.
@@ -37,7 +64,8 @@ def token_layout(batch, num_tokens: int):
 
 def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None):
-    """q: [T, N, H]; k_cache, v_cache: [P, S, K, H] (P pages of S slots); returns [T, N, H].
+    """q: [T, N, H]; k_cache, v_cache: [P, S, K, H] (P pages of S slots), as q's dtype or
+    its bits (kv_storage_dtype); returns [T, N, H].
 
     Rows of padding tokens (beyond cu_q_lens[num_seqs]) come out as zeros, never NaN.
     """
@@ -61,8 +89,8 @@ def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
     def body(i, carry):
         m, denom, acc = carry  # f32[T, K, G], f32[T, K, G], f32[T, K, G, H]
         pages = jax.lax.dynamic_slice_in_dim(tables, i * pages_per_step, pages_per_step, 1)
-        k = k_cache[pages].reshape(num_tokens, step_len, num_kv_heads, head_dim)
-        v = v_cache[pages].reshape(num_tokens, step_len, num_kv_heads, head_dim)
+        k = values(k_cache[pages], q.dtype).reshape(num_tokens, step_len, num_kv_heads, head_dim)
+        v = values(v_cache[pages], q.dtype).reshape(num_tokens, step_len, num_kv_heads, head_dim)
         s = jnp.einsum("tkgh,tlkh->tkgl", qg, k.astype(jnp.float32))
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -89,10 +117,23 @@ def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
     """Scatter the step's new keys/values ([T, K, H]) into the paged caches at slot_mapping
-    (i32[T], flat slot = page * S + offset). Padding tokens point at the null page 0."""
-    pages, block_size, num_kv_heads, head_dim = k_cache.shape
-    flat = (pages * block_size, num_kv_heads, head_dim)
-    k_cache = k_cache.reshape(flat).at[slot_mapping].set(k.astype(k_cache.dtype))
-    v_cache = v_cache.reshape(flat).at[slot_mapping].set(v.astype(v_cache.dtype))
-    return k_cache.reshape(pages, block_size, num_kv_heads, head_dim), v_cache.reshape(
-        pages, block_size, num_kv_heads, head_dim)
+    (i32[T], flat slot = page * S + offset). Padding tokens point at the null page 0. A cache
+    of unsigned integers (kv_storage_dtype) takes the bits of k and v."""
+    shape = k_cache.shape
+    flat = (shape[0] * shape[1], *shape[2:])
+
+    def write(cache, new):
+        if not _stores_bits(cache):
+            new = new.astype(cache.dtype)
+        elif new.dtype.itemsize == cache.dtype.itemsize:  # the model dtype's bits
+            new = jax.lax.bitcast_convert_type(new, cache.dtype)
+        else:
+            raise ValueError(f"A {cache.dtype} cache stores the bits of a float of the same "
+                             f"width (kv_storage_dtype); got {new.dtype} keys/values.")
+        return cache.reshape(flat).at[slot_mapping].set(new).reshape(shape)
+
+    return write(k_cache, k), write(v_cache, v)
+
+
+def _stores_bits(cache) -> bool:
+    return jnp.issubdtype(cache.dtype, jnp.unsignedinteger)
