@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from jaxserve.config import ATTENTION_BACKENDS
+from jaxserve.config import ATTENTION_BACKENDS, LOAD_FORMATS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -17,6 +17,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: --model)")
     parser.add_argument("--dtype", default="auto",
                         choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--load-format", default="auto", choices=list(LOAD_FORMATS),
+                        help="auto: the model folder's safetensors; dummy: random weights of "
+                        "the model's shape, made on the device (benchmarks)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -79,7 +82,8 @@ def _join_hosts(args: argparse.Namespace, model: str | None) -> bool:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
+    return dict(tokenizer=args.tokenizer, dtype=args.dtype, load_format=args.load_format,
+                max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,

@@ -17,6 +17,7 @@ from jaxserve.models import resolve_architecture
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "pallas", "reference", "interpret", "interpret-gpu")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +28,14 @@ class ModelConfig:
     max_model_len: int
     seed: int
     hf_config: dict = dataclasses.field(repr=False, compare=False, hash=False)
+    # auto: the folder's safetensors; dummy: random weights made on the devices (benchmarks
+    # of a model's shape without its checkpoint, as vLLM's --load-format dummy)
+    load_format: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got "
+                             f"{self.load_format!r}.")
 
     @property
     def vocab_size(self) -> int:
@@ -156,6 +165,7 @@ class EngineConfig:
         *,
         tokenizer: str | None = None,
         dtype: str = "auto",
+        load_format: str = "auto",
         max_model_len: int | None = None,
         seed: int = 0,
         block_size: int = 16,
@@ -195,7 +205,7 @@ class EngineConfig:
         return cls(
             model=ModelConfig(model=str(model), tokenizer=str(tokenizer or model),
                               dtype=resolved_dtype, max_model_len=max_model_len, seed=seed,
-                              hf_config=hf_config),
+                              hf_config=hf_config, load_format=load_format),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               gpu_memory_utilization=gpu_memory_utilization,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,

@@ -58,7 +58,7 @@ from jaxserve.sampler import (
 )
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.scheduler import SchedulerOutput
-from jaxserve.weights import load_params, place
+from jaxserve.weights import load_params, place, random_params
 
 logger = logging.getLogger(__name__)
 
@@ -208,10 +208,13 @@ class ModelRunner:
         if config.parallel.expert_parallel:  # whole experts per device, summed over `model`
             options["moe_fn"] = expert_parallel(self.mesh, MODEL)
         abstract = nnx.eval_shape(lambda: family.model_cls(self.arch, self.dtype, **options))
-        model = load_params(abstract, config.model.model,
-                            functools.partial(family.param_path, arch=self.arch), np_dtype,
-                            self.mesh,
-                            lambda path: PartitionSpec(*param_spec(path, self.plan)))
+        spec_of = lambda path: PartitionSpec(*param_spec(path, self.plan))
+        if config.model.load_format == "dummy":
+            model = random_params(abstract, self.mesh, config.model.seed, spec_of)
+        else:
+            model = load_params(abstract, config.model.model,
+                                functools.partial(family.param_path, arch=self.arch), np_dtype,
+                                self.mesh, spec_of)
         self.attend = make_attend(self.attention_fn, self.mesh)
         self.graphdef, self.params = nnx.split(model)
         self._log_placement()

@@ -134,6 +134,28 @@ def load_params(abstract_model: nnx.Module, folder: str | Path, path_of, dtype, 
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+def random_params(abstract_model: nnx.Module, mesh: Mesh, seed: int,
+                  spec_of=lambda path: PartitionSpec()) -> nnx.Module:
+    """Fill an abstract model with random weights made on the devices, each device drawing
+    only its own shard (load_format="dummy": a model's shape without its checkpoint, for
+    benchmarks). Values are uniform in [-1e-3, 1e-3], as vLLM's dummy weights."""
+    graphdef, state = nnx.split(abstract_model)
+    flat = []
+    key = jax.random.key(seed)
+    makers = {}  # one compiled maker per (shape, dtype, sharding): layers share them
+    leaves = list(nnx.to_flat_state(state))
+    for i, (path, var) in enumerate(tqdm(leaves, desc="Random weights", unit="tensor")):
+        like = var.get_value()
+        sharding = NamedSharding(mesh, spec_of(path))
+        signature = (like.shape, jax.numpy.dtype(like.dtype), sharding)
+        if signature not in makers:
+            makers[signature] = jax.jit(
+                lambda k, shape=like.shape, dtype=like.dtype: jax.random.uniform(
+                    k, shape, dtype, -1e-3, 1e-3), out_shardings=sharding)
+        flat.append((path, var.replace(makers[signature](jax.random.fold_in(key, i)))))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
 def _stage(staged: dict, path: tuple, value: np.ndarray, index: int, shape: tuple, where: str):
     """Put one slice of a stacked parameter into its host staging array; the whole stack
     (and the staging array released) once every slice has arrived, else None."""
