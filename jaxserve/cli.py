@@ -20,6 +20,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto", choices=list(LOAD_FORMATS),
                         help="auto: the model folder's safetensors; dummy: random weights of "
                         "the model's shape, made on the device (benchmarks)")
+    parser.add_argument("--precompile", default=None, choices=list(_PRECOMPILE),
+                        help="when to compile the shape buckets: all (at start-up), "
+                        "background (the first at start-up, the rest while serving; serve's "
+                        "default) or lazy (each on first use; generate's default)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -60,7 +64,7 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
                         "JAX_PROCESS_ID)")
 
 
-def _join_hosts(args: argparse.Namespace, model: str | None) -> bool:
+def _join_hosts(args: argparse.Namespace, model: str | None, precompile: str) -> bool:
     """Multi-host: join the other hosts; on a host other than 0, run host 0's steps until it
     stops. True when this process was such a worker (its work is done)."""
     named = (args.coordinator, args.num_hosts, args.host_id)
@@ -77,12 +81,16 @@ def _join_hosts(args: argparse.Namespace, model: str | None) -> bool:
 
     run_worker(EngineConfig.create(resolve_model(model, logging.getLogger("jaxserve")),
                                    on_accelerator=jax.default_backend() != "cpu",
-                                   **engine_kwargs(args)))
+                                   **engine_kwargs(args, precompile)))
     return True
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(tokenizer=args.tokenizer, dtype=args.dtype, load_format=args.load_format,
+_PRECOMPILE = {"all": True, "background": "background", "lazy": False}
+
+
+def engine_kwargs(args: argparse.Namespace, precompile: str = "all") -> dict:
+    """EngineConfig.create's arguments from the CLI; precompile: the command's default."""
+    return dict(precompile=_PRECOMPILE[args.precompile or precompile],tokenizer=args.tokenizer, dtype=args.dtype, load_format=args.load_format,
                 max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
@@ -135,9 +143,9 @@ def _run_generate(args: argparse.Namespace) -> int:
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty, seed=args.sample_seed, stop=args.stop,
         ignore_eos=args.ignore_eos, logprobs=args.logprobs)
-    if _join_hosts(args, args.model):
+    if _join_hosts(args, args.model, "lazy"):
         return 0  # a worker host: it ran host 0's steps until host 0 finished
-    llm = LLM(args.model, **engine_kwargs(args))  # None: the built-in model
+    llm = LLM(args.model, **engine_kwargs(args, "lazy"))  # None: the built-in model
     try:
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
@@ -208,10 +216,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout, request_read_timeout=args.request_read_timeout,
         keep_alive_timeout=args.keep_alive_timeout,
         limits=RequestLimits(max_n=args.max_n, max_prompts=args.max_prompts_per_request))
-    if _join_hosts(args, args.model):
+    if _join_hosts(args, args.model, "background"):
         return 0  # a worker host: it ran host 0's steps until host 0 stopped
     engine_config = EngineConfig.create(model, on_accelerator=jax.default_backend() != "cpu",
-                                        **engine_kwargs(args))
+                                        **engine_kwargs(args, "background"))
     return serve(engine_config, server_config, args.log_level)
 
 

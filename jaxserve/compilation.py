@@ -1,12 +1,15 @@
-"""Counts XLA compilations in this process, and sets up JAX's persistent compilation cache.
+"""Counts XLA compilations in this process, times the runner's compiles, and sets up JAX's
+persistent compilation cache.
 
 Every backend compilation (including a load from the persistent cache) fires JAX's
 backend-compile monitoring event; counting those catches any stray recompilation, not just
-the runner's own buckets.
+the runner's own buckets. The runner reports each function it builds (trace, lower and
+compile) through record_compile; /metrics shows both (server/metrics.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
@@ -38,6 +41,52 @@ def install_counter() -> None:
 def compilation_count() -> int:
     """Number of XLA compilations since install_counter() (process-wide)."""
     return _count
+
+
+COMPILE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+@dataclasses.dataclass
+class CompileTimes:
+    """A histogram of one kind of compile's seconds (cumulative bucket counts, as
+    Prometheus wants them)."""
+
+    buckets: list[int] = dataclasses.field(default_factory=lambda: [0] * len(COMPILE_BUCKETS))
+    count: int = 0
+    total: float = 0.0
+
+
+_times: dict[str, CompileTimes] = {}
+_loads = 0
+
+
+def record_compile(kind: str, seconds: float) -> None:
+    """One function of `kind` (step, score) traced, lowered and compiled in `seconds`."""
+    with _lock:
+        times = _times.setdefault(kind, CompileTimes())
+        times.count += 1
+        times.total += seconds
+        for i, bound in enumerate(COMPILE_BUCKETS):
+            if seconds <= bound:
+                times.buckets[i] += 1
+
+
+def record_load() -> None:
+    """One function loaded from the executable cache instead of compiled."""
+    global _loads
+    with _lock:
+        _loads += 1
+
+
+def executable_loads() -> int:
+    return _loads
+
+
+def compile_times() -> dict[str, CompileTimes]:
+    """A copy of the compile histograms so far, by kind."""
+    with _lock:
+        return {kind: dataclasses.replace(t, buckets=list(t.buckets))
+                for kind, t in _times.items()}
 
 
 def enable_persistent_cache(directory: str | None) -> None:

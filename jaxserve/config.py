@@ -18,6 +18,7 @@ from jaxserve.models import resolve_architecture
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "pallas", "reference", "interpret", "interpret-gpu")
 LOAD_FORMATS = ("auto", "dummy")
+PRECOMPILE = (True, False, "background")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +157,14 @@ class EngineConfig:
     parallel: ParallelConfig
     attention: AttentionConfig = AttentionConfig()
     compilation_cache_dir: str | None = None
-    precompile: bool = True  # compile every bucket at start-up; False: on first use
+    # True: compile every bucket at start-up; False: each on first use; "background": the
+    # first bucket at start-up, the others in a thread while steps run on compiled ones
+    precompile: bool | str = True
+
+    def __post_init__(self) -> None:
+        if self.precompile not in PRECOMPILE:
+            raise ValueError(f"precompile must be True, False or 'background', got "
+                             f"{self.precompile!r}.")
 
     @classmethod
     def create(
@@ -181,7 +189,7 @@ class EngineConfig:
         expert_parallel: bool = False,
         attention_backend: str = "auto",
         compilation_cache_dir: str | None = "default",
-        precompile: bool = True,
+        precompile: bool | str = True,
         on_accelerator: bool = False,
     ) -> EngineConfig:
         """Resolve defaults against the model folder's config.json and validate everything."""

@@ -59,6 +59,10 @@ class DataParallelEngine:
         return self.replicas[0].runner
 
     @property
+    def warm_up_done(self) -> bool:
+        return all(replica.warm_up_done for replica in self.replicas)
+
+    @property
     def num_compilations(self) -> int:
         return self.replicas[0].num_compilations  # process-wide
 

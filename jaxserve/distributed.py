@@ -87,7 +87,7 @@ def run_worker(config) -> None:
 
     runner = ModelRunner(config)
     if config.precompile:
-        runner.warm_up()
+        runner.warm_up(background=config.precompile == "background")
     logger.info("Host %d: following host 0's steps.", jax.process_index())
     steps = runner.follow()
     logger.info("Host %d: host 0 stopped after %d steps.", jax.process_index(), steps)

@@ -69,7 +69,7 @@ class LLMEngine:
                     (blocks - 1) / self.runner.blocks_per_seq,
                     "on" if config.cache.enable_prefix_caching else "off")
         if config.precompile:
-            self.runner.warm_up()
+            self.runner.warm_up(background=config.precompile == "background")
         self._rng = np.random.default_rng(config.model.seed)
         self.outputs = OutputBuilder(self.tokenizer)
         self._tracked: dict[str, TrackedRequest] = {}
@@ -87,6 +87,11 @@ class LLMEngine:
     @property
     def num_compilations(self) -> int:
         return compilation_count()
+
+    @property
+    def warm_up_done(self) -> bool:
+        """Whether every bucket is compiled (a background warm-up may still be running)."""
+        return self.runner.warm_up_done
 
     @property
     def in_flight(self) -> SchedulerOutput | None:
@@ -249,7 +254,7 @@ class LLMEngine:
                 self._suspects.pop(child.request_id, None)
 
     def _launch(self) -> None:
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(self.runner.step_limits())
         if out.empty:
             return
         if not self._suspects:

@@ -28,6 +28,9 @@ class LLM:
     max_num_batched_tokens, block_size, gpu_memory_utilization, seed, ...) plus
     num_kv_blocks to fix the KV cache size and attention_backend ("auto", "pallas",
     "reference", "interpret", "interpret-gpu") to choose the attention implementation.
+    Shape buckets compile on first use (precompile=False, the default here: a few prompts
+    compile only the buckets they use); precompile=True compiles every bucket up front, so
+    that no later call compiles (benchmarks).
     """
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
@@ -41,6 +44,7 @@ class LLM:
         if unknown:
             raise ValueError(f"Unsupported engine argument(s) {', '.join(unknown)}; jaxserve "
                              f"accepts {', '.join(sorted(accepted))}.")
+        engine_args.setdefault("precompile", False)
         config = EngineConfig.create(model, on_accelerator=on_accelerator, **engine_args)
         self.engine = create_engine(config)
         self._ids = itertools.count()

@@ -15,10 +15,14 @@ Every device array is placed through the engine's Mesh (one device by default).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
 import math
+import os
+import threading
+import time
 from collections.abc import Callable
 
 import jax
@@ -29,10 +33,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
+from jaxserve.accelerators import warn_if_cpu_fallback
 from jaxserve.attend import make_attend
 from jaxserve.batch import Batch, SamplingInputs
+from jaxserve.compilation import record_compile, record_load
 from jaxserve.config import ATTENTION_BACKENDS, EngineConfig
 from jaxserve.distributed import StepChannel, is_leader
+from jaxserve.executable_cache import ExecutableCache, fresh_compile
 from jaxserve.input_builder import build_step_inputs
 from jaxserve.kernels_pallas import cpu_attention, ref
 from jaxserve.kernels_pallas.ref import token_layout
@@ -200,6 +207,7 @@ class ModelRunner:
                                   config.parallel.expert_parallel)
         self.arch = dataclasses.replace(family.arch_from_hf(hf), num_kv_heads=self.plan.kv_heads,
                                         kv_replicas=self.plan.kv_replicas)
+        warn_if_cpu_fallback(self.mesh.devices.flat[0].platform)
         # Chosen first: a backend the platform cannot run fails before the weights load.
         self.attention_fn = attention_for(config.attention.backend,
                                           self.mesh.devices.flat[0].platform, self.arch.head_dim)
@@ -233,8 +241,19 @@ class ModelRunner:
         self.kv_caches = [(zeros(), zeros()) for _ in range(self.arch.num_layers)]
         self._step = jax.jit(self._step_fn, donate_argnums=(1, 2), static_argnames=("layout",))
         self._score = jax.jit(self._score_fn)
-        self._compiled: dict = {}
-        self._compiled_score: dict = {}
+        # Shapes and shardings to compile for: the live arrays are donated at every step.
+        spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+        self._params_spec = jax.tree.map(spec, self.params)
+        self._kv_spec = jax.tree.map(spec, self.kv_caches)
+        self._penalty_spec = jax.tree.map(spec, self.penalty_state)
+        self.executables = executable_cache_for(config, self)
+        self._lock = threading.Lock()
+        self._functions: dict[tuple, object] = {}  # ("step", T, R) | ("score", T) -> compiled
+        self._pending: dict[tuple, concurrent.futures.Future] = {}  # being built
+        self._warming: threading.Thread | None = None
+        self._warm_up_total = 0
+        self._warm_up_failed = False
+        self._closed = False
 
     # ---- sizing -------------------------------------------------------------------------
     def _log_placement(self) -> None:
@@ -320,35 +339,151 @@ class ModelRunner:
         return SampleResult(shape((rows,), i32), shape((rows,), f32), shape((rows,), i32),
                             shape((rows, k), i32), shape((rows, k), f32))
 
+    # ---- compiled functions -------------------------------------------------------------
     def _compile_step(self, num_tokens: int, num_rows: int):
-        layout = self._layout(num_tokens, num_rows)
-        size = sum(math.prod(shape) for _, shape, _ in layout)
-        packed = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=self.replicated)
-        compiled = self._step.lower(self.params, self.kv_caches, self.penalty_state, packed,
-                                    layout=layout).compile()
-        self._compiled[(num_tokens, num_rows)] = compiled
-        return compiled
+        """The step compiled for bucket (T, R): compiled (or loaded) once, then reused."""
+        return self._function(("step", num_tokens, num_rows))
 
     def _compile_score(self, num_tokens: int):
-        hidden = jax.ShapeDtypeStruct((num_tokens, self.arch.hidden_size), self.dtype,
-                                      sharding=self.replicated)
-        targets = jax.ShapeDtypeStruct((num_tokens,), jnp.int32, sharding=self.replicated)
-        compiled = self._score.lower(self.params, hidden, targets).compile()
-        self._compiled_score[num_tokens] = compiled
+        return self._function(("score", num_tokens))
+
+    def _function(self, key: tuple):
+        """The compiled function for key, built by whichever thread asks first; a thread
+        asking while another builds it waits for that build."""
+        with self._lock:
+            ready = self._functions.get(key)
+            if ready is not None:
+                return ready
+            pending = self._pending.get(key)
+            owner = pending is None
+            if owner:
+                pending = self._pending[key] = concurrent.futures.Future()
+        if not owner:
+            return pending.result()
+        try:
+            compiled = self._build(key)
+        except BaseException as error:
+            with self._lock:
+                del self._pending[key]
+            pending.set_exception(error)
+            raise
+        with self._lock:
+            self._functions[key] = compiled
+            del self._pending[key]
+        pending.set_result(compiled)
         return compiled
 
-    def warm_up(self) -> None:
-        """Compile every (T, R) bucket and the prompt-scoring function per T, with progress."""
-        pairs = self.config.scheduler.step_buckets
-        token_buckets = self.config.scheduler.token_buckets
-        with tqdm(total=len(pairs) + len(token_buckets), desc="Compiling buckets") as bar:
-            for t, r in pairs:
-                self._compile_step(t, r)
+    def _build(self, key: tuple):
+        """Load key's executable from the executable cache, or trace, lower and compile it
+        (and store it there)."""
+        name = "-".join(map(str, key))
+        if self.executables is not None:
+            compiled = self.executables.load(name)
+            if compiled is not None:
+                record_load()
+                return compiled
+        start = time.perf_counter()
+        if key[0] == "step":
+            _, num_tokens, num_rows = key
+            layout = self._layout(num_tokens, num_rows)
+            size = sum(math.prod(shape) for _, shape, _ in layout)
+            packed = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=self.replicated)
+            lowered = self._step.lower(self._params_spec, self._kv_spec, self._penalty_spec,
+                                       packed, layout=layout)
+        else:
+            num_tokens = key[1]
+            hidden = jax.ShapeDtypeStruct((num_tokens, self.arch.hidden_size), self.dtype,
+                                          sharding=self.replicated)
+            targets = jax.ShapeDtypeStruct((num_tokens,), jnp.int32, sharding=self.replicated)
+            lowered = self._score.lower(self._params_spec, hidden, targets)
+        if self.executables is None:
+            compiled = lowered.compile()
+        else:  # compiled afresh: an executable that JAX's own cache loaded cannot be stored
+            with fresh_compile():
+                compiled = lowered.compile()
+        record_compile(key[0], time.perf_counter() - start)
+        if self.executables is not None:
+            self.executables.store(name, compiled)
+        return compiled
+
+    def _warm_up_order(self) -> list[tuple]:
+        """Every function to compile, the first one alone able to serve: the smallest T with
+        its largest R, then the decode buckets of a few sequences, then by T."""
+        pairs = list(self.config.scheduler.step_buckets)
+        first = max((p for p in pairs if p[0] == pairs[0][0]), key=lambda p: p[1])
+        order = [("step", *first)]
+        for t, r in pairs:
+            if (t, r) != first:
+                order.append(("step", t, r))
+            if t == pairs[0][0] and r == 1:
+                order.append(("score", t))
+        order += [("score", t) for t in self.config.scheduler.token_buckets
+                  if ("score", t) not in order]
+        return order
+
+    def warm_up(self, background: bool = False) -> None:
+        """Compile (or load) every (T, R) step bucket and the prompt-scoring function per T,
+        with progress. background: compile the first bucket (it alone can run any step of
+        the smallest size, see step_limits) now and the rest in a thread; steps meanwhile
+        use only compiled buckets, and warm_up_done says when all are."""
+        order = self._warm_up_order()
+        self._warm_up_total = len(order)
+        start = time.perf_counter()
+        if background:
+            self._function(order[0])
+            self._warming = threading.Thread(target=self._warm_up_rest,
+                                             args=(order[1:], start), daemon=True,
+                                             name="jaxserve-warm-up")
+            self._warming.start()
+            return
+        with tqdm(total=len(order), desc="Compiling buckets") as bar:
+            for key in order:
+                self._function(key)
                 bar.update(1)
-            for t in token_buckets:
-                self._compile_score(t)
-                bar.update(1)
-        logger.info("Compiled %d step buckets (T, R): %s.", len(pairs), pairs)
+        self._log_warm_up(start)
+
+    def _warm_up_rest(self, order: list[tuple], start: float) -> None:
+        try:
+            for key in order:
+                if self._closed:
+                    return
+                self._function(key)
+        except Exception:  # a step that needs it compiles it again and reports the error
+            logger.exception("Background warm-up stopped; buckets compile on first use.")
+            self._warm_up_failed = True
+            return
+        self._log_warm_up(start)
+
+    def _log_warm_up(self, start: float) -> None:
+        cache = self.executables
+        loaded = f"; {cache.hits} loaded from the executable cache" if cache else ""
+        logger.info("Warm-up finished: %d functions ready in %.1f s%s (step buckets (T, R): "
+                    "%s).", self._warm_up_total, time.perf_counter() - start, loaded,
+                    list(self.config.scheduler.step_buckets))
+
+    @property
+    def warm_up_done(self) -> bool:
+        """Whether every bucket is compiled (always true without a background warm-up)."""
+        with self._lock:
+            return len(self._functions) >= self._warm_up_total or self._warm_up_failed
+
+    def step_limits(self) -> tuple[int, int] | None:
+        """(tokens, sequences) a step may hold so that a compiled bucket holds it, while a
+        background warm-up runs; None when any step may run (warm-up done, or none)."""
+        if self._warming is None or self.warm_up_done:
+            return None
+        with self._lock:
+            ready = [k[1:] for k in self._functions if k[0] == "step"]
+        return max(t for t, _ in ready), max(r for t, r in ready if t == max(ready)[0])
+
+    def _pick_bucket(self, num_tokens: int, num_rows: int) -> tuple[int, int]:
+        """The smallest compiled bucket that holds the step, or the smallest bucket when
+        none is compiled yet (compiled for this step, on first use)."""
+        with self._lock:
+            for t, r in self.config.scheduler.step_buckets:
+                if t >= num_tokens and r >= num_rows and ("step", t, r) in self._functions:
+                    return t, r
+        return self.config.scheduler.pick_bucket(num_tokens, num_rows)
 
     # ---- one step -----------------------------------------------------------------------
     def dispatch(self, out: SchedulerOutput,
@@ -357,8 +492,7 @@ class ModelRunner:
         the host can do other work until fetch. score_targets (i32[total tokens], -1 where
         not wanted) asks for the logprob of given next tokens at each position
         (prompt_logprobs)."""
-        sched = self.config.scheduler
-        num_tokens, num_rows = sched.pick_bucket(out.total_num_scheduled_tokens,
+        num_tokens, num_rows = self._pick_bucket(out.total_num_scheduled_tokens,
                                                  len(out.requests))
         self.padding.record(out.total_num_scheduled_tokens, num_tokens, len(out.requests),
                             num_rows)
@@ -376,13 +510,12 @@ class ModelRunner:
     def _run(self, num_tokens: int, num_rows: int, packed: np.ndarray,
              targets: np.ndarray | None) -> InFlightStep:
         """Launch the compiled step (and prompt scoring) on packed host inputs."""
-        step = self._compiled.get((num_tokens, num_rows)) or self._compile_step(num_tokens,
-                                                                                num_rows)
+        step = self._compile_step(num_tokens, num_rows)
         self.kv_caches, self.penalty_state, hidden, result = step(
             self.params, self.kv_caches, self.penalty_state, place(packed, self.replicated))
         scores = None
         if targets is not None:
-            score = self._compiled_score.get(num_tokens) or self._compile_score(num_tokens)
+            score = self._compile_score(num_tokens)
             scores = score(self.params, hidden, place(targets, self.replicated))
         return InFlightStep(result, scores, num_tokens, num_rows)
 
@@ -395,7 +528,9 @@ class ModelRunner:
         return steps
 
     def close(self) -> None:
-        """Host 0 of a multi-host run: tell the other hosts to stop following."""
+        """Stop a background warm-up; host 0 of a multi-host run: tell the other hosts to
+        stop following."""
+        self._closed = True
         if self.channel is not None and is_leader():
             self.channel.send_stop()
             self.channel = None
@@ -407,6 +542,24 @@ class ModelRunner:
         if scores is not None:
             scores = unpack_host(scores, self._result_like(step.num_tokens))
         return StepResult(result, scores)
+
+
+def executable_cache_for(config: EngineConfig, runner: ModelRunner) -> ExecutableCache | None:
+    """The executable cache of this runner's configuration, beside the XLA cache (None when
+    compilation_cache_dir is None, or on several hosts, where each compiles)."""
+    if not config.compilation_cache_dir or jax.process_count() > 1:
+        return None
+    model, cache, sched = config.model, config.cache, config.scheduler
+    fingerprint = {
+        "hf_config": model.hf_config, "dtype": model.dtype,
+        "cache_dtype": str(runner.cache_dtype), "num_blocks": runner.num_blocks,
+        "block_size": cache.block_size, "blocks_per_seq": runner.blocks_per_seq,
+        "max_num_seqs": sched.max_num_seqs, "vocab": runner.arch.vocab_size,
+        "attention": config.attention.backend, "mesh": str(config.parallel.mesh),
+        "expert_parallel": config.parallel.expert_parallel, "arch": repr(runner.arch),
+    }
+    directory = os.path.join(config.compilation_cache_dir, "executables")
+    return ExecutableCache(directory, fingerprint, runner.mesh.devices.flat)
 
 
 def _local(array: jax.Array | None) -> jax.Array | None:

@@ -58,14 +58,20 @@ class Scheduler:
             index -= 1
         self.waiting.insert(index, request)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, limits: tuple[int, int] | None = None) -> SchedulerOutput:
+        """limits: (tokens, sequences) this step may hold at most, below the configured
+        budget (the compiled buckets while a background warm-up runs); a running request
+        over the sequence limit waits for a later step."""
         budget = self.config.max_num_batched_tokens
+        max_seqs = self.config.max_num_seqs
+        if limits is not None:
+            budget, max_seqs = min(budget, limits[0]), min(max_seqs, limits[1])
         scheduled: list[Request] = []
         counts: list[int] = []
         preempted: list[Request] = []
 
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and index < max_seqs:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv_cache.allocate_slots(request, num_new):
@@ -87,7 +93,7 @@ class Scheduler:
 
         # Admit waiting requests only when nothing had to give way this step.
         while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+               and len(self.running) < max_seqs):
             request = self.waiting[0]
             hits = self.kv_cache.get_computed_blocks(request)  # no reference taken yet
             num_hit = len(hits) * self.kv_cache.block_size

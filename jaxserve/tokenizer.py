@@ -2,22 +2,46 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
+
+
+# Tokenizer classes that are the generic tokenizer.json tokenizer itself: AutoTokenizer would
+# resolve them to PreTrainedTokenizerFast, whose import does not pull in torch (transformers'
+# auto classes import the modeling stack, seconds of start-up when torch is installed).
+_GENERIC_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
 def load_tokenizer(path: str):
     """A local tokenizer; never downloads and never runs code from the folder."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers import AutoTokenizer
-
     try:
+        if _tokenizer_class(path) in _GENERIC_CLASSES:
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path, trust_remote_code=False,
                                              local_files_only=True)
     except (OSError, ValueError) as err:
         raise ValueError(f"Could not load a tokenizer from {path}: {err}") from None
+
+
+def _tokenizer_class(path: str) -> str | None:
+    """tokenizer_config.json's tokenizer_class, when the folder has both it and the
+    tokenizer.json that the generic class reads."""
+    folder = Path(path)
+    try:
+        if not (folder / "tokenizer.json").is_file():
+            return None
+        return json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,

@@ -42,8 +42,11 @@ class NullRunner:
         self.vocab = vocab
         self.rng = np.random.default_rng(0)
 
-    def warm_up(self) -> None:
+    def warm_up(self, background: bool = False) -> None:
         pass
+
+    def step_limits(self) -> None:
+        return None
 
     def fetch(self, result: StepResult) -> StepResult:
         return result

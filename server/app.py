@@ -264,9 +264,13 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/ready")
     async def ready():
-        # The app is built after warm-up, so "ready" is: the loop runs and we are not draining.
+        # Ready: the loop runs, every bucket is compiled, and we are not draining. /health
+        # answers 200 earlier: requests are served while the warm-up compiles in background.
         if not engine.is_running or state.draining:
             return APIError(503, "Not ready.", code="not_ready").response()
+        if not engine.warm_up_done:
+            return APIError(503, "Warming up: compiling the remaining shape buckets; requests "
+                            "are served meanwhile.", code="warming_up").response()
         return {"status": "ready"}
 
     @app.get("/version")

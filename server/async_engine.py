@@ -65,6 +65,7 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._last_log = time.monotonic()
         self._logged_tokens = (0, 0)
+        self._logged_compiles = engine.num_compilations
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -85,6 +86,11 @@ class AsyncLLMEngine:
         if self.error is not None:
             return f"the engine loop has stopped: {self.error}"[:300]
         return "" if self._thread.is_alive() else "the engine loop is not running"
+
+    @property
+    def warm_up_done(self) -> bool:
+        """Whether every bucket is compiled (the background warm-up has finished)."""
+        return self.engine.warm_up_done
 
     @property
     def num_in_flight(self) -> int:
@@ -283,13 +289,19 @@ class AsyncLLMEngine:
         if now - self._last_log >= _LOG_INTERVAL_S and self.metrics:
             prompt, gen = self.metrics.token_totals()
             elapsed = now - self._last_log
-            if (prompt, gen) != self._logged_tokens or scheduler.num_unfinished:
+            compiles = engine.num_compilations
+            compiled = compiles - self._logged_compiles
+            if (prompt, gen) != self._logged_tokens or scheduler.num_unfinished or compiled:
                 logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: "
                             "%.1f tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache "
-                            "usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+                            "usage: %.1f%%, Prefix cache hit rate: %.1f%%%s",
                             (prompt - self._logged_tokens[0]) / elapsed,
                             (gen - self._logged_tokens[1]) / elapsed, len(scheduler.running),
                             len(scheduler.waiting), 100 * engine.kv_cache.usage,
-                            100 * engine.kv_cache.hit_rate)
+                            100 * engine.kv_cache.hit_rate,
+                            f", XLA compilations: {compiled}"
+                            f"{'' if engine.warm_up_done else ' (warm-up running)'}"
+                            if compiled else "")
             self._logged_tokens = (prompt, gen)
+            self._logged_compiles = compiles
             self._last_log = now

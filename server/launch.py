@@ -107,7 +107,8 @@ def serve(engine_config, server_config: ServerConfig, log_level: str = "info") -
     from jaxserve.data_parallel import create_engine
 
     engine = create_engine(engine_config)
-    metrics = EngineMetrics(server_config.served_model_name)
+    metrics = EngineMetrics(server_config.served_model_name,
+                            warm_up_done=lambda: engine.warm_up_done)
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=server_config.max_waiting_requests,
                                   metrics=metrics)
     async_engine.start()

@@ -11,14 +11,28 @@
 | vllm:time_to_first_token_seconds | histogram |
 | vllm:inter_token_latency_seconds (also vllm:time_per_output_token_seconds) | histogram |
 | vllm:e2e_request_latency_seconds, vllm:request_queue_time_seconds | histogram |
+| jaxserve:compile_seconds{kind=step|score} (trace, lower and compile of one bucket) | histogram |
+| jaxserve:xla_compilations_total (every XLA compile in the process) | counter |
+| jaxserve:executable_cache_loads_total (buckets loaded from disk, not compiled) | counter |
+| jaxserve:warm_up_done (1 once every bucket is compiled) | gauge |
 
-Every series carries the label model_name. Gauges are set from the engine loop after every
+Every series carries the label model_name; the jaxserve: series describe the process. Gauges are set from the engine loop after every
 step, and return to 0 when the engine is idle.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from jaxserve.compilation import (
+    COMPILE_BUCKETS,
+    compilation_count,
+    compile_times,
+    executable_loads,
+)
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -26,9 +40,38 @@ _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0
                   0.75, 1.0, 2.5, 5.0)
 
 
+class CompileCollector:
+    """The jaxserve: series, read at each scrape from the process-wide compile records."""
+
+    def __init__(self, model_name: str, warm_up_done: Callable[[], bool]) -> None:
+        self.model_name = model_name
+        self.warm_up_done = warm_up_done
+
+    def collect(self):
+        seconds = HistogramMetricFamily(
+            "jaxserve:compile_seconds", "Seconds to trace, lower and compile one function.",
+            labels=["model_name", "kind"])
+        for kind, times in sorted(compile_times().items()):
+            buckets = [(str(b), n) for b, n in zip(COMPILE_BUCKETS, times.buckets)]
+            seconds.add_metric([self.model_name, kind], buckets + [("+Inf", times.count)],
+                               times.total)
+        yield seconds
+        yield CounterMetricFamily("jaxserve:xla_compilations",
+                                  "XLA compilations in this process.",
+                                  value=compilation_count(), labels=None)
+        yield CounterMetricFamily("jaxserve:executable_cache_loads",
+                                  "Functions loaded from the executable cache.",
+                                  value=executable_loads(), labels=None)
+        yield GaugeMetricFamily("jaxserve:warm_up_done", "1 once every bucket is compiled.",
+                                value=float(self.warm_up_done()))
+
+
 class EngineMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, *,
+                 warm_up_done: Callable[[], bool] = lambda: True) -> None:
+        """warm_up_done: whether the engine has compiled every bucket (for the gauge)."""
         self.registry = CollectorRegistry()
+        self.registry.register(CompileCollector(model_name, warm_up_done))
         labels = {"model_name": model_name}
         r = self.registry
 

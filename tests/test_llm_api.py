@@ -15,7 +15,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 def llm(tiny_checkpoints):
     # precompile=True: every (T, R) bucket is compiled here, before any test runs.
     return LLM(str(tiny_checkpoints["llama"]), dtype="float32", max_model_len=256,
-               max_num_seqs=16, max_num_batched_tokens=128, seed=0)
+               max_num_seqs=16, max_num_batched_tokens=128, seed=0, precompile=True)
 
 
 @pytest.fixture(scope="module")

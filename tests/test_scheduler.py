@@ -686,3 +686,22 @@ def test_randomized_soak_keeps_every_invariant():
     for seed in range(12):
         preemptions += soak(seed, num_requests=30).scheduler.num_preemptions
     assert preemptions > 0, "the soak should exercise preemption"
+
+
+def test_step_limits_cap_a_step_below_the_configured_budget():
+    """While a background warm-up runs, steps must fit the compiled buckets: the limits cut
+    the token budget (chunking prompts) and the sequences per step; lifting them gives the
+    configured budget back, and every request still completes exactly."""
+    h = Harness(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    for i in range(6):
+        h.new(f"r{i}", prompt_len=10 + i, max_tokens=5)
+    for _ in range(6):
+        out = h.scheduler.schedule(limits=(16, 2))
+        assert out.total_num_scheduled_tokens <= 16 and len(out.requests) <= 2
+        assert len(h.scheduler.running) <= 2
+        h.execute(out)
+    out = h.scheduler.schedule()
+    assert len(out.requests) > 2 and out.total_num_scheduled_tokens > 16
+    h.execute(out)
+    h.run()
+    assert sorted(r.request_id for r in h.finished) == [f"r{i}" for i in range(6)]

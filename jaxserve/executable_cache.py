@@ -1,0 +1,146 @@
+"""Compiled step executables on disk, so that a second start skips tracing and lowering.
+
+JAX's persistent compilation cache (compilation.py) saves the XLA compile, but every start
+still traces and lowers each bucket's step to look it up. This store keeps the compiled
+executable itself (jax.experimental.serialize_executable): a warm start loads it in a
+fraction of that time.
+
+An entry is one file, <name>-<key>.jxc: a JSON header line (format, jax and jaxlib
+versions, the key) and then the pickled executable. The key hashes everything that changes
+an executable: jax / jaxlib versions, platform and device kinds, the exact devices, the
+model config, dtypes, mesh, bucket, the engine arguments that change shapes, and the source
+of jaxserve itself. Writes go to a temporary file renamed into place, so concurrent starts
+never read half an entry. An entry that cannot be used (stale, foreign, truncated, corrupt)
+is reported in one log line and recompiled; it never stops a start.
+
+Loading runs pickled code from the cache folder, as JAX's own cache does with executables:
+the folder must be as trusted as the Python installation (it is the user's own ~/.cache).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import pickle
+import tempfile
+from pathlib import Path
+
+import jax
+import jaxlib
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+_SUFFIX = ".jxc"
+
+
+def fresh_compile():
+    """A context in which this thread's compiles bypass JAX's persistent compilation cache.
+
+    On XLA:CPU an executable that JAX loaded from its own cache serializes without the code
+    of its kernels ("Function ... not found" when a later process runs it), so executables
+    meant for this store are compiled afresh."""
+    from jax._src import config as jax_config  # a thread-local switch; no public equivalent
+
+    return jax_config.enable_compilation_cache(False)
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """A hash of jaxserve's own Python source: any code change gives new keys."""
+    root = Path(__file__).resolve().parent
+    package_dirs = [root, root.parent / "models", root.parent / "kernels_pallas"]
+    digest = hashlib.sha256()
+    for folder in package_dirs:
+        if not folder.is_dir():
+            continue
+        for path in sorted(folder.glob("*.py")):
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def versions() -> dict:
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__}
+
+
+class ExecutableCache:
+    """Load and store compiled executables under `directory` for one engine configuration
+    (`fingerprint`: a JSON-able description of everything that shapes its executables)."""
+
+    def __init__(self, directory: str | os.PathLike, fingerprint: dict, devices) -> None:
+        self.directory = Path(directory)
+        self.devices = list(devices)
+        described = {**fingerprint, **versions(), "format": FORMAT, "source": source_digest(),
+                     "platform": self.devices[0].platform,
+                     "devices": [(d.id, d.device_kind, d.process_index) for d in self.devices]}
+        self._base = json.dumps(described, sort_keys=True, default=str)
+        self.hits = 0
+        self.misses = 0
+
+    def path(self, name: str) -> Path:
+        key = hashlib.sha256(f"{self._base}|{name}".encode()).hexdigest()[:24]
+        return self.directory / f"{name}-{key}{_SUFFIX}"
+
+    def load(self, name: str):
+        """The stored executable for `name` (a jax.stages.Compiled), or None."""
+        path = self.path(name)
+        try:
+            with open(path, "rb") as f:
+                header = json.loads(f.readline())
+                payload = f.read()
+        except FileNotFoundError:
+            self.misses += 1
+            return None
+        except (OSError, ValueError) as error:
+            return self._unusable(path, f"unreadable header ({error})")
+        if not isinstance(header, dict):
+            return self._unusable(path, "unreadable header")
+        found = {k: header.get(k) for k in ("format", "jax", "jaxlib")}
+        wanted = {"format": FORMAT, **versions()}
+        if found != wanted:
+            return self._unusable(path, f"written by {found}, this is {wanted}")
+        if header.get("key") != path.stem:
+            return self._unusable(path, "its key does not match its name")
+        try:
+            from jax.experimental.serialize_executable import deserialize_and_load
+
+            serialized, in_tree, out_tree = pickle.loads(payload)
+            compiled = deserialize_and_load(serialized, in_tree, out_tree,
+                                            backend=self.devices[0].client,
+                                            execution_devices=self.devices)
+        except Exception as error:  # any corrupt or foreign entry means: compile again
+            return self._unusable(path, f"cannot be loaded ({type(error).__name__}: "
+                                        f"{str(error)[:120]})")
+        self.hits += 1
+        return compiled
+
+    def _unusable(self, path: Path, why: str) -> None:
+        logger.warning("Executable cache: ignoring %s: %s; compiling it again.", path.name, why)
+        self.misses += 1
+        return None
+
+    def store(self, name: str, compiled) -> None:
+        """Write `compiled` for `name`; a failure to write is logged, never raised."""
+        path = self.path(name)
+        try:
+            from jax.experimental.serialize_executable import serialize
+
+            payload = pickle.dumps(serialize(compiled))
+            header = json.dumps({"format": FORMAT, **versions(), "key": path.stem})
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", dir=self.directory)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(header.encode() + b"\n")
+                    f.write(payload)
+                os.replace(tmp, path)  # atomic: readers see the whole entry or none
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        except Exception as error:
+            logger.warning("Executable cache: could not store %s (%s: %s).", path.name,
+                           type(error).__name__, str(error)[:120])
