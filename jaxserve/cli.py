@@ -24,6 +24,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="when to compile the shape buckets: all (at start-up), "
                         "background (the first at start-up, the rest while serving; serve's "
                         "default) or lazy (each on first use; generate's default)")
+    parser.add_argument("--compilation-cache-dir", default="default",
+                        help="folder of the compiled-function caches (default "
+                        "~/.cache/jaxserve/xla; 'none' turns them off)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -90,7 +93,10 @@ _PRECOMPILE = {"all": True, "background": "background", "lazy": False}
 
 def engine_kwargs(args: argparse.Namespace, precompile: str = "all") -> dict:
     """EngineConfig.create's arguments from the CLI; precompile: the command's default."""
-    return dict(precompile=_PRECOMPILE[args.precompile or precompile],tokenizer=args.tokenizer, dtype=args.dtype, load_format=args.load_format,
+    cache_dir = None if args.compilation_cache_dir.lower() == "none" else \
+        args.compilation_cache_dir
+    return dict(precompile=_PRECOMPILE[args.precompile or precompile],
+                compilation_cache_dir=cache_dir,tokenizer=args.tokenizer, dtype=args.dtype, load_format=args.load_format,
                 max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,

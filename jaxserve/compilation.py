@@ -89,9 +89,14 @@ def compile_times() -> dict[str, CompileTimes]:
                 for kind, t in _times.items()}
 
 
+def jax_process_count() -> int:
+    return jax.process_count()
+
+
 def enable_persistent_cache(directory: str | None) -> None:
-    """Reuse compiled executables across processes (start-up drops from seconds per bucket to
-    a file read). None leaves JAX's setting alone."""
+    """JAX's persistent compilation cache in `directory`, for multi-host runs (one process
+    uses the runner's executable cache instead, which skips tracing too). None leaves JAX's
+    setting alone."""
     if not directory:
         return
     if jax.config.jax_compilation_cache_dir not in (None, directory):

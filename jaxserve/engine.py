@@ -26,7 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.compilation import compilation_count, enable_persistent_cache, install_counter
+from jaxserve.compilation import (
+    compilation_count,
+    enable_persistent_cache,
+    install_counter,
+    jax_process_count,
+)
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.input_builder import MAX_BANNED_IDS
@@ -52,7 +57,8 @@ class LLMEngine:
         """runner: the device side; built from config on data-parallel replica `rank`'s
         devices when not given (benchmarks pass a null runner to measure the host side)."""
         install_counter()
-        enable_persistent_cache(config.compilation_cache_dir)
+        if jax_process_count() > 1:  # one process: the runner's executable cache instead
+            enable_persistent_cache(config.compilation_cache_dir)
         self.config = config
         self.tokenizer = load_tokenizer(config.model.tokenizer)
         self.runner = runner if runner is not None else ModelRunner(

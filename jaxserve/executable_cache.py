@@ -13,6 +13,12 @@ of jaxserve itself. Writes go to a temporary file renamed into place, so concurr
 never read half an entry. An entry that cannot be used (stale, foreign, truncated, corrupt)
 is reported in one log line and recompiled; it never stops a start.
 
+This store replaces JAX's persistent cache in the engine's process (compilation.py turns
+JAX's on only where this one is off: several hosts). On XLA:CPU an executable that JAX
+loaded from its own cache serializes without the code of its kernels ("Function ... not
+found" when a later process runs it), and JAX decides once per process whether its cache
+is used; so when a user has configured JAX's cache themselves, this store stays off.
+
 Loading runs pickled code from the cache folder, as JAX's own cache does with executables:
 the folder must be as trusted as the Python installation (it is the user's own ~/.cache).
 """
@@ -35,17 +41,6 @@ logger = logging.getLogger(__name__)
 
 FORMAT = 1
 _SUFFIX = ".jxc"
-
-
-def fresh_compile():
-    """A context in which this thread's compiles bypass JAX's persistent compilation cache.
-
-    On XLA:CPU an executable that JAX loaded from its own cache serializes without the code
-    of its kernels ("Function ... not found" when a later process runs it), so executables
-    meant for this store are compiled afresh."""
-    from jax._src import config as jax_config  # a thread-local switch; no public equivalent
-
-    return jax_config.enable_compilation_cache(False)
 
 
 @functools.lru_cache(maxsize=1)

@@ -39,7 +39,7 @@ from jaxserve.batch import Batch, SamplingInputs
 from jaxserve.compilation import record_compile, record_load
 from jaxserve.config import ATTENTION_BACKENDS, EngineConfig
 from jaxserve.distributed import StepChannel, is_leader
-from jaxserve.executable_cache import ExecutableCache, fresh_compile
+from jaxserve.executable_cache import ExecutableCache
 from jaxserve.input_builder import build_step_inputs
 from jaxserve.kernels_pallas import cpu_attention, ref
 from jaxserve.kernels_pallas.ref import token_layout
@@ -396,11 +396,7 @@ class ModelRunner:
                                           sharding=self.replicated)
             targets = jax.ShapeDtypeStruct((num_tokens,), jnp.int32, sharding=self.replicated)
             lowered = self._score.lower(self._params_spec, hidden, targets)
-        if self.executables is None:
-            compiled = lowered.compile()
-        else:  # compiled afresh: an executable that JAX's own cache loaded cannot be stored
-            with fresh_compile():
-                compiled = lowered.compile()
+        compiled = lowered.compile()
         record_compile(key[0], time.perf_counter() - start)
         if self.executables is not None:
             self.executables.store(name, compiled)
@@ -430,6 +426,9 @@ class ModelRunner:
         self._warm_up_total = len(order)
         start = time.perf_counter()
         if background:
+            logger.info("Warm-up: compiling step bucket (T, R) = %s first; the other %d "
+                        "functions compile in the background while requests are served.",
+                        order[0][1:], len(order) - 1)
             self._function(order[0])
             self._warming = threading.Thread(target=self._warm_up_rest,
                                              args=(order[1:], start), daemon=True,
@@ -545,9 +544,15 @@ class ModelRunner:
 
 
 def executable_cache_for(config: EngineConfig, runner: ModelRunner) -> ExecutableCache | None:
-    """The executable cache of this runner's configuration, beside the XLA cache (None when
-    compilation_cache_dir is None, or on several hosts, where each compiles)."""
+    """The executable cache of this runner's configuration, beside the XLA cache. None when
+    compilation_cache_dir is None; on several hosts (each compiles; JAX's persistent cache
+    serves them instead); and when JAX's own persistent cache was configured outside
+    jaxserve (an executable loaded from it cannot be stored: executable_cache.py)."""
     if not config.compilation_cache_dir or jax.process_count() > 1:
+        return None
+    if jax.config.jax_compilation_cache_dir is not None:
+        logger.info("JAX's persistent compilation cache is configured (%s): jaxserve's "
+                    "executable cache is off.", jax.config.jax_compilation_cache_dir)
         return None
     model, cache, sched = config.model, config.cache, config.scheduler
     fingerprint = {

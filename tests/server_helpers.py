@@ -44,8 +44,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(model, *args: str, log_dir: pathlib.Path, ready_timeout: float = 240.0):
-    """Yield a Server once /ready answers 200; SIGTERM it (then kill) on exit."""
+def running_server(model, *args: str, log_dir: pathlib.Path, ready_timeout: float = 240.0,
+                   wait_for: str = "/ready"):
+    """Yield a Server once wait_for answers 200 (/ready: every bucket compiled; /health: it
+    takes requests, the warm-up may still run); SIGTERM it (then kill) on exit."""
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
     cmd = [str(JAXSERVE), "serve", "--model", str(model), "--port", str(port),
@@ -60,7 +62,7 @@ def running_server(model, *args: str, log_dir: pathlib.Path, ready_timeout: floa
             if process.poll() is not None:
                 raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
             try:
-                if httpx.get(f"{server.url}/ready", timeout=2).status_code == 200:
+                if httpx.get(f"{server.url}{wait_for}", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import pathlib
+import random
 import re
+import time
 
 import httpx
 import openai
@@ -378,7 +380,7 @@ def test_models_health_ready_version(client, http):
     model = http.get("/v1/models").json()["data"][0]
     assert model["id"] == "tiny" and model["max_model_len"] == 512
     assert http.get("/health").status_code == 200
-    assert http.get("/ready").status_code == 200
+    wait_until_ready(http)
     version = http.get("/version")
     assert version.status_code == 200 and version.json()["version"] == jaxserve.__version__
 
@@ -592,6 +594,47 @@ def test_streamed_text_offsets_continue_across_chunks(client):
             streamed += chunk.choices[0].logprobs.text_offset
     assert streamed == whole.text_offset
     assert whole.text_offset == sorted(whole.text_offset) and whole.text_offset[0] == 0
+
+
+def wait_until_ready(http, timeout: float = 300.0) -> None:
+    """/ready is 503 warming_up while the background warm-up runs, then 200."""
+    deadline = time.monotonic() + timeout
+    while (resp := http.get("/ready")).status_code != 200:
+        assert_envelope(resp, 503)
+        assert resp.json()["error"]["code"] == "warming_up"
+        assert time.monotonic() < deadline, "the warm-up did not finish"
+        time.sleep(0.2)
+
+
+def metric(http, name: str) -> float:
+    lines = [line for line in http.get("/metrics").text.splitlines()
+             if line.startswith(name + " ") or line.startswith(name + "{")]
+    assert lines, name
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+def test_after_the_warm_up_mixed_requests_compile_nothing(http):
+    wait_until_ready(http)
+    assert metric(http, "jaxserve:warm_up_done") == 1
+    assert metric(http, "jaxserve:compile_seconds_count") + metric(
+        http, "jaxserve:executable_cache_loads_total") >= 11  # 7 step + 4 scoring functions
+    before = metric(http, "jaxserve:xla_compilations_total")
+    rng = random.Random(5)
+    words = "def class return import self value list for while yield".split()
+    for i in range(50):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 150)))
+        common = dict(max_tokens=rng.randint(1, 24), temperature=rng.choice([0.0, 0.9]),
+                      n=rng.choice([1, 2]), seed=i, stream=i % 4 == 0)
+        if i % 2:
+            body = dict(model="tiny", messages=[{"role": "user", "content": text}],
+                        logprobs=i % 3 == 0, **common)
+            resp = http.post(CH, json=body)
+        else:
+            body = dict(model="tiny", prompt=text, logprobs=2 if i % 3 == 0 else None,
+                        echo=i % 10 == 0, top_k=rng.choice([0, 5]), **common)
+            resp = http.post(C, json=body)
+        assert resp.status_code == 200, resp.text[:300]
+    assert metric(http, "jaxserve:xla_compilations_total") == before
 
 
 # Keep last: the log of everything this module did.
