@@ -195,7 +195,7 @@ class EngineConfig:
         """Resolve defaults against the model folder's config.json and validate everything."""
         hf_config = read_hf_config(model)
         resolve_architecture(hf_config)
-        resolved_dtype = _resolve_dtype(dtype, hf_config)
+        resolved_dtype = _resolve_dtype(dtype, hf_config, model, on_accelerator)
         limit = int(hf_config.get("max_position_embeddings") or 2048)
         if max_model_len is None:
             max_model_len = min(limit, 8192 if on_accelerator else 2048)
@@ -260,13 +260,28 @@ def read_hf_config(model: str | os.PathLike) -> dict:
     return json.loads(path.read_text())
 
 
-def _resolve_dtype(dtype: str, hf_config: dict) -> str:
+def _resolve_dtype(dtype: str, hf_config: dict, model: str, on_accelerator: bool) -> str:
+    """auto: the checkpoint's dtype on an accelerator. On the CPU, float32 (XLA:CPU has no
+    bf16 matmul: it converts the weights to f32 at every step, and bf16 decode steps measured
+    1.2-2.8x slower than f32 ones, scripts/bench_cpu_dtype.py), unless the f32 weights would
+    take more than a quarter of the host's memory: then the checkpoint's dtype."""
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {dtype!r}.")
     if dtype != "auto":
         return dtype
     saved = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
-    return saved if saved in SUPPORTED_DTYPES[1:] else "float32"
+    saved = saved if saved in SUPPORTED_DTYPES[1:] else "float32"
+    if on_accelerator or saved == "float32":
+        return saved
+    f32_bytes = 2 * sum(p.stat().st_size for p in Path(model).glob("*.safetensors"))
+    return "float32" if f32_bytes <= _host_memory_bytes() // 4 else saved
+
+
+def _host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
 
 
 def _power_buckets(low: int, high: int) -> tuple[int, ...]:

@@ -121,6 +121,9 @@ class InFlightStep:
 
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+# Functions compiled at once by a warm-up: XLA compiles in parallel and releases the GIL,
+# so half the host's cores (at most 8) shorten a warm-up without starving the engine.
+COMPILE_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 def attention_for(backend: str, platform: str, head_dim: int | None = None) -> Callable:
@@ -419,9 +422,10 @@ class ModelRunner:
 
     def warm_up(self, background: bool = False) -> None:
         """Compile (or load) every (T, R) step bucket and the prompt-scoring function per T,
-        with progress. background: compile the first bucket (it alone can run any step of
-        the smallest size, see step_limits) now and the rest in a thread; steps meanwhile
-        use only compiled buckets, and warm_up_done says when all are."""
+        with progress, in a pool of compile threads (XLA compiles in parallel). background:
+        compile the first bucket (it alone can run any step of the smallest size, see
+        step_limits) now and the rest in a thread; steps meanwhile use only compiled
+        buckets, and warm_up_done says when all are."""
         order = self._warm_up_order()
         self._warm_up_total = len(order)
         start = time.perf_counter()
@@ -436,22 +440,31 @@ class ModelRunner:
             self._warming.start()
             return
         with tqdm(total=len(order), desc="Compiling buckets") as bar:
-            for key in order:
-                self._function(key)
-                bar.update(1)
+            self._compile_all(order, bar.update)
         self._log_warm_up(start)
+
+    def _compile_all(self, keys: list[tuple], done: Callable[[int], object]) -> None:
+        """Build every key, in order, on COMPILE_THREADS threads; done(1) after each."""
+        with concurrent.futures.ThreadPoolExecutor(
+                COMPILE_THREADS, thread_name_prefix="jaxserve-compile") as pool:
+            futures = []
+            for key in keys:
+                if self._closed:
+                    break
+                futures.append(pool.submit(self._function, key))
+            for future in concurrent.futures.as_completed(futures):
+                future.result()
+                done(1)
 
     def _warm_up_rest(self, order: list[tuple], start: float) -> None:
         try:
-            for key in order:
-                if self._closed:
-                    return
-                self._function(key)
+            self._compile_all(order, lambda _: None)
         except Exception:  # a step that needs it compiles it again and reports the error
             logger.exception("Background warm-up stopped; buckets compile on first use.")
             self._warm_up_failed = True
             return
-        self._log_warm_up(start)
+        if not self._closed:
+            self._log_warm_up(start)
 
     def _log_warm_up(self, start: float) -> None:
         cache = self.executables

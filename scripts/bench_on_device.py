@@ -12,10 +12,12 @@ model is Llama-3-8B's shape (hidden 4096, 32 layers, 32 heads, 8 kv heads, inter
 temporary directory holding config.json and the built-in model's tokenizer; prompts are token
 ids, so the tokenizer only detokenizes. Engine: max_model_len 2048, max_num_seqs 256,
 max_num_batched_tokens 2048, every shape bucket compiled before anything is timed. With no
-GPU (jax.default_backend() == "cpu"), or with --tiny, a tiny Llama (hidden 64, 2 layers,
-vocab 8192: twice the tokenizer's, as the 8B model's exceeds it) runs the same code end to
-end with 12 requests, decode batches 1, 4 and 8 and HF (float32, on the CPU) on 4 requests:
-a minute or two on 2 cores, most of it compiling (tests/test_bench_on_device.py runs it).
+accelerator (jax.default_backend() == "cpu"), or with --tiny, a tiny Llama (hidden 64, 2
+layers, vocab 8192: twice the tokenizer's, as the 8B model's exceeds it) runs the same code
+end to end with 12 requests, decode batches 1, 4 and 8 and HF (float32, on the CPU) on 4
+requests: a minute or two on 2 cores, most of it compiling (tests/test_bench_on_device.py
+runs it). On a machine with a GPU that JAX does not see (its CPU-only build), the script
+stops at once (exit 2) and says what to install, instead of benchmarking the tiny model.
 
 What it measures, each printed and (with --json) written out:
 
@@ -281,6 +283,8 @@ def measure_decode(engine, batch: int, prompt_len: int, steps: int, rng, id_limi
             if time.perf_counter() > deadline:
                 raise TimeoutError("time budget spent before all requests were decoding")
             for out in engine.step():
+                if out.error is not None:
+                    raise RuntimeError(f"request {out.request_id} failed: {out.error}")
                 generated[out.request_id] = len(out.outputs[0].token_ids)
                 started.add(out.request_id)
             if len(started) == batch:
@@ -292,6 +296,8 @@ def measure_decode(engine, batch: int, prompt_len: int, steps: int, rng, id_limi
             times.append(now - last)
             last = now
             for out in outputs:
+                if out.error is not None:
+                    raise RuntimeError(f"request {out.request_id} failed: {out.error}")
                 new = len(out.outputs[0].token_ids)
                 tokens += new - generated[out.request_id]
                 generated[out.request_id] = new
@@ -314,14 +320,15 @@ def kv_bytes_per_token(config: dict, itemsize: int = 2) -> int:
 
 def run_hf(config: dict, workload: Workload, batch_size: int, on_gpu: bool,
            clock: Clock) -> dict:
-    """HF generate on the workload in static batches (left padding, greedy), random bf16
-    weights on the same device; stops between batches when the budget would run out."""
+    """HF generate on the workload in static batches (left padding, greedy), random weights
+    on the same device (bf16 on the GPU); stops between batches when the budget would run
+    out."""
     try:
         import torch
         import transformers
     except ImportError as err:
         return {"skipped": f"torch / transformers not importable ({err}); "
-                           "pip install -e '.[cuda]' brings torch"}
+                           "pip install -e '.[torch]' brings torch"}
     if on_gpu and not torch.cuda.is_available():
         return {"skipped": f"torch {torch.__version__} cannot use the GPU "
                            "(torch.cuda.is_available() is False: a CPU-only build?)"}
@@ -386,141 +393,162 @@ def run_hf(config: dict, workload: Workload, batch_size: int, on_gpu: bool,
 
 # ----------------------------------------------------------------------------- main
 
+class Report:
+    """The JSON report, with the skipped and failed sections recorded and announced."""
+
+    def __init__(self, plan: Plan, clock: Clock, **fields) -> None:
+        self.plan, self.clock = plan, clock
+        self.data: dict = {**fields, "skipped": {}, "errors": {}}
+
+    def skip(self, section: str, why: str) -> None:
+        self.data["skipped"][section] = why
+        self.data.setdefault(section, {})["skipped"] = why
+        self.clock.say(f"SKIPPED {section}: {why}")
+
+    def fits(self, section: str) -> bool:
+        """Whether the budget leaves the time the section needs; if not, skip it."""
+        need, left = self.plan.need[section], self.clock.left
+        if left < need:
+            self.skip(section, f"{left:.0f} s of the {self.plan.budget_s:.0f} s budget left, "
+                               f"the section needs about {need} s")
+            return False
+        return True
+
+    def failed(self, section: str, err: Exception) -> None:
+        why = f"{type(err).__name__}: {err}"
+        self.data["errors"][section] = why
+        self.data.setdefault(section, {})["error"] = why
+        self.clock.say(f"FAILED {section}: {why}")
+
+
 def main() -> int:
     args = parse_args()
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")  # room for torch (HF)
     import jax
 
     backend = jax.default_backend()
+    unused = _unused_accelerator() if backend == "cpu" and not args.tiny else None
+    if unused is not None:
+        what, command = unused
+        print(f"This machine has {what}, but JAX runs on the CPU: install JAX's accelerator "
+              f"build ({command}), or pass --tiny to run the tiny CPU configuration.",
+              file=sys.stderr, flush=True)
+        return 2
     plan = Plan(tiny=args.tiny or backend == "cpu", quick=args.quick, args=args)
     clock = Clock(plan.budget_s)
     device = jax.devices()[0]
     clock.say(f"device: {device.device_kind} (backend {backend}, {jax.device_count()} "
               f"device(s), jax {jax.__version__}); model {plan.model_name}; "
               f"{'quick, ' if plan.quick else ''}budget {plan.budget_s:.0f} s")
-    report: dict = {
-        "device": device.device_kind, "backend": backend, "jax": jax.__version__,
-        "model": plan.model_name, "model_config": plan.model_config, "quick": plan.quick,
-        "tiny": plan.tiny, "budget_s": plan.budget_s, "engine_args": None, "skipped": {},
-        "errors": {},
-    }
-
-    def skip(section: str, why: str) -> None:
-        report["skipped"][section] = why
-        report.setdefault(section, {})["skipped"] = why
-        clock.say(f"SKIPPED {section}: {why}")
-
-    def fits(section: str) -> bool:
-        if clock.left < plan.need[section]:
-            skip(section, f"{clock.left:.0f} s of the {plan.budget_s:.0f} s budget left, the "
-                          f"section needs about {plan.need[section]} s")
-            return False
-        return True
-
-    def failed(section: str, err: Exception) -> None:
-        why = f"{type(err).__name__}: {err}"
-        report["errors"][section] = why
-        report.setdefault(section, {})["error"] = why
-        clock.say(f"FAILED {section}: {why}")
-
+    report = Report(plan, clock, device=device.device_kind, backend=backend,
+                    jax=jax.__version__, model=plan.model_name, model_config=plan.model_config,
+                    quick=plan.quick, tiny=plan.tiny, budget_s=plan.budget_s)
     bandwidth = measure_copy_bandwidth(plan.copy_bytes)
-    report["bandwidth"] = bandwidth
+    report.data["bandwidth"] = bandwidth
     clock.say(f"copy bandwidth: {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s (x + 1 over "
               f"{plan.copy_bytes / 2**30:.2f} GiB, best of {bandwidth['reps']}: "
               f"{1e3 * bandwidth['best_s']:.2f} ms)")
-
     try:
-        from jaxserve import LLM
-
         with tempfile.TemporaryDirectory(prefix="bench-on-device-") as tmp:
-            folder = write_model_folder(pathlib.Path(tmp), plan.model_config)
-            engine_args = dict(load_format="dummy", dtype="bfloat16", seed=args.seed,
-                               precompile=True, **plan.engine_args)
-            report["engine_args"] = engine_args
-            clock.say(f"building the engine (random weights on the device, compiling every "
-                      f"bucket): {plan.engine_args}")
-            start = time.perf_counter()
-            llm = LLM(str(folder), **engine_args)
-            engine = llm.engine
-            warm_up = time.perf_counter() - start
-            weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(engine.runner.params))
-            num_params = sum(leaf.size for leaf in jax.tree.leaves(engine.runner.params))
-            floor_s = weight_bytes / bandwidth["bytes_per_s"]
-            report["warm_up_s"] = warm_up
-            report["weights"] = {"bytes": weight_bytes, "params": num_params,
-                                 "floor_s": floor_s}
-            clock.say(f"engine ready in {warm_up:.1f} s: {num_params / 1e9:.3f} B parameters, "
-                      f"{weight_bytes / 1e9:.3f} GB of weights -> weight-read floor "
-                      f"{1e3 * floor_s:.3f} ms per step")
-            tokenizer_vocab = len(llm.get_tokenizer())
-            id_limit = min(tokenizer_vocab, plan.model_config["vocab_size"])
-            workload = make_workload(argparse.Namespace(workload="sharegpt-like", seed=args.seed,
-                                                        num_prompts=plan.requests),
-                                     id_limit, None)
-            report["workload"] = {"name": workload.name, "requests": len(workload.prompts),
-                                  "prompt_tokens": workload.prompt_tokens,
-                                  "output_tokens": workload.output_tokens,
-                                  "token_ids": [FIRST_REGULAR_ID, id_limit]}
-            clock.say(f"workload {workload.name}: {len(workload.prompts)} requests, "
-                      f"{workload.prompt_tokens} prompt + {workload.output_tokens} output tokens "
-                      f"(ids in [{FIRST_REGULAR_ID}, {id_limit}))")
-
-            # 1. throughput, TTFT, ITL
-            if fits("throughput"):
-                try:
-                    result = run_stream(engine, workload, "r", clock.deadline)
-                    report["throughput"] = result
-                    clock.say(_throughput_line("throughput", result))
-                except Exception as err:  # noqa: BLE001 - report it, run the other sections
-                    failed("throughput", err)
-
-            # 2. decode step time against the weight-bandwidth floor
-            rng = np.random.default_rng(args.seed + 1)
-            decode = []
-            report["decode"] = {"batches": decode}
-            for batch in plan.decode_batches:
-                if not fits("decode"):
-                    break
-                try:
-                    r = measure_decode(engine, batch, plan.decode_prompt, plan.decode_steps, rng,
-                                       id_limit, clock.deadline)
-                except TimeoutError as err:
-                    skip("decode", f"batch {batch}: {err}")
-                    break
-                except Exception as err:  # noqa: BLE001
-                    failed("decode", err)
-                    break
-                kv_s = batch * r["mean_context"] * kv_bytes_per_token(plan.model_config) / \
-                    bandwidth["bytes_per_s"]
-                r.update(floor_s=floor_s, ratio=r["step_s"] / floor_s,
-                         floor_with_kv_s=floor_s + kv_s,
-                         ratio_with_kv=r["step_s"] / (floor_s + kv_s),
-                         output_tok_s=r["tokens_per_step"] / r["step_s"])
-                decode.append(r)
-                clock.say(f"decode batch {batch:3d}: step {1e3 * r['step_s']:.3f} ms (median of "
-                          f"{r['steps']}), weight floor {1e3 * floor_s:.3f} ms -> "
-                          f"{r['ratio']:.2f}x; with KV reads (context ~{r['mean_context']:.0f}) "
-                          f"{1e3 * (floor_s + kv_s):.3f} ms -> {r['ratio_with_kv']:.2f}x; "
-                          f"{r['output_tok_s']:.0f} tok/s")
-
-            # 3. HF transformers generate on the same device, same requests
-            if fits("hf"):
-                try:
-                    report["hf"] = run_hf_section(engine, plan, workload, backend, clock)
-                    if "skipped" in report["hf"]:
-                        report["skipped"]["hf"] = report["hf"]["skipped"]
-                except Exception as err:  # noqa: BLE001
-                    failed("hf", err)
-            del llm, engine
+            run_engine_sections(report, pathlib.Path(tmp), args.seed)
     except Exception as err:  # noqa: BLE001 - the engine could not be built: say why
-        failed("engine", err)
-
-    report["total_s"] = clock.elapsed
-    print_summary(report)
+        report.failed("engine", err)
+    report.data["total_s"] = clock.elapsed
+    print_summary(report.data)
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
+        pathlib.Path(args.json).write_text(json.dumps(report.data, indent=1))
         clock.say(f"wrote {args.json}")
-    return 1 if report["errors"] else 0
+    return 1 if report.data["errors"] else 0
+
+
+def _unused_accelerator() -> tuple[str, str] | None:
+    """(what, install command) when the machine has an accelerator JAX does not use."""
+    try:
+        from jaxserve.accelerators import unused_accelerator
+    except ImportError:
+        return None
+    return unused_accelerator()
+
+
+def run_engine_sections(report: Report, folder: pathlib.Path, seed: int) -> None:
+    """Build the engine on random weights, then run the three sections the budget allows."""
+    import jax
+
+    from jaxserve import LLM
+
+    plan, clock, data = report.plan, report.clock, report.data
+    write_model_folder(folder, plan.model_config)
+    engine_args = dict(load_format="dummy", dtype="bfloat16", seed=seed, precompile=True,
+                       **plan.engine_args)
+    data["engine_args"] = engine_args
+    clock.say(f"building the engine (random weights on the device, compiling every bucket): "
+              f"{plan.engine_args}")
+    start = time.perf_counter()
+    llm = LLM(str(folder), **engine_args)
+    engine = llm.engine
+    data["warm_up_s"] = time.perf_counter() - start
+    leaves = jax.tree.leaves(engine.runner.params)
+    weight_bytes = sum(leaf.nbytes for leaf in leaves)
+    floor_s = weight_bytes / data["bandwidth"]["bytes_per_s"]
+    data["weights"] = {"bytes": weight_bytes, "params": sum(leaf.size for leaf in leaves),
+                       "floor_s": floor_s}
+    clock.say(f"engine ready in {data['warm_up_s']:.1f} s: {data['weights']['params'] / 1e9:.3f}"
+              f" B parameters, {weight_bytes / 1e9:.3f} GB of weights -> weight-read floor "
+              f"{1e3 * floor_s:.3f} ms per step")
+    id_limit = min(len(llm.get_tokenizer()), plan.model_config["vocab_size"])
+    workload = make_workload(argparse.Namespace(workload="sharegpt-like", seed=seed,
+                                                num_prompts=plan.requests), id_limit, None)
+    data["workload"] = {"name": workload.name, "requests": len(workload.prompts),
+                        "prompt_tokens": workload.prompt_tokens,
+                        "output_tokens": workload.output_tokens,
+                        "token_ids": [FIRST_REGULAR_ID, id_limit]}
+    clock.say(f"workload {workload.name}: {len(workload.prompts)} requests, "
+              f"{workload.prompt_tokens} prompt + {workload.output_tokens} output tokens "
+              f"(ids in [{FIRST_REGULAR_ID}, {id_limit}))")
+
+    # 1. throughput, TTFT, ITL
+    if report.fits("throughput"):
+        try:
+            data["throughput"] = run_stream(engine, workload, "r", clock.deadline)
+            clock.say(_throughput_line("throughput", data["throughput"]))
+        except Exception as err:  # noqa: BLE001 - report it, run the other sections
+            report.failed("throughput", err)
+
+    # 2. decode step time against the weight-bandwidth floor
+    rng = np.random.default_rng(seed + 1)
+    data["decode"] = {"batches": []}
+    for batch in plan.decode_batches:
+        if not report.fits("decode"):
+            break
+        try:
+            r = measure_decode(engine, batch, plan.decode_prompt, plan.decode_steps, rng,
+                               id_limit, clock.deadline)
+        except TimeoutError as err:
+            report.skip("decode", f"batch {batch}: {err}")
+            break
+        except Exception as err:  # noqa: BLE001
+            report.failed("decode", err)
+            break
+        kv_s = batch * r["mean_context"] * kv_bytes_per_token(plan.model_config) / \
+            data["bandwidth"]["bytes_per_s"]
+        r.update(floor_s=floor_s, ratio=r["step_s"] / floor_s, floor_with_kv_s=floor_s + kv_s,
+                 ratio_with_kv=r["step_s"] / (floor_s + kv_s),
+                 output_tok_s=r["tokens_per_step"] / r["step_s"])
+        data["decode"]["batches"].append(r)
+        clock.say(f"decode batch {batch:3d}: step {1e3 * r['step_s']:.3f} ms (median of "
+                  f"{r['steps']}), weight floor {1e3 * floor_s:.3f} ms -> {r['ratio']:.2f}x; "
+                  f"with KV reads (context ~{r['mean_context']:.0f}) "
+                  f"{1e3 * (floor_s + kv_s):.3f} ms -> {r['ratio_with_kv']:.2f}x; "
+                  f"{r['output_tok_s']:.0f} tok/s")
+
+    # 3. HF transformers generate on the same device, same requests
+    if report.fits("hf"):
+        try:
+            data["hf"] = run_hf_section(engine, plan, workload, data["backend"], clock)
+            if "skipped" in data["hf"]:
+                data["skipped"]["hf"] = data["hf"]["skipped"]
+        except Exception as err:  # noqa: BLE001
+            report.failed("hf", err)
 
 
 def run_hf_section(engine, plan: Plan, workload: Workload, backend: str, clock: Clock) -> dict:
