@@ -158,7 +158,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         else:
             outputs = llm.generate(prompts, params)
     finally:
-        llm.engine.runner.close()  # multi-host: release the worker hosts
+        llm.engine.close()  # multi-host: release the worker hosts
     for prompt, output in zip(prompts, outputs):
         if args.json:
             print(json.dumps({"prompt": prompt, "outputs": [

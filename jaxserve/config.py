@@ -209,7 +209,8 @@ class EngineConfig:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if on_accelerator else 512
         if compilation_cache_dir == "default":
-            compilation_cache_dir = os.path.join(Path.home(), ".cache", "jaxserve", "xla")
+            cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+            compilation_cache_dir = os.path.join(cache_home, "jaxserve", "xla")
         return cls(
             model=ModelConfig(model=str(model), tokenizer=str(tokenizer or model),
                               dtype=resolved_dtype, max_model_len=max_model_len, seed=seed,

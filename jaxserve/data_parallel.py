@@ -58,6 +58,14 @@ class DataParallelEngine:
         """Replica 0's runner (every replica runs the same model on its own devices)."""
         return self.replicas[0].runner
 
+    def close(self) -> None:
+        for replica in self.replicas:
+            replica.close()
+
+    @property
+    def compiling(self) -> int:
+        return sum(replica.compiling for replica in self.replicas)
+
     @property
     def warm_up_done(self) -> bool:
         return all(replica.warm_up_done for replica in self.replicas)

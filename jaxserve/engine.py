@@ -94,6 +94,15 @@ class LLMEngine:
     def num_compilations(self) -> int:
         return compilation_count()
 
+    def close(self) -> None:
+        """Stop the runner's background work (warm-up) and release worker hosts."""
+        self.runner.close()
+
+    @property
+    def compiling(self) -> int:
+        """Functions the runner is compiling right now."""
+        return self.runner.compiling
+
     @property
     def warm_up_done(self) -> bool:
         """Whether every bucket is compiled (a background warm-up may still be running)."""

@@ -257,6 +257,7 @@ class ModelRunner:
         self._warm_up_total = 0
         self._warm_up_failed = False
         self._closed = False
+        self._pools: list[concurrent.futures.ThreadPoolExecutor] = []
 
     # ---- sizing -------------------------------------------------------------------------
     def _log_placement(self) -> None:
@@ -444,17 +445,23 @@ class ModelRunner:
         self._log_warm_up(start)
 
     def _compile_all(self, keys: list[tuple], done: Callable[[int], object]) -> None:
-        """Build every key, in order, on COMPILE_THREADS threads; done(1) after each."""
-        with concurrent.futures.ThreadPoolExecutor(
-                COMPILE_THREADS, thread_name_prefix="jaxserve-compile") as pool:
-            futures = []
-            for key in keys:
-                if self._closed:
-                    break
-                futures.append(pool.submit(self._function, key))
+        """Build every key, in order, on COMPILE_THREADS threads; done(1) after each. close()
+        cancels the builds not started yet."""
+        pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS,
+                                                     thread_name_prefix="jaxserve-compile")
+        with self._lock:
+            self._pools.append(pool)
+        try:
+            futures = [pool.submit(self._function, key) for key in keys]
             for future in concurrent.futures.as_completed(futures):
+                if future.cancelled():
+                    continue
                 future.result()
                 done(1)
+        finally:
+            pool.shutdown(wait=not self._closed, cancel_futures=True)
+            with self._lock:
+                self._pools.remove(pool)
 
     def _warm_up_rest(self, order: list[tuple], start: float) -> None:
         try:
@@ -465,6 +472,12 @@ class ModelRunner:
             return
         if not self._closed:
             self._log_warm_up(start)
+
+    @property
+    def compiling(self) -> int:
+        """Functions being compiled right now (a background warm-up's, or a step's)."""
+        with self._lock:
+            return len(self._pending)
 
     def _log_warm_up(self, start: float) -> None:
         cache = self.executables
@@ -540,9 +553,14 @@ class ModelRunner:
         return steps
 
     def close(self) -> None:
-        """Stop a background warm-up; host 0 of a multi-host run: tell the other hosts to
-        stop following."""
+        """Stop a background warm-up (builds not started are cancelled; one already
+        compiling runs to its end: see compiling); host 0 of a multi-host run: tell the
+        other hosts to stop following."""
         self._closed = True
+        with self._lock:
+            pools = list(self._pools)
+        for pool in pools:
+            pool.shutdown(wait=False, cancel_futures=True)
         if self.channel is not None and is_leader():
             self.channel.send_stop()
             self.channel = None

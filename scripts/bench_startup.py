@@ -5,7 +5,7 @@
 
 Every measured run is a subprocess of the installed `jaxserve` command (the one beside this
 Python) with HOME (and XDG_CACHE_HOME inside it) pointing at a fresh, empty folder, so
-jaxserve's persistent XLA cache and every other per-user cache start empty: that is the
+jaxserve's compiled-function cache and every other per-user cache start empty: that is the
 "cold" run. The "warm" run repeats it with the same HOME, so it finds what the cold run left.
 Environment variables that point JAX, XLA, Hugging Face or jaxserve elsewhere (JAX_*, XLA_*,
 HF_*, ...) are dropped for both runs. Not made cold: the OS page cache and Python bytecode.
@@ -147,6 +147,9 @@ def run_generate(argv: list[str], home: pathlib.Path, log_dir: pathlib.Path, lab
             log(f"generate ({label}): FAILED, {result['error']}; last lines of {out_path}:\n"
                 f"{tail(str(out_path), LOG_LINES)}")
             return result
+        except BaseException:  # Ctrl-C here: the child is in its own session, end it too
+            kill_group(proc)
+            raise
         wall = time.perf_counter() - start
     result.update(wall_s=wall, returncode=proc.returncode, stdout=stdout)
     prompt = argv[2] if len(argv) > 2 else ""
@@ -193,6 +196,7 @@ class FirstCompletion(threading.Thread):
 
     def attempt(self, client: httpx.Client) -> bool:
         left = max(0.1, self.deadline - time.perf_counter())
+        self.error = "a request is in flight"
         try:
             if self.model is None:
                 r = client.get(f"{self.base_url}/v1/models", timeout=min(left, 10.0))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 import time
 
 import h11
@@ -126,5 +128,13 @@ def serve(engine_config, server_config: ServerConfig, log_level: str = "info") -
         server.run()
     finally:
         async_engine.stop()
-        engine.runner.close()  # multi-host: release the worker hosts
+        engine.close()  # cancel the warm-up's pending compiles; release worker hosts
+    if engine.compiling:
+        # An XLA compile cannot be interrupted, and a thread torn down inside one aborts the
+        # interpreter: leave without waiting for it (the responses and logs are done).
+        logger.info("Exiting while %d functions still compile.", engine.compiling)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
