@@ -51,12 +51,31 @@ def test_bfloat16_checkpoint_loads_as_saved_and_casts(tmp_path, tiny_checkpoints
     dst = tmp_path / "bf16"
     AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(dst)
     copy_tokenizer(src, dst)
-    auto = LLM(str(dst), dtype="auto", **SMALL)
-    assert param_dtypes(auto) == {jnp.dtype(jnp.bfloat16)}
-    out = auto.generate(PROMPTS, GREEDY, use_tqdm=False)
+    saved = LLM(str(dst), dtype="bfloat16", **SMALL)
+    assert param_dtypes(saved) == {jnp.dtype(jnp.bfloat16)}
+    out = saved.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in out)
-    upcast = LLM(str(dst), dtype="float32", **SMALL)
-    assert param_dtypes(upcast) == {jnp.dtype(jnp.float32)}
+    # auto on the CPU: float32 (XLA:CPU has no bf16 matmul; README "dtype"), as asked
+    auto = LLM(str(dst), dtype="auto", **SMALL)
+    assert param_dtypes(auto) == {jnp.dtype(jnp.float32)}
+
+
+def test_auto_dtype_is_the_checkpoints_on_accelerators_and_f32_on_the_cpu(tmp_path,
+                                                                         tiny_checkpoints,
+                                                                         monkeypatch):
+    from jaxserve import config
+
+    hf = {"torch_dtype": "bfloat16"}
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"\0" * 1000)
+    assert config._resolve_dtype("auto", hf, str(folder), on_accelerator=True) == "bfloat16"
+    assert config._resolve_dtype("auto", hf, str(folder), on_accelerator=False) == "float32"
+    assert config._resolve_dtype("auto", {}, str(folder), on_accelerator=False) == "float32"
+    assert config._resolve_dtype("float16", hf, str(folder), on_accelerator=False) == "float16"
+    # f32 weights over a quarter of the host's memory: the checkpoint's own dtype
+    monkeypatch.setattr(config, "_host_memory_bytes", lambda: 4 * 1999)
+    assert config._resolve_dtype("auto", hf, str(folder), on_accelerator=False) == "bfloat16"
 
 
 def test_bad_dtype_and_missing_folder_are_refused(tiny_checkpoints, tmp_path):
