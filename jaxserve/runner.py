@@ -593,6 +593,7 @@ def executable_cache_for(config: EngineConfig, runner: ModelRunner) -> Executabl
         "max_num_seqs": sched.max_num_seqs, "vocab": runner.arch.vocab_size,
         "attention": config.attention.backend, "mesh": str(config.parallel.mesh),
         "expert_parallel": config.parallel.expert_parallel, "arch": repr(runner.arch),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
     directory = os.path.join(config.compilation_cache_dir, "executables")
     return ExecutableCache(directory, fingerprint, runner.mesh.devices.flat)
