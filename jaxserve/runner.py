@@ -502,12 +502,15 @@ class ModelRunner:
         return max(t for t, _ in ready), max(r for t, r in ready if t == max(ready)[0])
 
     def _pick_bucket(self, num_tokens: int, num_rows: int) -> tuple[int, int]:
-        """The smallest compiled bucket that holds the step, or the smallest bucket when
-        none is compiled yet (compiled for this step, on first use)."""
-        with self._lock:
-            for t, r in self.config.scheduler.step_buckets:
-                if t >= num_tokens and r >= num_rows and ("step", t, r) in self._functions:
-                    return t, r
+        """The smallest bucket that holds the step; while a background warm-up runs, the
+        smallest compiled one (step_limits guarantees there is one). Otherwise an
+        uncompiled bucket compiles now, on first use: a bigger compiled one would cost
+        every later step of that size its padding."""
+        if self.step_limits() is not None:
+            with self._lock:
+                for t, r in self.config.scheduler.step_buckets:
+                    if t >= num_tokens and r >= num_rows and ("step", t, r) in self._functions:
+                        return t, r
         return self.config.scheduler.pick_bucket(num_tokens, num_rows)
 
     # ---- one step -----------------------------------------------------------------------

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.compilation import compilation_count, executable_loads
-from jaxserve.executable_cache import ExecutableCache
+from jaxserve.executable_cache import ExecutableCache, versions
 
 # One step bucket (16, 1) and one scoring function: the cheapest engine there is.
 ONE_BUCKET = dict(max_model_len=64, max_num_seqs=1, max_num_batched_tokens=16)
@@ -71,8 +71,7 @@ def test_unusable_entries_never_raise(tmp_path):
     path = cache.path("step-16-1")
     assert cache.load("step-16-1") is None and cache.misses == 1  # absent: no log needed
     for content in [b"", b"\xff\xfe not json\n", b"[1, 2]\n", b'{"format": 1}\n',
-                    json.dumps({"format": 1, **__import__("jaxserve.executable_cache").
-                                executable_cache.versions(), "key": path.stem}).encode()
+                    json.dumps({"format": 1, **versions(), "key": path.stem}).encode()
                     + b"\nnot a pickle"]:
         path.write_bytes(content)
         assert cache.load("step-16-1") is None
@@ -166,3 +165,17 @@ def test_background_warm_up_serves_at_once_and_then_never_compiles(tiny_checkpoi
     again = plain.generate(prompts[:4], params, use_tqdm=False)
     first = llm.generate(prompts[:4], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+
+
+def test_compile_on_first_use_picks_the_smallest_bucket(tiny_checkpoint):
+    """Without a background warm-up, a decode step after a long prefill compiles and runs
+    its own small bucket instead of padding up to the prefill's (every later step would pay
+    for the padding)."""
+    llm = LLM(str(tiny_checkpoint), dtype="float32", max_model_len=128, max_num_seqs=4,
+              max_num_batched_tokens=64, compilation_cache_dir=None)
+    llm.generate([list(range(5, 45))], SamplingParams(max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)
+    runner = llm.engine.runner
+    assert {k for k in runner._functions if k[0] == "step"} == {("step", 64, 4),
+                                                                 ("step", 16, 1)}
+    assert runner.padding.token_slots == 64 + 3 * 16
