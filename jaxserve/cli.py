@@ -96,8 +96,8 @@ def engine_kwargs(args: argparse.Namespace, precompile: str = "all") -> dict:
     cache_dir = None if args.compilation_cache_dir.lower() == "none" else \
         args.compilation_cache_dir
     return dict(precompile=_PRECOMPILE[args.precompile or precompile],
-                compilation_cache_dir=cache_dir,tokenizer=args.tokenizer, dtype=args.dtype, load_format=args.load_format,
-                max_model_len=args.max_model_len,
+                compilation_cache_dir=cache_dir, tokenizer=args.tokenizer, dtype=args.dtype,
+                load_format=args.load_format, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
