@@ -264,7 +264,7 @@ def read_hf_config(model: str | os.PathLike) -> dict:
 def _resolve_dtype(dtype: str, hf_config: dict, model: str, on_accelerator: bool) -> str:
     """auto: the checkpoint's dtype on an accelerator. On the CPU, float32 (XLA:CPU has no
     bf16 matmul: it converts the weights to f32 at every step, and bf16 decode steps measured
-    1.2-2.8x slower than f32 ones, scripts/bench_cpu_dtype.py), unless the f32 weights would
+    1.24-2.08x slower than f32 ones, scripts/bench_cpu_dtype.py), unless the f32 weights would
     take more than a quarter of the host's memory: then the checkpoint's dtype."""
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {dtype!r}.")
