@@ -133,7 +133,7 @@ class ParallelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-    """Which ragged paged attention the step runs (runner.attention_for resolves it).
+    """Which ragged paged attention the step runs (attend.attention_for resolves it).
 
     auto: the Pallas kernel on TPU and GPU, the XLA:CPU-tuned pure-JAX version on the CPU;
     pallas: the platform's Pallas kernel (TPU or GPU only); reference: the pure-JAX reference;

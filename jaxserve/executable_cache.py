@@ -139,3 +139,28 @@ class ExecutableCache:
         except Exception as error:
             logger.warning("Executable cache: could not store %s (%s: %s).", path.name,
                            type(error).__name__, str(error)[:120])
+
+
+def executable_cache_for(config, runner) -> ExecutableCache | None:
+    """The executable cache of a ModelRunner's configuration (an EngineConfig), beside the XLA cache. None when
+    compilation_cache_dir is None; on several hosts (each compiles; JAX's persistent cache
+    serves them instead); and when JAX's own persistent cache was configured outside
+    jaxserve (an executable loaded from it cannot be stored: executable_cache.py)."""
+    if not config.compilation_cache_dir or jax.process_count() > 1:
+        return None
+    if jax.config.jax_compilation_cache_dir is not None:
+        logger.info("JAX's persistent compilation cache is configured (%s): jaxserve's "
+                    "executable cache is off.", jax.config.jax_compilation_cache_dir)
+        return None
+    model, cache, sched = config.model, config.cache, config.scheduler
+    fingerprint = {
+        "hf_config": model.hf_config, "dtype": model.dtype,
+        "cache_dtype": str(runner.cache_dtype), "num_blocks": runner.num_blocks,
+        "block_size": cache.block_size, "blocks_per_seq": runner.blocks_per_seq,
+        "max_num_seqs": sched.max_num_seqs, "vocab": runner.arch.vocab_size,
+        "attention": config.attention.backend, "mesh": str(config.parallel.mesh),
+        "expert_parallel": config.parallel.expert_parallel, "arch": repr(runner.arch),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+    directory = os.path.join(config.compilation_cache_dir, "executables")
+    return ExecutableCache(directory, fingerprint, runner.mesh.devices.flat)

@@ -34,14 +34,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jaxserve.accelerators import warn_if_cpu_fallback
-from jaxserve.attend import make_attend
+from jaxserve.attend import attention_for, make_attend
 from jaxserve.batch import Batch, SamplingInputs
 from jaxserve.compilation import record_compile, record_load
-from jaxserve.config import ATTENTION_BACKENDS, EngineConfig
+from jaxserve.config import EngineConfig
 from jaxserve.distributed import StepChannel, is_leader
-from jaxserve.executable_cache import ExecutableCache
+from jaxserve.executable_cache import executable_cache_for
 from jaxserve.input_builder import build_step_inputs
-from jaxserve.kernels_pallas import cpu_attention, ref
+from jaxserve.kernels_pallas import ref
 from jaxserve.kernels_pallas.ref import token_layout
 from jaxserve.mesh import (
     AXES,
@@ -120,64 +120,9 @@ class InFlightStep:
     num_rows: int
 
 
-_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 # Functions compiled at once by a warm-up: XLA compiles in parallel and releases the GIL,
 # so half the host's cores (at most 8) shorten a warm-up without starving the engine.
 COMPILE_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
-
-
-def attention_for(backend: str, platform: str, head_dim: int | None = None) -> Callable:
-    """The ragged paged attention for an attention_backend setting on a JAX platform.
-
-    auto takes the platform's Pallas kernel on TPU and GPU, the XLA:CPU-tuned cpu_attention on
-    the CPU, and the reference elsewhere (also on a GPU for a head_dim its kernel cannot
-    tile). Every choice computes the reference's function (tests/test_ref_attention.py and the
-    kernel tests check them against it). Raises ValueError for pallas on a platform (or
-    head_dim) without a kernel.
-    """
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
-                         f"got {backend!r}.")
-    kernel = "tpu" if platform == "tpu" else "gpu" if platform in _GPU_PLATFORMS else None
-    if backend == "pallas" and kernel is None:
-        raise ValueError(
-            f"attention_backend='pallas' needs a TPU or GPU, but the engine runs on {platform}. "
-            "Use 'interpret' (the TPU kernel in Pallas interpret mode; 'interpret-gpu' for the "
-            "GPU kernel; both slow), 'reference' (the pure-JAX reference) or 'auto'.")
-    if kernel == "gpu" and head_dim is not None and backend in ("auto", "pallas"):
-        from jaxserve.kernels_pallas import gpu_ragged_paged_attention
-
-        if not gpu_ragged_paged_attention.supports(head_dim):
-            if backend == "pallas":
-                raise ValueError(f"The GPU kernel needs a power-of-two head_dim >= 16; this model "
-                                 f"has {head_dim}. Use attention_backend='reference' or 'auto'.")
-            logger.info("Attention: the GPU kernel cannot tile head_dim %d.", head_dim)
-            kernel = None
-    if backend in ("auto", "pallas"):
-        impl = kernel or ("cpu" if platform == "cpu" else "reference")
-    elif backend == "reference":
-        impl = "reference"
-    else:
-        impl = "gpu" if backend == "interpret-gpu" else "tpu"
-    fn, name = _implementation(impl, interpret=backend.startswith("interpret"))
-    logger.info("Attention: %s (attention_backend=%s on %s).", name, backend, platform)
-    return fn
-
-
-def _implementation(impl: str, *, interpret: bool) -> tuple[Callable, str]:
-    """One implementation and its name for the log. The Pallas kernel modules are imported
-    only when chosen, so that the other implementations never depend on them."""
-    if impl == "cpu":
-        return cpu_attention.ragged_paged_attention, "cpu_attention, the XLA:CPU-tuned pure JAX"
-    if impl == "reference":
-        return ref.ragged_paged_attention, "the pure-JAX reference (kernels_pallas/ref.py)"
-    if impl == "tpu":
-        from jaxserve.kernels_pallas import ragged_paged_attention as kernel
-    else:
-        from jaxserve.kernels_pallas import gpu_ragged_paged_attention as kernel
-    mode = "in Pallas interpret mode (slow)" if interpret else "compiled"
-    return (functools.partial(kernel.ragged_paged_attention, interpret=interpret),
-            f"the {impl.upper()} Pallas kernel ({kernel.__name__}), {mode}")
 
 
 def replica_mesh(config: EngineConfig, rank: int = 0) -> Mesh:
@@ -575,31 +520,6 @@ class ModelRunner:
         if scores is not None:
             scores = unpack_host(scores, self._result_like(step.num_tokens))
         return StepResult(result, scores)
-
-
-def executable_cache_for(config: EngineConfig, runner: ModelRunner) -> ExecutableCache | None:
-    """The executable cache of this runner's configuration, beside the XLA cache. None when
-    compilation_cache_dir is None; on several hosts (each compiles; JAX's persistent cache
-    serves them instead); and when JAX's own persistent cache was configured outside
-    jaxserve (an executable loaded from it cannot be stored: executable_cache.py)."""
-    if not config.compilation_cache_dir or jax.process_count() > 1:
-        return None
-    if jax.config.jax_compilation_cache_dir is not None:
-        logger.info("JAX's persistent compilation cache is configured (%s): jaxserve's "
-                    "executable cache is off.", jax.config.jax_compilation_cache_dir)
-        return None
-    model, cache, sched = config.model, config.cache, config.scheduler
-    fingerprint = {
-        "hf_config": model.hf_config, "dtype": model.dtype,
-        "cache_dtype": str(runner.cache_dtype), "num_blocks": runner.num_blocks,
-        "block_size": cache.block_size, "blocks_per_seq": runner.blocks_per_seq,
-        "max_num_seqs": sched.max_num_seqs, "vocab": runner.arch.vocab_size,
-        "attention": config.attention.backend, "mesh": str(config.parallel.mesh),
-        "expert_parallel": config.parallel.expert_parallel, "arch": repr(runner.arch),
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-    }
-    directory = os.path.join(config.compilation_cache_dir, "executables")
-    return ExecutableCache(directory, fingerprint, runner.mesh.devices.flat)
 
 
 def _local(array: jax.Array | None) -> jax.Array | None:

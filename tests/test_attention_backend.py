@@ -12,10 +12,10 @@ import jax
 import pytest
 from test_parity import hf_greedy, run_jaxserve
 
+from jaxserve.attend import attention_for
 from jaxserve.cli import build_parser, engine_kwargs
 from jaxserve.config import ATTENTION_BACKENDS, AttentionConfig, EngineConfig
 from jaxserve.kernels_pallas import cpu_attention, ref
-from jaxserve.runner import attention_for
 
 KERNELS = "jaxserve.kernels_pallas"
 TPU_KERNEL = f"{KERNELS}.ragged_paged_attention"
