@@ -57,6 +57,7 @@ class CompileTimes:
 
 
 _times: dict[str, CompileTimes] = {}
+COMPILE_KINDS = ("step", "score")  # the runner's functions
 _loads = 0
 
 
@@ -85,8 +86,11 @@ def executable_loads() -> int:
 def compile_times() -> dict[str, CompileTimes]:
     """A copy of the compile histograms so far, by kind."""
     with _lock:
-        return {kind: dataclasses.replace(t, buckets=list(t.buckets))
-                for kind, t in _times.items()}
+        times = {kind: dataclasses.replace(t, buckets=list(t.buckets))
+                 for kind, t in _times.items()}
+    for kind in COMPILE_KINDS:  # shown at zero when everything came from the cache
+        times.setdefault(kind, CompileTimes())
+    return times
 
 
 def jax_process_count() -> int:

@@ -323,33 +323,40 @@ class ModelRunner:
         return compiled
 
     def _build(self, key: tuple):
-        """Load key's executable from the executable cache, or trace, lower and compile it
-        (and store it there)."""
+        """Load key's executable from the executable cache (by its index, else by its HLO
+        after tracing and lowering), or compile it (and store it there)."""
         name = "-".join(map(str, key))
-        if self.executables is not None:
-            compiled = self.executables.load(name)
-            if compiled is not None:
-                record_load()
-                return compiled
+        cache = self.executables
+        compiled = cache.load(name) if cache is not None else None
+        if compiled is not None:
+            record_load()
+            return compiled
         start = time.perf_counter()
+        lowered = self._lower(key)
+        hlo = lowered.as_text() if cache is not None else ""
+        compiled = cache.load_lowered(name, hlo) if cache is not None else None
+        if compiled is not None:
+            record_load()
+            return compiled
+        compiled = lowered.compile()
+        record_compile(key[0], time.perf_counter() - start)
+        if cache is not None:
+            cache.store(name, hlo, compiled)
+        return compiled
+
+    def _lower(self, key: tuple) -> jax.stages.Lowered:
         if key[0] == "step":
             _, num_tokens, num_rows = key
             layout = self._layout(num_tokens, num_rows)
             size = sum(math.prod(shape) for _, shape, _ in layout)
             packed = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=self.replicated)
-            lowered = self._step.lower(self._params_spec, self._kv_spec, self._penalty_spec,
-                                       packed, layout=layout)
-        else:
-            num_tokens = key[1]
-            hidden = jax.ShapeDtypeStruct((num_tokens, self.arch.hidden_size), self.dtype,
-                                          sharding=self.replicated)
-            targets = jax.ShapeDtypeStruct((num_tokens,), jnp.int32, sharding=self.replicated)
-            lowered = self._score.lower(self._params_spec, hidden, targets)
-        compiled = lowered.compile()
-        record_compile(key[0], time.perf_counter() - start)
-        if self.executables is not None:
-            self.executables.store(name, compiled)
-        return compiled
+            return self._step.lower(self._params_spec, self._kv_spec, self._penalty_spec,
+                                    packed, layout=layout)
+        num_tokens = key[1]
+        hidden = jax.ShapeDtypeStruct((num_tokens, self.arch.hidden_size), self.dtype,
+                                      sharding=self.replicated)
+        targets = jax.ShapeDtypeStruct((num_tokens,), jnp.int32, sharding=self.replicated)
+        return self._score.lower(self._params_spec, hidden, targets)
 
     def _warm_up_order(self) -> list[tuple]:
         """Every function to compile, the first one alone able to serve: the smallest T with

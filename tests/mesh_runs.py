@@ -32,7 +32,7 @@ def run(folder: str, mesh: str) -> dict:
 
     shape, _, option = mesh.partition(":")
     llm = LLM(folder, dtype="float32", max_model_len=64, precompile=False, mesh=shape,
-              expert_parallel=option == "ep", max_num_seqs=4, max_num_batched_tokens=16)
+              expert_parallel=option == "ep", max_num_seqs=2, max_num_batched_tokens=16)
     replicas = getattr(llm.engine, "replicas", [llm.engine])
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate(prompts(), params, use_tqdm=False)

@@ -15,9 +15,12 @@ import time
 import httpx
 
 JAXSERVE = pathlib.Path(sys.executable).parent / "jaxserve"
-# Small buckets: start-up compiles 7 step shapes (cached on disk after the first run).
-SMALL_ENGINE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "128",
-                "--max-model-len", "512"]
+# Small buckets: start-up compiles 7 step shapes (cached on disk after the first run). The
+# offline tests that need every bucket use the same shape (SMALL_ENGINE_ARGS), so that the
+# executable cache serves one set of compiles to all of them.
+SMALL_ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512)
+SMALL_ENGINE = [arg for name, value in SMALL_ENGINE_ARGS.items()
+                for arg in ("--" + name.replace("_", "-"), str(value))]
 # The shared server's --request-read-timeout (conftest.api_server): short, so that tests of
 # stalled requests finish quickly.
 SHARED_READ_TIMEOUT = 2.0

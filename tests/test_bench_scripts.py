@@ -13,9 +13,11 @@ import subprocess
 import sys
 
 import pytest
+from server_helpers import SMALL_ENGINE
 
 SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
-ENGINE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "1024"]
+# The HTTP tests' engine shape: the executable cache serves the compiles to both.
+ENGINE = SMALL_ENGINE
 
 
 def run_script(name: str, *args, timeout=600) -> subprocess.CompletedProcess:

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from server_helpers import SMALL_ENGINE_ARGS
 
 from jaxserve import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+MAX_LEN = SMALL_ENGINE_ARGS["max_model_len"]
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoints):
-    # precompile=True: every (T, R) bucket is compiled here, before any test runs.
-    return LLM(str(tiny_checkpoints["llama"]), dtype="float32", max_model_len=256,
-               max_num_seqs=16, max_num_batched_tokens=128, seed=0, precompile=True)
+    # precompile=True: every (T, R) bucket is compiled (or loaded) here, before any test runs;
+    # the HTTP tests' engine shape, so the executable cache holds them.
+    return LLM(str(tiny_checkpoints["llama"]), dtype="float32", seed=0, precompile=True,
+               **SMALL_ENGINE_ARGS)
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +266,7 @@ def test_extreme_but_representable_sampling_params_run(llm):
 @pytest.mark.parametrize("prompt, field", [
     ([], "prompt"),
     ("", "prompt"),
-    (list(range(5, 5 + 256)), "max_model_len"),
+    (list(range(5, 5 + MAX_LEN)), "max_model_len"),
     ([5, 6, 1024], "prompt_token_ids"),
     ([5, -1], "prompt_token_ids"),
 ])
@@ -292,7 +295,7 @@ def test_bad_input_mid_flight_leaves_other_requests_running(llm):
 
 
 def test_max_model_len_ends_with_length(llm):
-    prompt = list(range(5, 5 + 250))
+    prompt = list(range(5, 5 + MAX_LEN - 6))
     out = llm.generate([prompt], SamplingParams(max_tokens=100, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]
     assert (len(out.token_ids), out.finish_reason) == (6, "length")

@@ -25,7 +25,7 @@ def free_port() -> int:
 def test_two_processes_match_one(mesh_checkpoints, tmp_path):
     folder = str(mesh_checkpoints["llama"])
     engine = ["--model", folder, "--dtype", "float32", "--max-model-len", "128",
-              "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--mesh", "1x2"]
+              "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--mesh", "1x2"]
     cluster = ["--coordinator", f"127.0.0.1:{free_port()}", "--num-hosts", "2"]
     command = [sys.executable, "-m", "jaxserve.cli", "--log-level", "WARNING", "generate",
                *engine, *cluster, "--max-tokens", str(NEW_TOKENS), "--ignore-eos", "--json",
@@ -45,7 +45,8 @@ def test_two_processes_match_one(mesh_checkpoints, tmp_path):
     got = [json.loads(line)["outputs"][0]["token_ids"] for line in lines]
     assert not [line for line in results[0][0].splitlines() if line.startswith("{")]  # host 1
 
-    llm = LLM(folder, dtype="float32", max_model_len=128, precompile=False)
+    llm = LLM(folder, dtype="float32", max_model_len=128, max_num_seqs=2,
+              max_num_batched_tokens=16, precompile=False)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert got == want

@@ -18,7 +18,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_helpers import running_server
+from server_helpers import SMALL_ENGINE_ARGS, running_server
 
 import jaxserve
 from jaxserve import LLM, SamplingParams
@@ -62,8 +62,7 @@ def http(server):
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoints):
-    return LLM(str(tiny_checkpoints["llama"]), max_model_len=512, max_num_seqs=8,
-               max_num_batched_tokens=128)
+    return LLM(str(tiny_checkpoints["llama"]), **SMALL_ENGINE_ARGS)
 
 
 # ---- helpers ------------------------------------------------------------------------------

@@ -349,7 +349,8 @@ def test_the_shared_server_log_has_no_error_lines(server):
 def test_overload_answers_429_never_5xx(tiny_checkpoints, tmp_path):
     flood = 16
     with running_server(tiny_checkpoints["llama"], "--max-waiting-requests", "2",
-                        "--max-num-seqs", "1", log_dir=tmp_path) as srv:
+                        "--max-num-seqs", "1", "--precompile", "lazy", wait_for="/health",
+                        log_dir=tmp_path) as srv:
         before = baseline(srv.url)
 
         async def one(own, i):
@@ -427,7 +428,7 @@ class Shutdown:
 def sigterm_while_streaming(model, log_dir, timeout: float, max_tokens: int) -> Shutdown:
     """4 streams run; SIGTERM; a new request while draining; wait for the exit."""
     with running_server(model, *LONG_CONTEXT, "--shutdown-timeout", str(timeout),
-                        log_dir=log_dir) as srv:
+                        "--precompile", "lazy", wait_for="/health", log_dir=log_dir) as srv:
 
         async def main():
             async with aclient() as own:

@@ -1,7 +1,8 @@
 """Start-up: the executable cache on disk, the background warm-up, and compile metrics.
 
 - A second engine loads its compiled steps from the executable cache instead of compiling;
-  a corrupt entry, or one written by another jax version, is recompiled with one log line.
+  a corrupt entry, or one written by another jax version, is recompiled with one log line;
+  after a source change that keeps the HLO, the entry is found by its HLO.
 - Two processes starting at once on one cache folder both start, and a third process runs
   the executables they stored.
 - With precompile="background", requests run while the other buckets compile (steps use
@@ -64,20 +65,51 @@ def test_second_engine_loads_instead_of_compiling(tiny_checkpoint, tmp_path, cap
         assert entry.read_bytes() != content  # replaced by a good entry
 
 
-def test_unusable_entries_never_raise(tmp_path):
+def test_a_source_change_that_keeps_the_hlo_loads_instead_of_compiling(tiny_checkpoint,
+                                                                         tmp_path, monkeypatch):
+    """The index is keyed by jaxserve's source, the entry by the lowered HLO: after a code
+    change that leaves a function's HLO as it was, a start traces and lowers, finds the
+    entry, and compiles nothing."""
+    from jaxserve import executable_cache
+
+    args = dict(ONE_BUCKET, compilation_cache_dir=str(tmp_path), dtype="float32")
+    want = LLM(str(tiny_checkpoint), **args).generate("def f(x):", GREEDY, use_tqdm=False)
+    indexes = sorted((tmp_path / "executables").glob("*.idx"))
+    monkeypatch.setattr(executable_cache, "source_digest", lambda: "edited source")
+    llm = LLM(str(tiny_checkpoint), **args)
+    compiles, loads = compilation_count(), executable_loads()
+    got = llm.generate("def f(x):", GREEDY, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert compilation_count() == compiles and executable_loads() == loads + 1
+    assert len(_entries(tmp_path)) == 1  # the same entry, now under a second index
+    assert len(sorted((tmp_path / "executables").glob("*.idx"))) == len(indexes) + 1
+
+
+def test_unusable_entries_never_raise(tmp_path, caplog):
     import jax
 
     cache = ExecutableCache(tmp_path, {"model": "m"}, jax.devices()[:1])
-    path = cache.path("step-16-1")
-    assert cache.load("step-16-1") is None and cache.misses == 1  # absent: no log needed
-    for content in [b"", b"\xff\xfe not json\n", b"[1, 2]\n", b'{"format": 1}\n',
-                    json.dumps({"format": 1, **versions(), "key": path.stem}).encode()
-                    + b"\nnot a pickle"]:
-        path.write_bytes(content)
-        assert cache.load("step-16-1") is None
-    # A key from another configuration never matches this one's file name.
+    index, entry = cache.index_path("step-16-1"), cache.entry_path("step-16-1", "hlo")
+    assert cache.load("step-16-1") is None  # absent: no log needed
+    assert cache.load_lowered("step-16-1", "hlo") is None and cache.misses == 1
+    assert not caplog.records
+    bad = [b"", b"\xff\xfe not json\n", b"[1, 2]\n", b'{"format": 1}\n',
+           json.dumps({"format": 1, **versions(), "key": entry.stem}).encode()
+           + b"\nnot a pickle"]
+    for content in bad:
+        fresh = ExecutableCache(tmp_path, {"model": "m"}, jax.devices()[:1])
+        entry.write_bytes(content)
+        assert fresh.load_lowered("step-16-1", "hlo") is None
+        index.write_bytes(json.dumps({"key": index.stem, "entry": entry.name}).encode())
+        assert fresh.load("step-16-1") is None
+        index.write_bytes(content)
+        assert fresh.load("step-16-1") is None
+    # A key from another configuration never matches this one's index; the same HLO on the
+    # same devices is the same entry whatever the configuration.
     other = ExecutableCache(tmp_path, {"model": "other"}, jax.devices()[:1])
-    assert other.path("step-16-1") != path
+    assert other.index_path("step-16-1") != index
+    assert other.entry_path("step-16-1", "hlo") == entry
+    assert other.entry_path("step-16-1", "other hlo") != entry
 
 
 _START = textwrap.dedent("""
