@@ -11,9 +11,9 @@ modules (scheduler, block manager, detokenizer) import without jax.
 from __future__ import annotations
 
 import logging
-import pathlib
 import sys
 
+from jaxserve.model_path import default_model_path, resolve_model
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -37,25 +37,7 @@ def _default_logging() -> None:
 
 _default_logging()
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput",
-           "CompletionOutput", "Logprob", "default_model_path"]
-
-
-def default_model_path() -> pathlib.Path:
-    """The built-in model shipped inside the package (a small Llama trained on the Python
-    standard library by scripts/train_default_model.py; see its README.md)."""
-    return pathlib.Path(__file__).resolve().parent / "default_model"
-
-
-def resolve_model(model: str | None, logger) -> str:
-    """The model folder to load: the given one, or the built-in default (and say so)."""
-    if model is not None:
-        return str(model)
-    path = default_model_path()
-    if not (path / "config.json").is_file():
-        raise ValueError(f"No model given and the built-in default model is missing from {path};"
-                         " pass a model folder.")
-    logger.info("No model given: using the built-in default model at %s", path)
-    return str(path)
+           "CompletionOutput", "Logprob", "default_model_path", "resolve_model"]
 
 
 def __getattr__(name: str):

@@ -1,4 +1,4 @@
-"""The ragged batch one device step consumes (DESIGN.md's layout), as a JAX pytree.
+"""The ragged batch one device step consumes (docs/architecture.md's layout), as a JAX pytree.
 
 T tokens from R sequences, padded to a (T, R) bucket. Padding tokens write their K/V into the
 null block 0 and their rows are ignored; padding sequences have kv_len 0.

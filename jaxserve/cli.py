@@ -7,51 +7,19 @@ import json
 import logging
 import sys
 
-from jaxserve.config import ATTENTION_BACKENDS, LOAD_FORMATS
+from jaxserve.engine_args import EngineArgs
+
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags shared by every subcommand that loads a model (vLLM's names)."""
-    parser.add_argument("--model", default=None,
-                        help="Hugging Face model folder (default: the built-in model)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: --model)")
-    parser.add_argument("--dtype", default="auto",
-                        choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--load-format", default="auto", choices=list(LOAD_FORMATS),
-                        help="auto: the model folder's safetensors; dummy: random weights of "
-                        "the model's shape, made on the device (benchmarks)")
-    parser.add_argument("--precompile", default=None, choices=list(_PRECOMPILE),
-                        help="when to compile the shape buckets: all (at start-up), "
-                        "background (the first at start-up, the rest while serving; serve's "
-                        "default) or lazy (each on first use; generate's default)")
-    parser.add_argument("--compilation-cache-dir", default="default",
-                        help="folder of the compiled-function caches (default "
-                        "~/.cache/jaxserve/xla; 'none' turns them off)")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-kv-blocks", type=int, default=None,
-                        help="KV-cache size in blocks (default: from the memory budget)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=True, help="reuse the KV cache of shared prompt prefixes "
-                        "(default: on; --no-enable-prefix-caching turns it off)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--mesh", default=None,
-                        help="device mesh DATAxMODEL, e.g. 2x4 (or data=2,model=4): DATA "
-                        "replicas, each tensor-parallel over MODEL devices (default 1x1)")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                        help="vLLM's name for the model axis of --mesh")
-    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                        help="vLLM's name for the data axis of --mesh")
-    parser.add_argument("--expert-parallel", action="store_true",
-                        help="MoE models: split whole experts over the model axis instead of "
-                        "splitting every expert")
-    parser.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
-                        help="auto (default): the Pallas kernel on TPU/GPU, XLA:CPU-tuned JAX "
-                        "on the CPU; pallas; reference (pure JAX); interpret / interpret-gpu "
-                        "(the TPU / GPU kernel in Pallas interpret mode, slow)")
+    """Engine flags shared by every subcommand that loads a model: one per EngineArgs field
+    (vLLM's names, jaxserve's older ones as aliases), and --log-level."""
+    EngineArgs.add_cli_args(parser)
+    # Also after the subcommand (`jaxserve serve --log-level DEBUG`); SUPPRESS keeps the
+    # main parser's value when it is not given here.
+    parser.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS,
+                        help="logging level (default: INFO)")
 
 
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
@@ -67,44 +35,34 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
                         "JAX_PROCESS_ID)")
 
 
-def _join_hosts(args: argparse.Namespace, model: str | None, precompile: str) -> bool:
+def _join_hosts(args: argparse.Namespace, model: str | None, precompile: bool | str) -> bool:
     """Multi-host: join the other hosts; on a host other than 0, run host 0's steps until it
     stops. True when this process was such a worker (its work is done)."""
     named = (args.coordinator, args.num_hosts, args.host_id)
     if not args.multi_host and named == (None, None, None):
         return False
-    from jaxserve import resolve_model
-    from jaxserve.config import EngineConfig
-    from jaxserve.distributed import initialize, is_leader, run_worker
+    from jaxserve.distributed import initialize, is_leader
+    from jaxserve.model_path import resolve_model
+    from jaxserve.runners import run_worker
 
     initialize(args.coordinator, args.num_hosts, args.host_id)
     if is_leader():
         return False
-    import jax
-
-    run_worker(EngineConfig.create(resolve_model(model, logging.getLogger("jaxserve")),
-                                   on_accelerator=jax.default_backend() != "cpu",
-                                   **engine_kwargs(args, precompile)))
+    run_worker(engine_config(args, resolve_model(model, logging.getLogger("jaxserve")),
+                             precompile))
     return True
 
 
-_PRECOMPILE = {"all": True, "background": "background", "lazy": False}
+def engine_config(args: argparse.Namespace, model: str, precompile: bool | str = True,
+                  on_accelerator: bool | None = None):
+    """The EngineConfig of the parsed flags for a resolved model folder; precompile: the
+    command's default (generate: on first use, serve: background)."""
+    if on_accelerator is None:
+        import jax
 
-
-def engine_kwargs(args: argparse.Namespace, precompile: str = "all") -> dict:
-    """EngineConfig.create's arguments from the CLI; precompile: the command's default."""
-    cache_dir = None if args.compilation_cache_dir.lower() == "none" else \
-        args.compilation_cache_dir
-    return dict(precompile=_PRECOMPILE[args.precompile or precompile],
-                compilation_cache_dir=cache_dir, tokenizer=args.tokenizer, dtype=args.dtype,
-                load_format=args.load_format, max_model_len=args.max_model_len,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-                enable_prefix_caching=args.enable_prefix_caching,
-                attention_backend=args.attention_backend, mesh=args.mesh,
-                tensor_parallel_size=args.tensor_parallel_size,
-                data_parallel_size=args.data_parallel_size, expert_parallel=args.expert_parallel)
+        on_accelerator = jax.default_backend() != "cpu"
+    return EngineArgs.from_cli(args).engine_config(model, on_accelerator=on_accelerator,
+                                                   default_precompile=precompile)
 
 
 def _generate_parser(sub) -> None:
@@ -149,9 +107,9 @@ def _run_generate(args: argparse.Namespace) -> int:
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty, seed=args.sample_seed, stop=args.stop,
         ignore_eos=args.ignore_eos, logprobs=args.logprobs)
-    if _join_hosts(args, args.model, "lazy"):
+    if _join_hosts(args, args.model, False):
         return 0  # a worker host: it ran host 0's steps until host 0 finished
-    llm = LLM(args.model, **engine_kwargs(args, "lazy"))  # None: the built-in model
+    llm = LLM.from_engine_args(EngineArgs.from_cli(args))  # model None: the built-in model
     try:
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
@@ -204,10 +162,7 @@ def _serve_parser(sub) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    import jax
-
-    from jaxserve import resolve_model
-    from jaxserve.config import EngineConfig
+    from jaxserve.model_path import resolve_model
     from jaxserve.server.app import ServerConfig
     from jaxserve.server.launch import serve
     from jaxserve.server.protocol import RequestLimits
@@ -224,9 +179,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         limits=RequestLimits(max_n=args.max_n, max_prompts=args.max_prompts_per_request))
     if _join_hosts(args, args.model, "background"):
         return 0  # a worker host: it ran host 0's steps until host 0 stopped
-    engine_config = EngineConfig.create(model, on_accelerator=jax.default_backend() != "cpu",
-                                        **engine_kwargs(args, "background"))
-    return serve(engine_config, server_config, args.log_level)
+    return serve(engine_config(args, model, "background"), server_config, args.log_level)
 
 
 def _plan_parser(sub) -> None:
@@ -260,12 +213,11 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     jax.config.update("jax_platforms", "cpu")
 
-    from jaxserve import resolve_model
-    from jaxserve.config import EngineConfig
+    from jaxserve.model_path import resolve_model
     from jaxserve.plan import format_plan, make_plan, plan_dict
 
     model = resolve_model(args.model, logging.getLogger("jaxserve.plan"))
-    config = EngineConfig.create(model, on_accelerator=True, **engine_kwargs(args))
+    config = engine_config(args, model, on_accelerator=True)
     plan = make_plan(config, args.device_memory)
     print(json.dumps(plan_dict(plan), indent=2) if args.json else format_plan(plan))
     return 0
@@ -274,8 +226,8 @@ def _run_plan(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxserve", description="LLM inference and serving on JAX.")
-    parser.add_argument("--log-level", default="INFO",
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS,
+                        help="logging level (also accepted after the subcommand)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _generate_parser(sub)
     _serve_parser(sub)

@@ -13,8 +13,6 @@ import dataclasses
 import logging
 import threading
 
-import jax
-
 logger = logging.getLogger(__name__)
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -32,6 +30,8 @@ def _on_event(event: str, duration: float, **kwargs) -> None:
 
 def install_counter() -> None:
     global _installed
+    import jax  # here, not at import: /metrics reads the counts without jax
+
     with _lock:
         if not _installed:
             jax.monitoring.register_event_duration_secs_listener(_on_event)
@@ -93,14 +93,12 @@ def compile_times() -> dict[str, CompileTimes]:
     return times
 
 
-def jax_process_count() -> int:
-    return jax.process_count()
-
-
 def enable_persistent_cache(directory: str | None) -> None:
     """JAX's persistent compilation cache in `directory`, for multi-host runs (one process
     uses the runner's executable cache instead, which skips tracing too). None leaves JAX's
     setting alone."""
+    import jax
+
     if not directory:
         return
     if jax.config.jax_compilation_cache_dir not in (None, directory):

@@ -16,6 +16,8 @@ from jaxserve.mesh import MeshShape, ModelDims, parse_mesh, plan_sharding
 from jaxserve.models import resolve_architecture
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names
+DTYPE_CHOICES = SUPPORTED_DTYPES + tuple(DTYPE_ALIASES)
 ATTENTION_BACKENDS = ("auto", "pallas", "reference", "interpret", "interpret-gpu")
 LOAD_FORMATS = ("auto", "dummy")
 PRECOMPILE = (True, False, "background")
@@ -266,8 +268,9 @@ def _resolve_dtype(dtype: str, hf_config: dict, model: str, on_accelerator: bool
     bf16 matmul: it converts the weights to f32 at every step, and bf16 decode steps measured
     1.24-2.08x slower than f32 ones, scripts/bench_cpu_dtype.py), unless the f32 weights would
     take more than a quarter of the host's memory: then the checkpoint's dtype."""
-    if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {dtype!r}.")
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}.")
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
     if dtype != "auto":
         return dtype
     saved = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"

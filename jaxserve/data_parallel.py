@@ -16,11 +16,11 @@ wait for another replica's step.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
+from jaxserve.engine_stats import EngineStats
 from jaxserve.kv_cache_manager import PrefixCacheStats
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -49,8 +49,6 @@ class DataParallelEngine:
         self.tokenizer = self.replicas[0].tokenizer
         self._owner: dict[str, LLMEngine] = {}
         self.routed = [0] * size  # requests sent to each replica so far
-        self.scheduler = _Schedulers(self.replicas)
-        self.kv_cache = _KVCaches(self.replicas)
 
     # ---- the LLMEngine interface ----------------------------------------------------------
     @property
@@ -74,13 +72,18 @@ class DataParallelEngine:
     def num_compilations(self) -> int:
         return self.replicas[0].num_compilations  # process-wide
 
+    def stats(self) -> EngineStats:
+        """The replicas' snapshots merged (take it on the thread that steps the engine)."""
+        return EngineStats.merge([replica.stats() for replica in self.replicas])
+
     @property
     def num_preemptions(self) -> int:
-        return self.scheduler.num_preemptions
+        return self.stats().preemptions
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
-        return self.kv_cache.stats
+        stats = self.stats()
+        return PrefixCacheStats(stats.prefix_cache_queries, stats.prefix_cache_hits)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.replicas[0].validate(prompt_token_ids, params)
@@ -116,54 +119,3 @@ class DataParallelEngine:
     def load(self) -> list[int]:
         """Unfinished requests per replica."""
         return [r.num_unfinished_requests for r in self.replicas]
-
-
-@dataclasses.dataclass
-class _Schedulers:
-    """The replicas' schedulers seen as one, for gauges and admission limits."""
-
-    replicas: list
-
-    @property
-    def running(self) -> list:
-        return [r for e in self.replicas for r in e.scheduler.running]
-
-    @property
-    def waiting(self) -> list:
-        return [r for e in self.replicas for r in e.scheduler.waiting]
-
-    @property
-    def num_unfinished(self) -> int:
-        return sum(e.scheduler.num_unfinished for e in self.replicas)
-
-    @property
-    def num_preemptions(self) -> int:
-        return sum(e.scheduler.num_preemptions for e in self.replicas)
-
-
-@dataclasses.dataclass
-class _KVCaches:
-    """The replicas' KV block managers seen as one: usage over all blocks, summed hits."""
-
-    replicas: list
-
-    @property
-    def usage(self) -> float:
-        return sum(e.kv_cache.usage for e in self.replicas) / len(self.replicas)
-
-    @property
-    def stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(sum(e.kv_cache.queries for e in self.replicas),
-                                sum(e.kv_cache.hits for e in self.replicas))
-
-    @property
-    def queries(self) -> int:
-        return self.stats.queries
-
-    @property
-    def hits(self) -> int:
-        return self.stats.hits
-
-    @property
-    def hit_rate(self) -> float:
-        return self.stats.hit_rate

@@ -3,7 +3,7 @@
 `jaxserve serve --coordinator HOST:PORT --num-hosts N --host-id I` (or JAX's own
 environment, e.g. on a Cloud TPU pod slice where jax.distributed finds everything itself)
 joins the N processes with jax.distributed. The mesh then spans every host's devices. Host 0
-runs the engine (scheduler, detokenizer, HTTP server); every other host runs `run_worker`: it
+runs the engine (scheduler, detokenizer, HTTP server); every other host runs `runners.run_worker`: it
 builds the same runner (weights load on each host from its own copy of the model folder,
 each device taking its slice) and then, step after step, receives the step host 0 is about
 to run (its (T, R) bucket, the packed int32 inputs, the prompt-scoring targets) and runs the
@@ -80,14 +80,3 @@ class StepChannel:
     def _broadcast(array: np.ndarray) -> np.ndarray:
         return np.asarray(multihost_utils.broadcast_one_to_all(array))
 
-
-def run_worker(config) -> None:
-    """A non-zero host: build the runner and run host 0's steps until it stops."""
-    from jaxserve.runner import ModelRunner
-
-    runner = ModelRunner(config)
-    if config.precompile:
-        runner.warm_up(background=config.precompile == "background")
-    logger.info("Host %d: following host 0's steps.", jax.process_index())
-    steps = runner.follow()
-    logger.info("Host %d: host 0 stopped after %d steps.", jax.process_index(), steps)

@@ -26,20 +26,16 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.compilation import (
-    compilation_count,
-    enable_persistent_cache,
-    install_counter,
-    jax_process_count,
-)
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.engine_stats import EngineStats
 from jaxserve.input_builder import MAX_BANNED_IDS
 from jaxserve.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.request_outputs import OutputBuilder, TrackedRequest
-from jaxserve.runner import ModelRunner, replica_mesh
+from jaxserve.runner_api import Runner
+from jaxserve.runners import create_runner
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.tokenizer import load_tokenizer
@@ -52,22 +48,18 @@ class EngineDeadError(RuntimeError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None,
+    def __init__(self, config: EngineConfig, runner: Runner | None = None,
                  rank: int = 0) -> None:
         """runner: the device side; built from config on data-parallel replica `rank`'s
         devices when not given (benchmarks pass a null runner to measure the host side)."""
-        install_counter()
-        if jax_process_count() > 1:  # one process: the runner's executable cache instead
-            enable_persistent_cache(config.compilation_cache_dir)
         self.config = config
         self.tokenizer = load_tokenizer(config.model.tokenizer)
-        self.runner = runner if runner is not None else ModelRunner(
-            config, replica_mesh(config, rank))
+        self.runner = runner if runner is not None else create_runner(config, rank)
         self.eos_token_ids = frozenset(_eos_token_ids(config, self.tokenizer))
         blocks, size = self.runner.num_blocks, config.cache.block_size
-        self.kv_cache = KVCacheManager(blocks, size,
-                                       enable_caching=config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        self.kv_manager = KVCacheManager(blocks, size,
+                                         enable_caching=config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         max_len = config.model.max_model_len
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at "
                     "max_model_len=%d: %.2f; prefix caching %s", blocks - 1, size,
@@ -92,7 +84,7 @@ class LLMEngine:
     # ---- admission ----------------------------------------------------------------------
     @property
     def num_compilations(self) -> int:
-        return compilation_count()
+        return self.runner.stats().compilations
 
     def close(self) -> None:
         """Stop the runner's background work (warm-up) and release worker hosts."""
@@ -101,12 +93,23 @@ class LLMEngine:
     @property
     def compiling(self) -> int:
         """Functions the runner is compiling right now."""
-        return self.runner.compiling
+        return self.runner.stats().compiling
 
     @property
     def warm_up_done(self) -> bool:
         """Whether every bucket is compiled (a background warm-up may still be running)."""
-        return self.runner.warm_up_done
+        return self.runner.stats().warm_up_done
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the load and counters; take it on the thread that steps the engine
+        (other threads read the snapshot, never the queues)."""
+        scheduler, kv, runner = self.scheduler, self.kv_manager, self.runner.stats()
+        return EngineStats(
+            running=len(scheduler.running), waiting=len(scheduler.waiting),
+            unfinished_requests=len(self._tracked), kv_usage=kv.usage,
+            prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits,
+            preemptions=scheduler.num_preemptions, compilations=runner.compilations,
+            compiling=runner.compiling, warm_up_done=runner.warm_up_done)
 
     @property
     def in_flight(self) -> SchedulerOutput | None:
@@ -125,7 +128,7 @@ class LLMEngine:
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """Tokens looked up in the prefix cache and tokens served from it, so far."""
-        return self.kv_cache.stats
+        return self.kv_manager.stats
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the field for anything the engine cannot run."""
@@ -304,14 +307,12 @@ class LLMEngine:
                 if not req.finished:
                     self._dispatch(SchedulerOutput([req], [count], []))
             return
-        for req in out.requests:
-            req.needs_state_reset = False  # the step carries the reset of a new state row
         self._in_flight.append((out, handle))
 
     def _drop_cached_blocks(self) -> None:
         # Scheduling registered the blocks a step fills; if the step did not run (an error,
         # Ctrl-C), their KV may be missing, so no later request may hit them.
-        self.kv_cache.reset_prefix_cache()
+        self.kv_manager.reset_prefix_cache()
 
     def _collect(self) -> list[tuple[TrackedRequest, Request, int]]:
         """Wait for the step in flight and fold its results in: computed tokens, prompt
@@ -352,38 +353,39 @@ class LLMEngine:
                 self.scheduler.recompute(req)
 
     def _fold(self, out: SchedulerOutput, result) -> list[tuple[TrackedRequest, Request, int]]:
-        appended = []
-        start = 0
-        for row, (req, count) in enumerate(zip(out.requests, out.num_scheduled_tokens)):
-            first, start = start, start + count
-            if req.finished:
-                continue  # stopped (stop string), aborted or failed while the step ran
-            tracked = self._by_child[req.request_id]
-            try:
-                if result.prompt_scores is not None and tracked.prompt_logprobs is not None \
-                        and req is tracked.children[0]:
+        """A step's results: prompt logprobs recorded, then the scheduler's update (computed
+        tokens, sampled tokens, finishes), then the sampled tokens' logprob entries."""
+        if result.prompt_scores is not None:
+            start = 0
+            for req, count in zip(out.requests, out.num_scheduled_tokens):
+                first, start = start, start + count
+                tracked = self._by_child.get(req.request_id)
+                if req.finished or tracked.prompt_logprobs is None or \
+                        req is not tracked.children[0]:
+                    continue
+                try:
                     self.outputs.record_prompt_logprobs(tracked, req, first, count,
                                                         result.prompt_scores)
-                req.num_computed_tokens += count
-                if req.num_computed_tokens < req.num_tokens:
-                    continue  # a prefill chunk: nothing sampled yet
-                appended.append((tracked, req, self._append(req, row, result.sampled)))
-            except Exception as err:  # noqa: BLE001 - this request only
-                self._fail(tracked, err, "while its results were read")
+                except Exception as err:  # noqa: BLE001 - this request only
+                    self._fail(tracked, err, "while its results were read")
+        appended = []
+        sampled = result.sampled
+        for row, req in self.scheduler.update_from_output(out, sampled):
+            tracked = self._by_child[req.request_id]
+            token = int(req.token_ids[req.num_tokens - 1])
+            if req.params.logprobs is not None:
+                k = req.params.logprobs
+                try:
+                    tracked.logprobs[tracked.children.index(req)].append(
+                        self.outputs.logprob_dict(token, float(sampled.logprobs[row]),
+                                                  int(sampled.ranks[row]),
+                                                  sampled.top_ids[row][:k],
+                                                  sampled.top_logprobs[row][:k]))
+                except Exception as err:  # noqa: BLE001 - this request only
+                    self._fail(tracked, err, "while its results were read")
+                    continue
+            appended.append((tracked, req, token))
         return appended
-
-    def _append(self, req: Request, row: int, sampled) -> int:
-        token = int(sampled.token_ids[row])
-        req.append_token(token)
-        if req.params.logprobs is not None:
-            k = req.params.logprobs
-            req.logprobs.append(self.outputs.logprob_dict(
-                token, float(sampled.logprobs[row]), int(sampled.ranks[row]),
-                sampled.top_ids[row][:k], sampled.top_logprobs[row][:k]))
-            req.cumulative_logprob += float(sampled.logprobs[row])
-        if req.check_stop_token():
-            self.scheduler.finish(req, req.status)
-        return token
 
     def _detokenize(self, tracked: TrackedRequest, req: Request, token: int) -> None:
         """Text for the token, and stop strings: a request that matches one finishes now,
@@ -393,8 +395,7 @@ class LLMEngine:
             [token], stop_terminated=req.status is RequestStatus.FINISHED_STOPPED,
             check_stop=req.num_output_tokens > req.params.min_tokens)
         if stop_str is not None:
-            req.stop_reason = stop_str
-            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop_reason=stop_str)
 
     def _fail(self, tracked: TrackedRequest, err: BaseException, stage: str, *,
               device: bool = False, log: bool = True) -> None:

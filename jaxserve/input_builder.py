@@ -1,7 +1,7 @@
 """Builds one step's padded numpy inputs from a SchedulerOutput (host side, numpy only).
 
 Work is per sequence (slices of each request's token and block arrays), never per token in
-Python. The arrays follow DESIGN.md's batch layout and SamplingInputs, padded to the (T, R)
+Python. The arrays follow docs/architecture.md's batch layout and SamplingInputs, padded to the (T, R)
 bucket the runner picked.
 """
 
@@ -85,7 +85,7 @@ def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, bloc
         top_k[:n] = ints[:, 0]  # SamplingParams keeps top_k within int32
         seeds[:n], prompt_lens[:n], state_slots[:n] = ints[:, 1], ints[:, 2], ints[:, 3]
         for row, req in enumerate(reqs):
-            if req.needs_state_reset:  # cleared by the engine once the step is dispatched
+            if req.needs_state_reset:  # cleared by update_from_output once it ran
                 reset_state[row] = True
             if req.params.logprobs is not None:
                 wants_logprobs[row] = True

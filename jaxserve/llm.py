@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
 import time
@@ -10,9 +9,9 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from jaxserve import resolve_model
-from jaxserve.config import EngineConfig
 from jaxserve.data_parallel import create_engine
+from jaxserve.engine_args import EngineArgs
+from jaxserve.model_path import resolve_model
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import apply_chat_template
@@ -24,28 +23,31 @@ class LLM:
     """An engine for offline batched generation.
 
     With no model, loads the built-in default model (jaxserve.default_model_path()).
-    Takes vLLM's engine arguments (model, tokenizer, dtype, max_model_len, max_num_seqs,
-    max_num_batched_tokens, block_size, gpu_memory_utilization, seed, ...) plus
-    num_kv_blocks to fix the KV cache size and attention_backend ("auto", "pallas",
-    "reference", "interpret", "interpret-gpu") to choose the attention implementation.
+    Takes the engine arguments of EngineArgs (jaxserve/engine_args.py): vLLM's names
+    (tokenizer, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
+    num_gpu_blocks_override, gpu_memory_utilization, enable_expert_parallel, seed, ...) and
+    jaxserve's own (mesh, attention_backend, compilation_cache_dir, precompile; aliases
+    num_kv_blocks and expert_parallel). Another keyword raises TypeError.
     Shape buckets compile on first use (precompile=False, the default here: a few prompts
     compile only the buckets they use); precompile=True compiles every bucket up front, so
     that no later call compiles (benchmarks).
     """
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
+        self._start(EngineArgs.from_kwargs("LLM", model=model, **engine_args))
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        llm = cls.__new__(cls)
+        llm._start(args)
+        return llm
+
+    def _start(self, args: EngineArgs) -> None:
         import jax
 
-        model = resolve_model(model, logger)
-        on_accelerator = jax.default_backend() != "cpu"
-        accepted = set(inspect.signature(EngineConfig.create).parameters) - {"cls", "model",
-                                                                               "on_accelerator"}
-        unknown = sorted(set(engine_args) - accepted)
-        if unknown:
-            raise ValueError(f"Unsupported engine argument(s) {', '.join(unknown)}; jaxserve "
-                             f"accepts {', '.join(sorted(accepted))}.")
-        engine_args.setdefault("precompile", False)
-        config = EngineConfig.create(model, on_accelerator=on_accelerator, **engine_args)
+        model = resolve_model(args.model, logger)
+        config = args.engine_config(model, on_accelerator=jax.default_backend() != "cpu",
+                                    default_precompile=False)
         self.engine = create_engine(config)
         self._ids = itertools.count()
 

@@ -15,7 +15,7 @@ jaxserve/data_parallel.py); inside a replica, weights are split over the `model`
 * KV cache [P, S, K', H]: the kv-head axis.
 
 Everything here is plain Python on config values: the CLI, `jaxserve plan` and the config
-checks use it without importing jax. Shape letters as in DESIGN.md.
+checks use it without importing jax. Shape letters as in docs/architecture.md.
 """
 
 from __future__ import annotations

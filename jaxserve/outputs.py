@@ -27,8 +27,24 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None: running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+    @property
+    def finished(self) -> _Finished:
+        """Whether this choice has ended: `if c.finished:` reads it as an attribute, and
+        vLLM's `c.finished()` still works (the value is callable and returns itself)."""
+        return _Finished(self.finish_reason is not None)
+
+
+class _Finished(int):
+    """A bool that may also be called (CompletionOutput.finished, for vLLM's method)."""
+
+    def __new__(cls, value: bool) -> _Finished:
+        return super().__new__(cls, bool(value))
+
+    def __call__(self) -> bool:
+        return bool(self)
+
+    def __repr__(self) -> str:
+        return repr(bool(self))
 
 
 @dataclasses.dataclass

@@ -18,12 +18,12 @@ import json
 import math
 import re
 
+from jaxserve import kv_sizing
 from jaxserve.config import EngineConfig
 from jaxserve.mesh import MODEL, MeshShape, ModelDims, ShardingPlan, param_spec, plan_sharding
 from jaxserve.models import model_family, resolve_architecture
 
 GROUPS = ("embeddings", "attention", "mlp", "norms", "other")
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,25 +115,13 @@ def make_plan(config: EngineConfig, device_memory_bytes: int) -> Plan:
     per_block = _bytes_per_block(hf, sharding, cache.block_size, dtype)
     used = sum(g.bytes_per_device for g in weights)
     usable = device_memory_bytes * cache.gpu_memory_utilization
-    needed = -(-config.model.max_model_len // cache.block_size) + 1  # one sequence + null block
-    if cache.num_kv_blocks is not None:
-        source, blocks = "num_kv_blocks", cache.num_kv_blocks
-        budget = blocks * per_block
-    elif cache.kv_cache_memory_bytes is not None:
-        source, budget = "kv_cache_memory_bytes", cache.kv_cache_memory_bytes
-        blocks = budget // per_block
-    else:  # as the runner on an accelerator: bytes_limit * utilization - bytes in use
-        source, budget = "device memory", int(usable - used)
-        blocks = max(budget, 0) // per_block
+    needed = kv_sizing.blocks_per_seq(config.model.max_model_len, cache.block_size) + 1
+    kv = kv_sizing.kv_budget(cache, per_block, device_limit=device_memory_bytes, in_use=used)
+    blocks, budget, source = kv.blocks, kv.budget_bytes, kv.source
     if used + max(blocks, needed) * per_block > usable:
         raise ValueError(_no_fit_message(config, device_memory_bytes, used,
                                          max(blocks, needed) * per_block))
-    if blocks < needed:
-        raise ValueError(
-            f"The KV cache has room for {blocks} blocks of {cache.block_size} tokens, but one "
-            f"sequence of max_model_len={config.model.max_model_len} needs {needed} (with the "
-            "reserved null block). Raise num_kv_blocks / kv_cache_memory_bytes, or lower "
-            "max_model_len.")
+    kv_sizing.check_holds_one_sequence(blocks, cache.block_size, config.model.max_model_len)
     return Plan(
         model=config.model.model, architecture=resolve_architecture(hf), dtype=dtype, mesh=mesh,
         sharding=sharding, num_layers=arch.num_layers, num_heads=dims.num_heads,
@@ -152,8 +140,8 @@ def make_plan(config: EngineConfig, device_memory_bytes: int) -> Plan:
 def _bytes_per_block(hf: dict, sharding: ShardingPlan, block_size: int, dtype: str) -> int:
     """runner.bytes_per_block: K and V of one block, this device's share of the kv heads."""
     arch = model_family(hf).arch_from_hf(hf)
-    return (2 * arch.num_layers * block_size * sharding.kv_heads_per_device * arch.head_dim
-            * _ITEMSIZE[dtype])
+    return kv_sizing.bytes_per_block(arch.num_layers, block_size,
+                                     sharding.kv_heads_per_device, arch.head_dim, dtype)
 
 
 def _no_fit_message(config: EngineConfig, memory: int, used: int, kv: int) -> str:
@@ -161,7 +149,7 @@ def _no_fit_message(config: EngineConfig, memory: int, used: int, kv: int) -> st
     cache, mesh = config.cache, config.parallel.mesh
     hf, dtype = config.model.hf_config, config.model.dtype
     usable = memory * cache.gpu_memory_utilization
-    needed = -(-config.model.max_model_len // cache.block_size) + 1
+    needed = kv_sizing.blocks_per_seq(config.model.max_model_len, cache.block_size) + 1
     what = ("the weights alone do not fit" if used > usable
             else "the weights leave too little room for the KV cache")
     hints = []
@@ -307,7 +295,7 @@ def format_plan(plan: Plan) -> str:
         "",
         f"KV cache per device  {plan.bytes_per_token:,} B per token (2 x {plan.num_layers} "
         f"layers x {_count(s.kv_heads_per_device, 'kv head')} x {plan.head_dim} x "
-        f"{_ITEMSIZE[plan.dtype]} B); {plan.bytes_per_block:,} B ({_size(plan.bytes_per_block)}) "
+        f"{kv_sizing.ITEMSIZE[plan.dtype]} B); {plan.bytes_per_block:,} B ({_size(plan.bytes_per_block)}) "
         f"per block of {plan.block_size} tokens",
         f"  budget             {plan.kv_budget_bytes:,} B ({_size(plan.kv_budget_bytes)}), "
         + ("usable memory - weights" if plan.kv_budget_source == "device memory"

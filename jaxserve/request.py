@@ -69,10 +69,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.state_slot = 0  # row of the device-side penalty state; 0 = none held
-        self.needs_state_reset = False  # set when a row is handed out, cleared once dispatched
-        # Per output token {token_id: Logprob} (chosen + top-k), when logprobs are asked for.
-        self.logprobs: list[dict] = []
-        self.cumulative_logprob = 0.0
+        self.needs_state_reset = False  # set when a row is handed out, cleared once it ran
+        self.cumulative_logprob = 0.0  # of the output tokens, when logprobs are asked for
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -28,6 +28,11 @@ class TrackedRequest:
     detokenizers: list[IncrementalDetokenizer]
     prompt_logprobs: list | None
     error: str | None = None  # set when the engine failed this request
+    # Per child, per output token {token_id: Logprob} (chosen + top-k), when asked for.
+    logprobs: list[list[dict]] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.logprobs = self.logprobs or [[] for _ in self.children]
 
     @property
     def finished(self) -> bool:
@@ -69,7 +74,7 @@ class OutputBuilder:
         for i, (child, detok) in enumerate(zip(tracked.children, tracked.detokenizers)):
             logprobs = cumulative = None
             if child.params.logprobs is not None:
-                logprobs, cumulative = list(child.logprobs), child.cumulative_logprob
+                logprobs, cumulative = list(tracked.logprobs[i]), child.cumulative_logprob
             # Safe text: while running, the tail that could still become a stop string (or
             # an incomplete character) is held back, so streamed deltas never retract.
             finished = child.finished

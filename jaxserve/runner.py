@@ -1,29 +1,27 @@
 """Model runner: owns the weights, the paged KV cache and the compiled step per (T, R) bucket.
 
-The step is one jitted function, compiled for every bucket at start-up:
+The step is one jitted function, compiled per bucket (jaxserve/compiled.py: on first use or
+by a warm-up, through the executable cache):
 
     step(params, kv_caches, penalty_state, packed_inputs)
         -> (kv_caches, penalty_state, hidden, packed_sample_result)
 
-It is DESIGN.md's step(params, kv_caches, batch, sampling) with two additions: the Batch and
-SamplingInputs travel packed into one int32 buffer (one host-to-device transfer; unpacked
-inside by static slices, see packing.py), and the penalty state (per-request token counts)
-rides along with the KV cache. kv_caches and penalty_state are donated, so both are updated
-in place. hidden (the final hidden states, [T, D]) stays on the device for prompt_logprobs.
+It is the step of docs/architecture.md, step(params, kv_caches, batch, sampling), with two
+additions: the Batch and SamplingInputs travel packed into one int32 buffer (one
+host-to-device transfer; unpacked inside by static slices, see packing.py), and the penalty
+state (per-request token counts) rides along with the KV cache. kv_caches and penalty_state
+are donated, so both are updated in place. hidden (the final hidden states, [T, D]) stays
+on the device for prompt_logprobs.
 Every device array is placed through the engine's Mesh (one device by default).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import logging
 import math
-import os
-import threading
 import time
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,12 +29,19 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from tqdm.auto import tqdm
 
+from jaxserve import kv_sizing
 from jaxserve.accelerators import warn_if_cpu_fallback
 from jaxserve.attend import attention_for, make_attend
 from jaxserve.batch import Batch, SamplingInputs
-from jaxserve.compilation import record_compile, record_load
+from jaxserve.compilation import (
+    compilation_count,
+    enable_persistent_cache,
+    install_counter,
+    record_compile,
+    record_load,
+)
+from jaxserve.compiled import CompiledFunctions
 from jaxserve.config import EngineConfig
 from jaxserve.distributed import StepChannel, is_leader
 from jaxserve.executable_cache import executable_cache_for
@@ -55,6 +60,7 @@ from jaxserve.mesh import (
 from jaxserve.models import model_family
 from jaxserve.models.mixtral import expert_parallel
 from jaxserve.packing import Layout, layout_of, pack, pack_device, unpack, unpack_host
+from jaxserve.runner_api import RunnerStats, StepResult
 from jaxserve.sampler import (
     PenaltyState,
     SampleResult,
@@ -71,16 +77,7 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": (jnp.float32, np.float32), "bfloat16": (jnp.bfloat16, ml_dtypes.bfloat16),
            "float16": (jnp.float16, np.float16)}
-_CPU_KV_BYTES = 1 << 30
 _BATCH_FIELDS = tuple(f.name for f in dataclasses.fields(Batch))
-
-
-@dataclasses.dataclass
-class StepResult:
-    """Host copies of one step's outputs, for the scheduled requests only."""
-
-    sampled: SampleResult  # numpy fields, first num_seqs rows valid
-    prompt_scores: SampleResult | None  # per token of the step, when prompt_logprobs was asked
 
 
 @dataclasses.dataclass
@@ -120,11 +117,6 @@ class InFlightStep:
     num_rows: int
 
 
-# Functions compiled at once by a warm-up: XLA compiles in parallel and releases the GIL,
-# so half the host's cores (at most 8) shorten a warm-up without starving the engine.
-COMPILE_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
-
-
 def replica_mesh(config: EngineConfig, rank: int = 0) -> Mesh:
     """The (1, model) mesh of data-parallel replica `rank`: the rank-th run of `model`
     devices. Checks first that the configured mesh fits the devices there are."""
@@ -143,6 +135,9 @@ def replica_mesh(config: EngineConfig, rank: int = 0) -> Mesh:
 class ModelRunner:
     def __init__(self, config: EngineConfig, mesh: Mesh | None = None) -> None:
         """mesh: this replica's (1, model) mesh; replica 0's when not given."""
+        install_counter()
+        if jax.process_count() > 1:  # one process: the executable cache below instead
+            enable_persistent_cache(config.compilation_cache_dir)
         self.config = config
         self.mesh = mesh or replica_mesh(config)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -176,7 +171,8 @@ class ModelRunner:
         self._log_placement()
         self.padding = PaddingStats()
         self.block_size = config.cache.block_size
-        self.blocks_per_seq = -(-config.model.max_model_len // self.block_size)
+        self.blocks_per_seq = kv_sizing.blocks_per_seq(config.model.max_model_len,
+                                                       self.block_size)
         # Before sizing the KV cache, so that the device's bytes in use count it.
         self.penalty_state = PenaltyState.zeros(config.scheduler.max_num_seqs + 1,
                                                 self.arch.vocab_size, self.replicated)
@@ -195,14 +191,7 @@ class ModelRunner:
         self._kv_spec = jax.tree.map(spec, self.kv_caches)
         self._penalty_spec = jax.tree.map(spec, self.penalty_state)
         self.executables = executable_cache_for(config, self)
-        self._lock = threading.Lock()
-        self._functions: dict[tuple, object] = {}  # ("step", T, R) | ("score", T) -> compiled
-        self._pending: dict[tuple, concurrent.futures.Future] = {}  # being built
-        self._warming: threading.Thread | None = None
-        self._warm_up_total = 0
-        self._warm_up_failed = False
-        self._closed = False
-        self._pools: list[concurrent.futures.ThreadPoolExecutor] = []
+        self.compiled = CompiledFunctions(self._build, config.scheduler, self.executables)
 
     # ---- sizing -------------------------------------------------------------------------
     def _log_placement(self) -> None:
@@ -219,37 +208,22 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         """KV bytes of one block on each device (its share of the kv heads)."""
-        a = self.arch
-        itemsize = jnp.dtype(self.dtype).itemsize
-        return (2 * a.num_layers * self.block_size * self.plan.kv_heads_per_device * a.head_dim
-                * itemsize)
+        return kv_sizing.bytes_per_block(self.arch.num_layers, self.block_size,
+                                         self.plan.kv_heads_per_device, self.arch.head_dim,
+                                         self.config.model.dtype)
 
     def _num_kv_blocks(self) -> int:
-        cache = self.config.cache
-        needed = self.blocks_per_seq + 1
-        if cache.num_kv_blocks is not None:
-            blocks = cache.num_kv_blocks
-        else:
-            stats = self.local_device.memory_stats() or {}
-            if cache.kv_cache_memory_bytes is not None:
-                budget = cache.kv_cache_memory_bytes
-            elif "bytes_limit" in stats:
-                budget = int(stats["bytes_limit"] * cache.gpu_memory_utilization
-                             - stats.get("bytes_in_use", 0))
-            else:
-                budget = _CPU_KV_BYTES
-            blocks = budget // self.bytes_per_block
-            if "bytes_limit" not in stats:
-                # Host memory: no point holding more than every sequence can use at once.
-                blocks = min(blocks, self.config.scheduler.max_num_seqs * self.blocks_per_seq + 1)
+        """kv_sizing's budget on this device (what is in use already counts: the weights)."""
+        stats = self.local_device.memory_stats() or {}
+        budget = kv_sizing.kv_budget(
+            self.config.cache, self.bytes_per_block, device_limit=stats.get("bytes_limit"),
+            in_use=stats.get("bytes_in_use", 0),
+            max_seq_blocks=self.config.scheduler.max_num_seqs * self.blocks_per_seq + 1)
+        blocks = budget.blocks
         if self.channel is not None:  # every host must build the same cache shape
             blocks = self.channel.share(blocks)
-        if blocks < needed:
-            raise ValueError(
-                f"The KV cache has room for {blocks} blocks of {self.block_size} tokens, but one "
-                f"sequence of max_model_len={self.config.model.max_model_len} needs {needed} "
-                "(with the reserved null block). Raise num_kv_blocks / the memory budget, or "
-                "lower max_model_len.")
+        kv_sizing.check_holds_one_sequence(blocks, self.block_size,
+                                           self.config.model.max_model_len)
         return int(blocks)
 
     # ---- device functions ---------------------------------------------------------------
@@ -291,36 +265,10 @@ class ModelRunner:
     # ---- compiled functions -------------------------------------------------------------
     def _compile_step(self, num_tokens: int, num_rows: int):
         """The step compiled for bucket (T, R): compiled (or loaded) once, then reused."""
-        return self._function(("step", num_tokens, num_rows))
+        return self.compiled.get(("step", num_tokens, num_rows))
 
     def _compile_score(self, num_tokens: int):
-        return self._function(("score", num_tokens))
-
-    def _function(self, key: tuple):
-        """The compiled function for key, built by whichever thread asks first; a thread
-        asking while another builds it waits for that build."""
-        with self._lock:
-            ready = self._functions.get(key)
-            if ready is not None:
-                return ready
-            pending = self._pending.get(key)
-            owner = pending is None
-            if owner:
-                pending = self._pending[key] = concurrent.futures.Future()
-        if not owner:
-            return pending.result()
-        try:
-            compiled = self._build(key)
-        except BaseException as error:
-            with self._lock:
-                del self._pending[key]
-            pending.set_exception(error)
-            raise
-        with self._lock:
-            self._functions[key] = compiled
-            del self._pending[key]
-        pending.set_result(compiled)
-        return compiled
+        return self.compiled.get(("score", num_tokens))
 
     def _build(self, key: tuple):
         """Load key's executable from the executable cache (by its index, else by its HLO
@@ -358,112 +306,28 @@ class ModelRunner:
         targets = jax.ShapeDtypeStruct((num_tokens,), jnp.int32, sharding=self.replicated)
         return self._score.lower(self._params_spec, hidden, targets)
 
-    def _warm_up_order(self) -> list[tuple]:
-        """Every function to compile, the first one alone able to serve: the smallest T with
-        its largest R, then the decode buckets of a few sequences, then by T."""
-        pairs = list(self.config.scheduler.step_buckets)
-        first = max((p for p in pairs if p[0] == pairs[0][0]), key=lambda p: p[1])
-        order = [("step", *first)]
-        for t, r in pairs:
-            if (t, r) != first:
-                order.append(("step", t, r))
-            if t == pairs[0][0] and r == 1:
-                order.append(("score", t))
-        order += [("score", t) for t in self.config.scheduler.token_buckets
-                  if ("score", t) not in order]
-        return order
-
+    # ---- compiled functions: jaxserve/compiled.py -----------------------------------------
     def warm_up(self, background: bool = False) -> None:
-        """Compile (or load) every (T, R) step bucket and the prompt-scoring function per T,
-        with progress, in a pool of compile threads (XLA compiles in parallel). background:
-        compile the first bucket (it alone can run any step of the smallest size, see
-        step_limits) now and the rest in a thread; steps meanwhile use only compiled
-        buckets, and warm_up_done says when all are."""
-        order = self._warm_up_order()
-        self._warm_up_total = len(order)
-        start = time.perf_counter()
-        if background:
-            logger.info("Warm-up: compiling step bucket (T, R) = %s first; the other %d "
-                        "functions compile in the background while requests are served.",
-                        order[0][1:], len(order) - 1)
-            self._function(order[0])
-            self._warming = threading.Thread(target=self._warm_up_rest,
-                                             args=(order[1:], start), daemon=True,
-                                             name="jaxserve-warm-up")
-            self._warming.start()
-            return
-        with tqdm(total=len(order), desc="Compiling buckets") as bar:
-            self._compile_all(order, bar.update)
-        self._log_warm_up(start)
+        self.compiled.warm_up(background)
 
-    def _compile_all(self, keys: list[tuple], done: Callable[[int], object]) -> None:
-        """Build every key, in order, on COMPILE_THREADS threads; done(1) after each. close()
-        cancels the builds not started yet."""
-        pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS,
-                                                     thread_name_prefix="jaxserve-compile")
-        with self._lock:
-            self._pools.append(pool)
-        try:
-            futures = [pool.submit(self._function, key) for key in keys]
-            for future in concurrent.futures.as_completed(futures):
-                if future.cancelled():
-                    continue
-                future.result()
-                done(1)
-        finally:
-            pool.shutdown(wait=not self._closed, cancel_futures=True)
-            with self._lock:
-                self._pools.remove(pool)
-
-    def _warm_up_rest(self, order: list[tuple], start: float) -> None:
-        try:
-            self._compile_all(order, lambda _: None)
-        except Exception:  # a step that needs it compiles it again and reports the error
-            logger.exception("Background warm-up stopped; buckets compile on first use.")
-            self._warm_up_failed = True
-            return
-        if not self._closed:
-            self._log_warm_up(start)
+    def step_limits(self) -> tuple[int, int] | None:
+        return self.compiled.step_limits()
 
     @property
     def compiling(self) -> int:
-        """Functions being compiled right now (a background warm-up's, or a step's)."""
-        with self._lock:
-            return len(self._pending)
-
-    def _log_warm_up(self, start: float) -> None:
-        cache = self.executables
-        loaded = f"; {cache.hits} loaded from the executable cache" if cache else ""
-        logger.info("Warm-up finished: %d functions ready in %.1f s%s (step buckets (T, R): "
-                    "%s).", self._warm_up_total, time.perf_counter() - start, loaded,
-                    list(self.config.scheduler.step_buckets))
+        return self.compiled.compiling
 
     @property
     def warm_up_done(self) -> bool:
-        """Whether every bucket is compiled (always true without a background warm-up)."""
-        with self._lock:
-            return len(self._functions) >= self._warm_up_total or self._warm_up_failed
+        return self.compiled.warm_up_done
 
-    def step_limits(self) -> tuple[int, int] | None:
-        """(tokens, sequences) a step may hold so that a compiled bucket holds it, while a
-        background warm-up runs; None when any step may run (warm-up done, or none)."""
-        if self._warming is None or self.warm_up_done:
-            return None
-        with self._lock:
-            ready = [k[1:] for k in self._functions if k[0] == "step"]
-        return max(t for t, _ in ready), max(r for t, r in ready if t == max(ready)[0])
+    def stats(self) -> RunnerStats:
+        padding = self.padding
+        return RunnerStats(compilations=compilation_count(), compiling=self.compiling,
+                           warm_up_done=self.warm_up_done, steps=padding.steps,
+                           token_padding=padding.token_padding,
+                           row_padding=padding.row_padding)
 
-    def _pick_bucket(self, num_tokens: int, num_rows: int) -> tuple[int, int]:
-        """The smallest bucket that holds the step; while a background warm-up runs, the
-        smallest compiled one (step_limits guarantees there is one). Otherwise an
-        uncompiled bucket compiles now, on first use: a bigger compiled one would cost
-        every later step of that size its padding."""
-        if self.step_limits() is not None:
-            with self._lock:
-                for t, r in self.config.scheduler.step_buckets:
-                    if t >= num_tokens and r >= num_rows and ("step", t, r) in self._functions:
-                        return t, r
-        return self.config.scheduler.pick_bucket(num_tokens, num_rows)
 
     # ---- one step -----------------------------------------------------------------------
     def dispatch(self, out: SchedulerOutput,
@@ -472,8 +336,8 @@ class ModelRunner:
         the host can do other work until fetch. score_targets (i32[total tokens], -1 where
         not wanted) asks for the logprob of given next tokens at each position
         (prompt_logprobs)."""
-        num_tokens, num_rows = self._pick_bucket(out.total_num_scheduled_tokens,
-                                                 len(out.requests))
+        num_tokens, num_rows = self.compiled.pick_bucket(out.total_num_scheduled_tokens,
+                                                         len(out.requests))
         self.padding.record(out.total_num_scheduled_tokens, num_tokens, len(out.requests),
                             num_rows)
         batch, sampling = build_step_inputs(out, num_tokens, num_rows, self.block_size,
@@ -511,11 +375,7 @@ class ModelRunner:
         """Stop a background warm-up (builds not started are cancelled; one already
         compiling runs to its end: see compiling); host 0 of a multi-host run: tell the
         other hosts to stop following."""
-        self._closed = True
-        with self._lock:
-            pools = list(self._pools)
-        for pool in pools:
-            pool.shutdown(wait=False, cancel_futures=True)
+        self.compiled.close()
         if self.channel is not None and is_leader():
             self.channel.send_stop()
             self.channel = None

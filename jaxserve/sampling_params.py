@@ -97,10 +97,6 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, "true or false", getattr(self, name))
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < 1e-5
-
     def clone(self, **changes: object) -> SamplingParams:
         return dataclasses.replace(self, **changes)
 

@@ -1,4 +1,5 @@
-"""Scheduler: forms each step's ragged batch under a token budget (host side).
+"""Scheduler: owns request and block state; forms each step's ragged batch under a token
+budget and folds each finished step back in (host side).
 
 One invariant, as in vLLM v1: every scheduled request moves num_computed_tokens toward
 num_tokens. Running requests go first (oldest first), then waiting ones in FCFS order (by
@@ -9,6 +10,10 @@ recomputed later (from its cached prefix, when prefix caching still holds its bl
 A waiting request is admitted with its cached prefix (KVCacheManager.get_computed_blocks):
 it starts with those blocks and num_computed_tokens at their end, and only the rest is
 scheduled and charged to the token budget.
+
+Every change to requests and blocks goes through here: schedule, then update_from_output
+with the step's sampled tokens (computed tokens, appended tokens, stop tokens, EOS, length),
+finish (stop strings, aborts, failures) and recompute (a step lost on the device).
 """
 
 from __future__ import annotations
@@ -38,9 +43,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
         self.config = config
-        self.kv_cache = kv_cache
+        self.kv_manager = kv_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -74,7 +79,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0 and index < max_seqs:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv_cache.allocate_slots(request, num_new):
+            while not self.kv_manager.allocate_slots(request, num_new):
                 # Victims come from the end of running, past index: none of them has been
                 # scheduled in this pass. That matters for prefix caching: allocate_slots
                 # registers the blocks a scheduled request fills this step, and those must
@@ -95,14 +100,14 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < max_seqs):
             request = self.waiting[0]
-            hits = self.kv_cache.get_computed_blocks(request)  # no reference taken yet
-            num_hit = len(hits) * self.kv_cache.block_size
+            hits = self.kv_manager.get_computed_blocks(request)  # no reference taken yet
+            num_hit = len(hits) * self.kv_manager.block_size
             num_new = min(request.num_tokens - num_hit, budget)
-            if not self.kv_cache.allocate_slots(request, num_new, hits):
+            if not self.kv_manager.allocate_slots(request, num_new, hits):
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_hit
-            self.kv_cache.record_lookup(request, num_hit)
+            self.kv_manager.record_lookup(request, num_hit)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_hit
             request.status = RequestStatus.RUNNING
@@ -116,8 +121,31 @@ class Scheduler:
             budget -= num_new
         return SchedulerOutput(scheduled, counts, preempted)
 
+    def update_from_output(self, out: SchedulerOutput, sampled) -> list[tuple[int, Request]]:
+        """Fold a finished step into its requests: each scheduled request (not finished
+        meanwhile) has its scheduled tokens computed; one that caught up with its tokens
+        appends the token sampled for its row (sampled.token_ids i32[R]; sampled.logprobs
+        f32[R] adds to cumulative_logprob when it asked for logprobs) and finishes on a stop
+        token, EOS or length, freeing its blocks. Returns (row, request) for each request
+        that got a token, in batch order."""
+        appended = []
+        for row, (request, count) in enumerate(zip(out.requests, out.num_scheduled_tokens)):
+            if request.finished:
+                continue  # stopped (stop string), aborted or failed while the step ran
+            request.needs_state_reset = False  # the step reset its penalty-state row
+            request.num_computed_tokens += count
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk: nothing sampled yet
+            request.append_token(int(sampled.token_ids[row]))
+            if request.params.logprobs is not None:
+                request.cumulative_logprob += float(sampled.logprobs[row])
+            if request.check_stop_token():
+                self.finish(request, request.status)
+            appended.append((row, request))
+        return appended
+
     def _preempt(self, request: Request) -> None:
-        self.kv_cache.free(request)
+        self.kv_manager.free(request)
         self._release_slot(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -137,12 +165,16 @@ class Scheduler:
             self._free_slots.append(request.state_slot)
             request.state_slot = 0
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
-        """Take a request out (finished or aborted) and free what it holds."""
+    def finish(self, request: Request, status: RequestStatus,
+               stop_reason: int | str | None = None) -> None:
+        """Take a request out (finished or aborted) and free what it holds. stop_reason: the
+        stop string that ended it (a stop token is recorded by update_from_output)."""
         request.status = status
+        if stop_reason is not None:
+            request.stop_reason = stop_reason
         if request in self.running:
             self.running.remove(request)
-            self.kv_cache.free(request)
+            self.kv_manager.free(request)
             self._release_slot(request)
         elif request in self.waiting:
             self.waiting.remove(request)

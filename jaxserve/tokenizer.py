@@ -79,21 +79,23 @@ def tokenize_rendered_chat(tokenizer, text: str, messages: list[dict]) -> list[i
     specials += [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
                  if getattr(t, "special", False)]
     if not any(s in c for c in contents for s in specials):
-        return _encode(tokenizer, text, split_special=True)
+        return _encode(tokenizer, text, parse_special=True)
     ids: list[int] = []
     cursor = 0
     for content in contents:
         at = text.find(content, cursor) if content else -1
         if at < 0:
             continue
-        ids += _encode(tokenizer, text[cursor:at], split_special=True)
-        ids += _encode(tokenizer, content, split_special=False)
+        ids += _encode(tokenizer, text[cursor:at], parse_special=True)
+        ids += _encode(tokenizer, content, parse_special=False)
         cursor = at + len(content)
-    ids += _encode(tokenizer, text[cursor:], split_special=True)
+    ids += _encode(tokenizer, text[cursor:], parse_special=True)
     return ids
 
 
-def _encode(tokenizer, text: str, split_special: bool) -> list[int]:
+def _encode(tokenizer, text: str, parse_special: bool) -> list[int]:
+    """parse_special: special-token strings in text become their tokens (False: they are
+    encoded as plain text, what Hugging Face calls split_special_tokens=True)."""
     if not text:
         return []
-    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=not split_special)
+    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=not parse_special)

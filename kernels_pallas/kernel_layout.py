@@ -8,7 +8,7 @@ G padded up to a power of two Gp (the row's token is then a shift, and Triton's 
 dimensions stay powers of two); the output comes back the same way. The regrouping reads
 and writes T * N * H elements, small next to the K/V pages a step reads.
 
-Shape letters as in DESIGN.md: T tokens, R rows, B blocks per row, S block size, K kv heads,
+Shape letters as in docs/architecture.md: T tokens, R rows, B blocks per row, S block size, K kv heads,
 G = N / K query heads per kv head (Gp padded), H head dim, TQ query tokens per tile,
 C pages per kv chunk (L = C * S keys).
 """

@@ -2,8 +2,9 @@
 
 The variants differ only through LlamaArch: GQA, RoPE (default, linear, llama3 scaling),
 optional q/k/v bias (Qwen2), optional per-head q/k RMSNorm (Qwen3), sliding-window layers
-(Mistral), tied or untied lm_head. The forward pass takes DESIGN.md's ragged batch, writes
-each layer's K/V into its paged cache at slot_mapping and attends through one entry point.
+(Mistral), tied or untied lm_head. The forward pass takes the ragged batch of
+docs/architecture.md, writes each layer's K/V into its paged cache at slot_mapping and
+attends through one entry point.
 """
 
 from __future__ import annotations

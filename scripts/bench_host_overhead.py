@@ -24,7 +24,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.input_builder import build_step_inputs
 from jaxserve.packing import pack
-from jaxserve.runner import StepResult
+from jaxserve.runner_api import RunnerStats, StepResult
 from jaxserve.sampler import SampleResult
 from jaxserve.scheduler import SchedulerOutput
 
@@ -50,6 +50,12 @@ class NullRunner:
 
     def fetch(self, result: StepResult) -> StepResult:
         return result
+
+    def stats(self) -> RunnerStats:
+        return RunnerStats(compilations=0, compiling=0, warm_up_done=True)
+
+    def close(self) -> None:
+        pass
 
     def dispatch(self, out: SchedulerOutput, score_targets=None) -> StepResult:
         sched = self.config.scheduler

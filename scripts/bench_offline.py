@@ -98,7 +98,7 @@ def _kv_utilisation(engine) -> tuple[int, float]:
 
     Shared blocks (prefix caching) are always full, so the live tokens in distinct blocks
     are the running requests' computed tokens minus the shared blocks' extra counts."""
-    pool, size = engine.kv_cache.pool, engine.kv_cache.block_size
+    pool, size = engine.kv_manager.pool, engine.kv_manager.block_size
     distinct = pool.num_blocks - 1 - pool.num_free
     if distinct == 0:
         return 0, 0.0

@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator
 
 from jaxserve.engine import EngineDeadError, LLMEngine
+from jaxserve.engine_stats import EngineStats
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.metrics import EngineMetrics
@@ -63,9 +64,12 @@ class AsyncLLMEngine:
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        # The engine's latest EngineStats, taken on the engine thread after every loop turn:
+        # other threads read it (and _pending) under _lock, never the scheduler's queues.
+        self._stats = engine.stats()
         self._last_log = time.monotonic()
         self._logged_tokens = (0, 0)
-        self._logged_compiles = engine.num_compilations
+        self._logged_compiles = self._stats.compilations
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -90,7 +94,13 @@ class AsyncLLMEngine:
     @property
     def warm_up_done(self) -> bool:
         """Whether every bucket is compiled (the background warm-up has finished)."""
-        return self.engine.warm_up_done
+        return self.stats.warm_up_done
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's latest snapshot (at most one loop turn old)."""
+        with self._lock:
+            return self._stats
 
     @property
     def num_in_flight(self) -> int:
@@ -119,7 +129,7 @@ class AsyncLLMEngine:
                    for _, _, ids in prompts]
         sequences = len(prompts) * params.n
         with self._lock:
-            waiting = len(self.engine.scheduler.waiting) + self._pending
+            waiting = self._stats.waiting + self._pending
             if waiting + sequences > self.max_waiting_requests:
                 raise OverloadedError(
                     f"{waiting} sequences are already waiting and this request adds "
@@ -185,14 +195,16 @@ class AsyncLLMEngine:
                 streams = list(self._streams.values())
                 self._streams.clear()
             for stream in streams:
-                stream.loop.call_soon_threadsafe(
-                    stream.queue.put_nowait, EngineDeadError(self.dead_reason))
+                _send(stream, EngineDeadError(self.dead_reason))
 
     def _take_inbox(self) -> None:
+        taken = 0  # sequences added (or refused): counted in the next snapshot, not _pending
         while True:
             try:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
+                if taken:
+                    self._publish_stats(taken)
                 return
             if kind == "add":
                 request_id, params = payload[0], payload[3]
@@ -211,8 +223,7 @@ class AsyncLLMEngine:
                         f"({type(err).__name__})"))
                     continue
                 finally:
-                    with self._lock:  # only now is it counted in scheduler.waiting
-                        self._pending -= params.n
+                    taken += params.n
                 if stream is not None and self.metrics:
                     self.metrics.prompt_tokens.inc(stream.num_prompt_tokens)
             elif kind == "abort":  # the consumer is gone: nobody to tell
@@ -237,12 +248,15 @@ class AsyncLLMEngine:
         if output.finished:
             self._record_finish(output, stream, now)
             self._forget(output.request_id)
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+        if not _send(stream, output) and not output.finished:
+            # Its consumer's event loop is gone (nobody reads it any more): abort it now.
+            self._forget(output.request_id)
+            self.engine.abort_request(output.request_id)
 
     def _close(self, request_id: str, err: BaseException) -> None:
         stream = self._forget(request_id)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, err)
+            _send(stream, err)
 
     def _forget(self, request_id: str) -> _Stream | None:
         with self._lock:
@@ -275,33 +289,50 @@ class AsyncLLMEngine:
             if queued is not None:
                 self.metrics.queue_time.observe(queued)
 
+    def _publish_stats(self, taken: int = 0) -> EngineStats:
+        """Take a snapshot (engine thread); `taken` sequences left _pending and are in it."""
+        stats = self.engine.stats()
+        with self._lock:
+            self._stats = stats
+            self._pending -= taken
+        return stats
+
     def _update_gauges(self) -> None:
-        engine = self.engine
-        scheduler = engine.scheduler
+        stats = self._publish_stats()
         if self.metrics:
-            self.metrics.update_gauges(running=len(scheduler.running),
-                                       waiting=len(scheduler.waiting),
-                                       kv_usage=engine.kv_cache.usage,
-                                       preemptions=scheduler.num_preemptions,
-                                       prefix_cache=(engine.kv_cache.queries,
-                                                     engine.kv_cache.hits))
+            self.metrics.update_gauges(running=stats.running, waiting=stats.waiting,
+                                       kv_usage=stats.kv_usage, preemptions=stats.preemptions,
+                                       prefix_cache=(stats.prefix_cache_queries,
+                                                     stats.prefix_cache_hits))
         now = time.monotonic()
         if now - self._last_log >= _LOG_INTERVAL_S and self.metrics:
             prompt, gen = self.metrics.token_totals()
             elapsed = now - self._last_log
-            compiles = engine.num_compilations
+            compiles = stats.compilations
             compiled = compiles - self._logged_compiles
-            if (prompt, gen) != self._logged_tokens or scheduler.num_unfinished or compiled:
+            busy = stats.running or stats.waiting
+            if (prompt, gen) != self._logged_tokens or busy or compiled:
                 logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: "
                             "%.1f tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache "
                             "usage: %.1f%%, Prefix cache hit rate: %.1f%%%s",
                             (prompt - self._logged_tokens[0]) / elapsed,
-                            (gen - self._logged_tokens[1]) / elapsed, len(scheduler.running),
-                            len(scheduler.waiting), 100 * engine.kv_cache.usage,
-                            100 * engine.kv_cache.hit_rate,
+                            (gen - self._logged_tokens[1]) / elapsed, stats.running,
+                            stats.waiting, 100 * stats.kv_usage,
+                            100 * stats.prefix_cache_hit_rate,
                             f", XLA compilations: {compiled}"
-                            f"{'' if engine.warm_up_done else ' (warm-up running)'}"
+                            f"{'' if stats.warm_up_done else ' (warm-up running)'}"
                             if compiled else "")
             self._logged_tokens = (prompt, gen)
             self._logged_compiles = compiles
             self._last_log = now
+
+
+def _send(stream: _Stream, item) -> bool:
+    """Hand an output (or an error) to the stream's event loop; False when that loop has
+    closed (its consumer is gone: a client of a short-lived loop, a server shutting down),
+    which must never stop the engine thread."""
+    try:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    except RuntimeError:  # "Event loop is closed"
+        return False
+    return True

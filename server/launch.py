@@ -110,7 +110,7 @@ def serve(engine_config, server_config: ServerConfig, log_level: str = "info") -
 
     engine = create_engine(engine_config)
     metrics = EngineMetrics(server_config.served_model_name,
-                            warm_up_done=lambda: engine.warm_up_done)
+                            warm_up_done=lambda: async_engine.warm_up_done)
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=server_config.max_waiting_requests,
                                   metrics=metrics)
     async_engine.start()

@@ -74,7 +74,7 @@ def test_leaving_early_aborts_and_frees_blocks(running, engine):
         return False
 
     assert asyncio.run(main())
-    assert engine.kv_cache.usage == 0
+    assert engine.kv_manager.usage == 0
 
 
 def test_admission_cap_raises_overloaded(engine):
@@ -153,3 +153,28 @@ def test_an_unhandled_error_is_a_500_logged_once_with_the_request_id(engine, cap
     assert len(errors) == 1, [r.getMessage() for r in errors]
     assert re.search(r"POST /v1/completions \(request [0-9a-f]{32}\)", errors[0].getMessage())
     assert errors[0].exc_info is not None
+
+
+def test_a_consumer_whose_event_loop_closed_is_aborted_and_the_loop_goes_on(running, engine):
+    """Outputs for a stream whose event loop has closed (a short-lived client loop, as
+    starlette's TestClient runs) cannot be delivered: the request is aborted and the engine
+    thread keeps serving."""
+    long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    gone = asyncio.new_event_loop()
+
+    async def submit_only():
+        return running.submit("orphan", None, [5, 6, 7], long)
+
+    gone.run_until_complete(submit_only())
+    gone.close()  # nobody will ever read "orphan"'s outputs
+    for _ in range(500):
+        if not engine.has_unfinished_requests() and running.num_in_flight == 0:
+            break
+        asyncio.run(asyncio.sleep(0.02))
+    assert running.is_running, running.dead_reason
+    assert not engine.has_unfinished_requests() and running.num_in_flight == 0
+
+    async def one():
+        return await collect(running.submit("after", None, [5, 6, 7], PARAMS))
+
+    assert asyncio.run(one())[-1].finished

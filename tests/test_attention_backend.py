@@ -13,8 +13,9 @@ import pytest
 from test_parity import hf_greedy, run_jaxserve
 
 from jaxserve.attend import attention_for
-from jaxserve.cli import build_parser, engine_kwargs
+from jaxserve.cli import build_parser
 from jaxserve.config import ATTENTION_BACKENDS, AttentionConfig, EngineConfig
+from jaxserve.engine_args import EngineArgs
 from jaxserve.kernels_pallas import cpu_attention, ref
 
 KERNELS = "jaxserve.kernels_pallas"
@@ -46,9 +47,9 @@ def test_engine_start_up_refuses_pallas_on_cpu(tiny_checkpoint):
 
 def test_cli_flag_reaches_the_engine_arguments():
     args = build_parser().parse_args(["generate", "--attention-backend", "interpret", "hi"])
-    assert engine_kwargs(args)["attention_backend"] == "interpret"
-    assert engine_kwargs(build_parser().parse_args(["generate", "hi"]))["attention_backend"] \
-        == "auto"
+    assert EngineArgs.from_cli(args).attention_backend == "interpret"
+    assert EngineArgs.from_cli(build_parser().parse_args(["generate", "hi"])) \
+        .attention_backend == "auto"
     with pytest.raises(SystemExit):  # argparse lists the choices on stderr
         build_parser().parse_args(["generate", "--attention-backend", "triton", "hi"])
 

@@ -4,33 +4,52 @@ the server's gauges read. (tests/test_mesh.py runs real replicas on fake devices
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import dataclasses
+import sys
+import time
 import types
 
 import pytest
 
 from jaxserve.data_parallel import DataParallelEngine
+from jaxserve.engine_stats import EngineStats
 from jaxserve.kv_cache_manager import PrefixCacheStats
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.async_engine import AsyncLLMEngine
 
 
 @dataclasses.dataclass
 class FakeOutput:
     request_id: str
     finished: bool
+    outputs: list = dataclasses.field(default_factory=list)
+    metrics: object = None
 
 
 class FakeReplica:
-    """Requests finish after `steps_to_finish` steps; counts what it was asked to do."""
+    """Requests finish after `steps_to_finish` steps; counts what it was asked to do. Its
+    waiting queue changes as an engine's does: taken in at a step, refilled by adds."""
 
     def __init__(self, steps_to_finish: int, blocks_used: float, hits: int) -> None:
         self.requests: dict[str, int] = {}
+        self.waiting: collections.deque[str] = collections.deque()
         self.steps_to_finish = steps_to_finish
         self.steps = 0
         self.tokenizer = object()
-        self.scheduler = types.SimpleNamespace(running=[], waiting=[], num_preemptions=1,
-                                               num_unfinished=0)
+        self.blocks_used, self.hits = blocks_used, hits
+        # What the front end used to read from another thread (the race the snapshot ends).
+        self.scheduler = types.SimpleNamespace(waiting=self.waiting, running=[],
+                                               num_preemptions=1, num_unfinished=0)
         self.kv_cache = types.SimpleNamespace(usage=blocks_used, queries=10, hits=hits)
+        self.num_compilations, self.warm_up_done = 3, True
+
+    def stats(self) -> EngineStats:
+        return EngineStats(running=len(self.requests) - len(self.waiting),
+                           waiting=len(self.waiting), unfinished_requests=len(self.requests),
+                           kv_usage=self.blocks_used, prefix_cache_queries=10,
+                           prefix_cache_hits=self.hits, preemptions=1, compilations=3)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -39,15 +58,24 @@ class FakeReplica:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def validate(self, ids, params) -> None:
+        pass
+
     def add_request(self, request_id, prompt, ids, params, priority=0) -> None:
         self.requests[request_id] = 0
+        self.waiting.append(request_id)
 
     def abort_request(self, request_id):
         self.requests.pop(request_id)
+        if request_id in self.waiting:
+            self.waiting.remove(request_id)
         return FakeOutput(request_id, True)
 
     def step(self, final_only=False):
         self.steps += 1
+        for _ in range(len(self.waiting)):
+            self.waiting.popleft()
+            time.sleep(0)  # let other threads run while the queue changes
         outputs = []
         for request_id in list(self.requests):
             self.requests[request_id] += 1
@@ -94,7 +122,38 @@ def test_abort_reaches_the_owner_and_ids_stay_unique():
 
 def test_gauges_merge_the_replicas():
     engine, _ = make_engine()
-    assert engine.kv_cache.usage == pytest.approx(0.3)
+    engine.add_request("a", None, [1], SamplingParams(n=1))
+    stats = engine.stats()
+    assert stats.kv_usage == pytest.approx(0.3) and stats.waiting == 1
     assert engine.prefix_cache_stats == PrefixCacheStats(20, 4)
-    assert engine.kv_cache.hit_rate == pytest.approx(0.2)
-    assert engine.num_preemptions == 2 and engine.scheduler.num_unfinished == 0
+    assert stats.prefix_cache_hit_rate == pytest.approx(0.2)
+    assert engine.num_preemptions == 2 and stats.unfinished_requests == 1
+    assert stats.compilations == 3  # process-wide: not summed
+
+
+def test_submits_while_replicas_step_read_only_snapshots():
+    """The server's admission check runs on the event loop while the engine thread steps
+    the replicas: it must read a snapshot, never the replicas' queues as they change."""
+    engine, _ = make_engine()
+    async_engine = AsyncLLMEngine(engine, max_waiting_requests=100_000)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: a racy read shows up at once
+    async_engine.start()
+    params = SamplingParams(max_tokens=1)
+
+    async def flood():
+        streams = []
+        for i in range(3000):
+            streams.append(async_engine.submit(f"r{i}", None, [1], params))
+            if i % 50 == 0:
+                await asyncio.sleep(0)
+        for stream in streams[::97]:
+            async for _ in stream:
+                pass
+
+    try:
+        asyncio.run(asyncio.wait_for(flood(), 120))
+        assert async_engine.is_running, async_engine.dead_reason
+    finally:
+        sys.setswitchinterval(interval)
+        async_engine.stop()

@@ -115,7 +115,7 @@ def check_poisoned_batch(engine, good_prompts, reference, mode: str,
         assert output.outputs[0].token_ids == reference[request_id].outputs[0].token_ids, \
             request_id
     # Everything was freed, and the engine goes on serving.
-    assert engine.kv_cache.usage == 0 and not engine.scheduler.running
+    assert engine.kv_manager.usage == 0 and not engine.scheduler.running
     again = run(engine, {"after": good_prompts[0]})["after"]
     assert again.outputs[0].token_ids == reference["good0"].outputs[0].token_ids
 
@@ -160,7 +160,7 @@ def test_a_failure_reading_one_requests_results_fails_it_alone(engine, good_prom
     for i in range(len(good_prompts)):
         assert finals[f"good{i}"].outputs[0].token_ids == \
             reference[f"good{i}"].outputs[0].token_ids
-    assert engine.kv_cache.usage == 0
+    assert engine.kv_manager.usage == 0
 
 
 def test_failed_request_is_a_500_or_an_error_event_and_the_server_stays_healthy(engine):
@@ -190,7 +190,7 @@ def test_failed_request_is_a_500_or_an_error_event_and_the_server_stays_healthy(
             if not engine.has_unfinished_requests():
                 break
             time.sleep(0.02)
-        assert not engine.has_unfinished_requests() and engine.kv_cache.usage == 0
+        assert not engine.has_unfinished_requests() and engine.kv_manager.usage == 0
         assert runner.steps - steps < 100, runner.steps - steps
         assert client.get("/health").status_code == 200
         resp = client.post("/v1/completions", json={"prompt": [1, 5, 6, 7], "max_tokens": 3})

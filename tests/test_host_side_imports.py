@@ -1,7 +1,9 @@
-"""The host/device line (DESIGN.md): host-side modules import with jax, jaxlib and flax blocked.
+"""The host/device line (docs/architecture.md): host-side modules import with jax, jaxlib,
+flax and torch blocked.
 
 Each check runs in a fresh interpreter whose meta-path finder refuses those packages, so a
-stray `import jax` anywhere in a host module's import chain fails the test.
+stray `import jax` anywhere in a host module's import chain fails the test. The engine
+reaches a backend only through runner_api.create_runner, which imports it when called.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ BLOCKER = textwrap.dedent("""
     import importlib.abc
     import sys
 
-    BLOCKED = ("jax", "jaxlib", "flax")
+    BLOCKED = ("jax", "jaxlib", "flax", "torch", "triton")
 
     class Blocker(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
@@ -45,6 +47,17 @@ HOST_MODULES = [
     "jaxserve.detokenizer",
     "jaxserve.outputs",
     "jaxserve.request_outputs",
+    "jaxserve.engine",
+    "jaxserve.engine_stats",
+    "jaxserve.engine_args",
+    "jaxserve.runner_api",
+    "jaxserve.runners",
+    "jaxserve.kv_sizing",
+    "jaxserve.model_path",
+    "jaxserve.data_parallel",
+    "jaxserve.llm",
+    "jaxserve.server.protocol",
+    "jaxserve.server.async_engine",
 ]
 
 

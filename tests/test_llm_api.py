@@ -299,3 +299,13 @@ def test_max_model_len_ends_with_length(llm):
     out = llm.generate([prompt], SamplingParams(max_tokens=100, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]
     assert (len(out.token_ids), out.finish_reason) == (6, "length")
+
+
+def test_completion_finished_reads_as_attribute_and_as_vllm_method():
+    from jaxserve.outputs import CompletionOutput
+
+    running = CompletionOutput(0, "", [], None, None)
+    done = CompletionOutput(0, "x", [5], None, None, finish_reason="length")
+    assert not running.finished and running.finished() is False
+    assert done.finished and done.finished() is True
+    assert repr(done.finished) == "True"

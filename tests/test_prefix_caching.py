@@ -195,7 +195,7 @@ def test_n_children_share_the_prompt_blocks_admitted_in_one_step():
     h.run()
     assert all(c.output_token_ids == children[0].output_token_ids for c in children)
     h.check_outputs()
-    assert h.kv_cache.stats.queries == 54 and h.kv_cache.hits == 32
+    assert h.kv_manager.stats.queries == 54 and h.kv_manager.hits == 32
 
 
 def test_a_request_admitted_later_in_the_same_step_hits_blocks_scheduled_before_it():
@@ -228,7 +228,7 @@ def test_a_preempted_request_hits_its_own_blocks_on_recompute():
     hits = readmitted.num_scheduled_tokens[-1]
     assert b.num_computed_tokens - hits > 0, "the recompute started from its cached blocks"
     assert b.num_cached_tokens == 0, "num_cached_tokens is that of the first admission"
-    assert h.kv_cache.hits > 0
+    assert h.kv_manager.hits > 0
     h.run()
     h.check_outputs()
 
@@ -250,7 +250,7 @@ def test_caching_changes_no_token_and_saves_work():
     cached, got, cached_work = workload(True, 200)
     tight, tight_got, _ = workload(True, 12)
     assert got == want == tight_got
-    assert cached_work < plain_work and cached.kv_cache.hit_rate > 0.2
+    assert cached_work < plain_work and cached.kv_manager.hit_rate > 0.2
     assert tight.scheduler.num_preemptions > 0
 
 
@@ -274,22 +274,23 @@ def test_randomized_soak_with_shared_prefixes(seed):
                       repetition_penalty=rng.choice([1.0, 1.0, 1.0, 1.1])))
 
     h.soak(rng, 30, add, bursts=(0, 1, 1, 2, 3), max_steps=20_000)
-    assert h.kv_cache.pool.num_free == h.num_blocks - 1
-    assert h.kv_cache.hits > 0
+    assert h.kv_manager.pool.num_free == h.num_blocks - 1
+    assert h.kv_manager.hits > 0
 
 
 # ---- configuration and metrics ------------------------------------------------------------
 def test_config_flag_and_cli():
-    from jaxserve.cli import build_parser, engine_kwargs
+    from jaxserve.cli import build_parser
+    from jaxserve.engine_args import EngineArgs
 
     assert CacheConfig().enable_prefix_caching is True
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         CacheConfig(enable_prefix_caching="no")
     parser = build_parser()
     for sub in (["generate", "x"], ["serve"]):
-        assert engine_kwargs(parser.parse_args(sub))["enable_prefix_caching"] is True
+        assert EngineArgs.from_cli(parser.parse_args(sub)).enable_prefix_caching is True
         off = parser.parse_args([sub[0], "--no-enable-prefix-caching", *sub[1:]])
-        assert engine_kwargs(off)["enable_prefix_caching"] is False
+        assert EngineArgs.from_cli(off).enable_prefix_caching is False
 
 
 def test_metrics_export_vllm_prefix_cache_counters():
@@ -342,7 +343,7 @@ def test_greedy_tokens_equal_with_and_without_cache(llms):
     again = cached.generate(prompts[:1], GREEDY, use_tqdm=False)  # from free cached blocks
     assert ids(again) == ids(got[:1])
     assert 64 <= again[0].num_cached_tokens < len(prompts[0])
-    assert cached.engine.kv_cache.usage == 0
+    assert cached.engine.kv_manager.usage == 0
 
 
 def test_preemption_with_shared_prefixes(llms):

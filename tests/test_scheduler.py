@@ -15,6 +15,7 @@ blocks, penalty-state slots, and what preemption does to the preempted request.
 from __future__ import annotations
 
 import random
+import types
 import zlib
 
 import numpy as np
@@ -68,10 +69,10 @@ class Harness:
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len)
-        self.kv_cache = KVCacheManager(num_blocks, block_size, enable_caching=enable_caching)
+        self.kv_manager = KVCacheManager(num_blocks, block_size, enable_caching=enable_caching)
         self.enable_caching = enable_caching
         self.hash_tokens: dict[bytes, list[int]] = {}  # every block hash seen -> its tokens
-        self.scheduler = Scheduler(self.config, self.kv_cache)
+        self.scheduler = Scheduler(self.config, self.kv_manager)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
@@ -173,11 +174,11 @@ class Harness:
         budget_left = cfg.max_num_batched_tokens - out.total_num_scheduled_tokens
         if not out.preempted and s.waiting and budget_left and len(s.running) < cfg.max_num_seqs:
             head = s.waiting[0]
-            hits = self.kv_cache.get_computed_blocks(head)
+            hits = self.kv_manager.get_computed_blocks(head)
             num_hit = len(hits) * self.block_size
             n = min(head.num_tokens - num_hit, budget_left)
-            missing = self.kv_cache.blocks_needed(num_hit + n) - len(hits)
-            pool = self.kv_cache.pool
+            missing = self.kv_manager.blocks_needed(num_hit + n) - len(hits)
+            pool = self.kv_manager.pool
             available = pool.num_free - sum(1 for b in hits if pool.ref_counts[b] == 0)
             assert missing > available, "the head of the queue waited for nothing"
 
@@ -208,7 +209,7 @@ class Harness:
             assert req.finished and req.block_ids == [] and req.state_slot == 0
             assert not any(req is r for r in s.running) and not any(req is r for r in s.waiting)
 
-        pool = self.kv_cache.pool
+        pool = self.kv_manager.pool
         assert 0 not in held, "the null block was handed out"
         if self.enable_caching:
             self.check_sharing(s.running)
@@ -219,7 +220,7 @@ class Harness:
         assert pool.ref_counts[0] == 1
         assert (pool.ref_counts[1:] == holders[1:]).all(), "ref counts != holders"
         assert all(pool.is_free(b) == (holders[b] == 0) for b in range(1, self.num_blocks))
-        assert self.kv_cache.usage == pytest.approx(
+        assert self.kv_manager.usage == pytest.approx(
             np.count_nonzero(holders) / (self.num_blocks - 1))
 
         slots = [r.state_slot for r in s.running]
@@ -231,7 +232,7 @@ class Harness:
         """Prefix caching: a block may be held by several requests only if it is a cached
         full block whose hash is that of each holder's block at that position, and a
         request holds each block once. The hash map and its inverse agree."""
-        pool = self.kv_cache.pool
+        pool = self.kv_manager.pool
         assert {b: h for h, b in pool.cached.items()} == pool.block_hash
         assert 0 not in pool.block_hash, "the null block was cached"
         holders: dict[int, int] = {}
@@ -257,14 +258,14 @@ class Harness:
     def check_cached_kv(self) -> None:
         """After a step: every cached block holds exactly the tokens its hash names."""
         bs = self.block_size
-        for digest, b in self.kv_cache.pool.cached.items():
+        for digest, b in self.kv_manager.pool.cached.items():
             assert self.kv[b * bs: (b + 1) * bs].tolist() == self.hash_tokens[digest], \
                 f"cached block {b} holds other tokens than its hash says"
 
     def check_all_free(self) -> None:
         assert self.scheduler.num_unfinished == 0
-        assert self.kv_cache.pool.num_free == self.num_blocks - 1
-        assert self.kv_cache.usage == 0
+        assert self.kv_manager.pool.num_free == self.num_blocks - 1
+        assert self.kv_manager.usage == 0
         assert sorted(self.scheduler._free_slots) == list(range(1, self.config.max_num_seqs + 1))
         for req in self.requests:
             assert req.finished and req.block_ids == [] and req.state_slot == 0
@@ -292,7 +293,8 @@ class Harness:
 
     # ---- the fake runner -----------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> None:
-        """What engine.step does after scheduling, with the model replaced by next_token."""
+        """The step with the model replaced by next_token, folded in by the scheduler's own
+        update_from_output (as the engine does)."""
         produced: list[Request] = []
         self.produced.append(produced)
         if out.empty:
@@ -304,27 +306,35 @@ class Harness:
         batch, sampling = build_step_inputs(out, num_tokens, num_rows, bs, self.blocks_per_seq)
         assert sampling["reset_state"][:rows].tolist() == resets
         assert not sampling["reset_state"][rows:].any()
-        for req in out.requests:  # as the engine does once the step is dispatched
-            req.needs_state_reset = False
         assert sampling["state_slots"][:rows].tolist() == [r.state_slot for r in out.requests]
 
         slots = batch["slot_mapping"]
         assert (slots[total:] < bs).all(), "padding must write into the null block"
         self.kv[slots[total:]] = PAD
         self.kv[slots[:total]] = batch["token_ids"][:total]
+        sampled = np.full(num_rows, -1, np.int64)
+        completing = []
         for row, (req, n) in enumerate(zip(out.requests, out.num_scheduled_tokens)):
-            req.num_computed_tokens += n
-            assert batch["kv_lens"][row] == req.num_computed_tokens
-            if req.num_computed_tokens < req.num_tokens:
+            computed = req.num_computed_tokens + n
+            assert batch["kv_lens"][row] == computed
+            if computed < req.num_tokens:
                 continue  # a prefill chunk: nothing sampled yet
-            pos = np.arange(req.num_computed_tokens)
+            pos = np.arange(computed)
             context = self.kv[batch["block_tables"][row][pos // bs] * bs + pos % bs]
             np.testing.assert_array_equal(context, req.token_ids[: req.num_tokens],
                                           err_msg=f"KV of {req.request_id} read back wrong")
-            req.append_token(next_token(context))
+            sampled[row] = next_token(context)
+            completing.append(req)
+        result = types.SimpleNamespace(token_ids=sampled, logprobs=np.zeros(num_rows))
+        got = self.scheduler.update_from_output(out, result)
+        assert [req for _, req in got] == completing
+        for req in out.requests:
+            assert not req.needs_state_reset, "a row that ran keeps its penalty state"
+        for row, req in got:
+            assert req.output_token_ids[-1] == sampled[row]
             produced.append(req)
-            if req.check_stop_token():
-                self.scheduler.finish(req, req.status)
+            if req.finished:
+                assert req not in self.scheduler.running and req.block_ids == []
                 self.finished.append(req)
         if self.enable_caching:
             self.check_cached_kv()
@@ -504,9 +514,9 @@ def test_every_block_is_free_after_all_requests_finish():
     for i in range(12):
         h.new(f"r{i}", prompt_len=3 + 2 * i, max_tokens=1 + i)
     h.step()
-    assert h.kv_cache.usage > 0
+    assert h.kv_manager.usage > 0
     h.run()
-    assert h.kv_cache.pool.num_free == 39 and h.kv_cache.usage == 0
+    assert h.kv_manager.pool.num_free == 39 and h.kv_manager.usage == 0
     h.check_outputs()
 
 
@@ -521,7 +531,7 @@ def test_abort_frees_running_and_waiting_requests():
     assert decoding.num_output_tokens == 2 and decoding.block_ids
     assert 0 < prefilling.num_computed_tokens < prefilling.num_prompt_tokens
     assert list(h.scheduler.waiting) == [keep, waiting]
-    free_before = h.kv_cache.pool.num_free
+    free_before = h.kv_manager.pool.num_free
     held = len(decoding.block_ids) + len(prefilling.block_ids)
 
     h.abort(decoding)
@@ -529,7 +539,7 @@ def test_abort_frees_running_and_waiting_requests():
     h.abort(waiting)
     for req in (decoding, prefilling, waiting):
         assert req.status is RequestStatus.FINISHED_ABORTED
-    assert h.kv_cache.pool.num_free == free_before + held
+    assert h.kv_manager.pool.num_free == free_before + held
     assert not any(r is waiting for r in h.scheduler.waiting)
     h.run()
     assert keep.status is RequestStatus.FINISHED_LENGTH and keep.num_output_tokens == 6
@@ -557,7 +567,7 @@ def test_the_newest_running_request_is_preempted_when_blocks_run_out():
     a, b, c = (h.new(n, prompt_len=7, max_tokens=8) for n in "abc")
     d = h.new("d", prompt_len=4, max_tokens=3)
     out = h.step()
-    assert out.requests == [a, b, c] and h.kv_cache.pool.num_free == 0
+    assert out.requests == [a, b, c] and h.kv_manager.pool.num_free == 0
     out = h.step()  # 8 computed tokens still fit in 2 blocks
     assert out.requests == [a, b, c] and not out.preempted
     outputs_before = c.output_token_ids

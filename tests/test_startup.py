@@ -180,7 +180,7 @@ def test_background_warm_up_serves_at_once_and_then_never_compiles(tiny_checkpoi
     assert engine.runner.padding.token_slots == 16 * engine.runner.padding.steps
 
     gate.set()
-    engine.runner._warming.join(300)
+    engine.runner.compiled._warming.join(300)
     assert engine.warm_up_done and engine.runner.step_limits() is None
     before = compilation_count()
     mixed = [SamplingParams(temperature=float(rng.choice([0.0, 0.8])), top_k=int(rng.choice(
@@ -208,6 +208,6 @@ def test_compile_on_first_use_picks_the_smallest_bucket(tiny_checkpoint):
     llm.generate([list(range(5, 45))], SamplingParams(max_tokens=4, ignore_eos=True),
                  use_tqdm=False)
     runner = llm.engine.runner
-    assert {k for k in runner._functions if k[0] == "step"} == {("step", 64, 4),
+    assert {k for k in runner.compiled.ready() if k[0] == "step"} == {("step", 64, 4),
                                                                  ("step", 16, 1)}
     assert runner.padding.token_slots == 64 + 3 * 16

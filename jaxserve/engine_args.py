@@ -1,0 +1,192 @@
+"""EngineArgs: every engine argument once, with vLLM's names, defaults and help texts.
+
+`LLM(...)`'s keywords and the engine flags of `jaxserve generate`, `serve` and `plan` (and
+their --help) are generated from this one dataclass, so the API and the command line cannot
+drift apart. jaxserve's earlier names stay accepted as aliases (`num_kv_blocks` for vLLM's
+`num_gpu_blocks_override`, `expert_parallel` for `enable_expert_parallel`). An unknown
+keyword raises TypeError naming the accepted ones, as any Python function (vLLM's `LLM`
+included) does. Values are checked where they are resolved: EngineConfig.create.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from jaxserve.config import ATTENTION_BACKENDS, DTYPE_CHOICES, LOAD_FORMATS
+
+_PRECOMPILE = {"all": True, "background": "background", "lazy": False}
+
+
+def _arg(default, help: str, *, choices=None, parse=None, aliases: tuple[str, ...] = (),
+         short: tuple[str, ...] = (), cli_help: str | None = None):
+    """A field with what the CLI needs: help text, choices, a parser for the flag's text,
+    old names (keywords and flags) and short flags."""
+    return dataclasses.field(default=default, metadata=dict(
+        help=help, choices=choices, parse=parse, aliases=aliases, short=short,
+        cli_help=cli_help))
+
+
+def _cache_dir(text: str) -> str | None:
+    return None if text.lower() == "none" else text
+
+
+def _precompile(text: str):
+    if text not in _PRECOMPILE:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice {text!r} (choose from {', '.join(_PRECOMPILE)})")
+    return _PRECOMPILE[text]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineArgs:
+    """The engine's arguments. None means: resolved from the model and the platform."""
+
+    model: str | None = _arg(
+        None, "Hugging Face model folder (config.json, *.safetensors, tokenizer files); "
+        "default: the built-in model")
+    tokenizer: str | None = _arg(None, "tokenizer folder (default: the model folder)")
+    trust_remote_code: bool = _arg(
+        False, "vLLM's permission to run code from the model folder; jaxserve never does (its "
+        "own model code covers the supported architectures), so True is refused")
+    dtype: str = _arg(
+        "auto", "data type of weights and activations; auto: the checkpoint's on an "
+        "accelerator, float32 on the CPU (unless the model is too large for it); half = "
+        "float16, float = float32", choices=DTYPE_CHOICES)
+    load_format: str = _arg(
+        "auto", "auto: the model folder's safetensors; dummy: random weights of the model's "
+        "shape, made on the devices (benchmarks)", choices=LOAD_FORMATS)
+    max_model_len: int | None = _arg(
+        None, "longest sequence (prompt + output) in tokens (default: the model's "
+        "max_position_embeddings, at most 8192 on an accelerator and 2048 on the CPU)")
+    seed: int = _arg(0, "random seed of the engine (requests without a seed draw from it)")
+    block_size: int = _arg(16, "tokens per KV-cache block", choices=(8, 16, 32, 64, 128))
+    num_gpu_blocks_override: int | None = _arg(
+        None, "KV-cache size in blocks, instead of sizing it from the memory budget",
+        aliases=("num_kv_blocks",))
+    gpu_memory_utilization: float = _arg(
+        0.9, "fraction of each accelerator's memory the engine may use (weights, KV cache)")
+    kv_cache_memory_bytes: int | None = _arg(
+        None, "KV-cache budget in bytes per device, instead of gpu_memory_utilization (the "
+        "CPU default is 1 GiB)")
+    enable_prefix_caching: bool = _arg(
+        True, "reuse the KV cache of shared prompt prefixes")
+    max_num_seqs: int | None = _arg(
+        None, "most sequences in one step (default 256 on an accelerator, 128 on the CPU)")
+    max_num_batched_tokens: int | None = _arg(
+        None, "most tokens in one step (default 2048 on an accelerator, 512 on the CPU)")
+    mesh: str | None = _arg(
+        None, "device mesh DATAxMODEL, e.g. 2x4 (or data=2,model=4): DATA replicas, each "
+        "tensor-parallel over MODEL devices (default 1x1)")
+    tensor_parallel_size: int = _arg(1, "the model axis of the mesh (vLLM's name)",
+                                     short=("-tp",))
+    data_parallel_size: int = _arg(1, "the data axis of the mesh (vLLM's name)",
+                                   short=("-dp",))
+    enable_expert_parallel: bool = _arg(
+        False, "MoE models: split whole experts over the model axis instead of splitting "
+        "every expert", aliases=("expert_parallel",))
+    attention_backend: str = _arg(
+        "auto", "auto: the Pallas kernel on TPU/GPU, XLA:CPU-tuned JAX on the CPU; pallas; "
+        "reference (pure JAX); interpret / interpret-gpu (the TPU / GPU kernel in Pallas "
+        "interpret mode, slow)", choices=ATTENTION_BACKENDS)
+    compilation_cache_dir: str | None = _arg(
+        "default", "folder of the compiled-function caches (default "
+        "$XDG_CACHE_HOME/jaxserve/xla or ~/.cache/jaxserve/xla; None / 'none' turns them "
+        "off)", parse=_cache_dir)
+    precompile: bool | str | None = _arg(
+        None, "when to compile the shape buckets: True (all at start-up), 'background' (the "
+        "first at start-up, the rest while serving) or False (each on first use); None: the "
+        "entry point's default (LLM and generate: on first use, serve: background)",
+        parse=_precompile, cli_help="when to compile the shape buckets: all (at start-up), "
+        "background (the first at start-up, the rest while serving; serve's default) or "
+        "lazy (each on first use; generate's default)")
+
+    # ---- from keywords and from the command line ----------------------------------------
+    @classmethod
+    def from_kwargs(cls, caller: str = "EngineArgs", **kwargs: Any) -> EngineArgs:
+        """Keywords with vLLM's names or jaxserve's aliases; TypeError for any other."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        alias_of = {alias: f.name for f in dataclasses.fields(cls)
+                    for alias in f.metadata["aliases"]}
+        values: dict[str, Any] = {}
+        unknown = []
+        for key, value in kwargs.items():
+            name = alias_of.get(key, key)
+            if name not in names:
+                unknown.append(key)
+                continue
+            if name in values:
+                raise TypeError(f"{caller}() got both {name!r} and its alias {key!r}; give "
+                                "one of them.")
+            values[name] = value
+        if unknown:
+            accepted = sorted(names | set(alias_of))
+            raise TypeError(f"{caller}() got unexpected keyword argument(s) "
+                            f"{', '.join(map(repr, sorted(unknown)))}; the engine accepts "
+                            f"{', '.join(accepted)}.")
+        return cls(**values)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """One flag per field (--max-num-seqs for max_num_seqs), with its aliases."""
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            flags = [_flag(f.name), *(_flag(a) for a in meta["aliases"]), *meta["short"]]
+            help_text = meta["cli_help"] or meta["help"]
+            if isinstance(f.default, bool):
+                parser.add_argument(*flags, dest=f.name, default=f.default,
+                                    action=argparse.BooleanOptionalAction, help=help_text)
+                continue
+            kind = meta["parse"] or (int if isinstance(f.default, int) or f.name in _INTS
+                                     else float if isinstance(f.default, float) else str)
+            choices = None if meta["parse"] else meta["choices"]
+            if choices is not None:
+                choices = list(choices)
+            metavar = "{" + ",".join(_PRECOMPILE) + "}" if f.name == "precompile" else None
+            parser.add_argument(*flags, dest=f.name, default=f.default, type=kind,
+                                choices=choices, metavar=metavar,
+                                help=help_text + _default_text(f.default))
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    def engine_config(self, model: str, *, on_accelerator: bool,
+                      default_precompile: bool | str = True):
+        """The resolved EngineConfig for a model folder (self.model resolved by the
+        caller: the built-in model when None)."""
+        from jaxserve.config import EngineConfig
+
+        if self.trust_remote_code:
+            raise ValueError("trust_remote_code=True: jaxserve never runs code from the model "
+                             "folder; its own implementations of the supported architectures "
+                             "need none. Drop trust_remote_code.")
+        precompile = self.precompile if self.precompile is not None else default_precompile
+        return EngineConfig.create(
+            model, tokenizer=self.tokenizer, dtype=self.dtype, load_format=self.load_format,
+            max_model_len=self.max_model_len, seed=self.seed, block_size=self.block_size,
+            num_kv_blocks=self.num_gpu_blocks_override,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            enable_prefix_caching=self.enable_prefix_caching, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, mesh=self.mesh,
+            tensor_parallel_size=self.tensor_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            expert_parallel=self.enable_expert_parallel,
+            attention_backend=self.attention_backend,
+            compilation_cache_dir=self.compilation_cache_dir, precompile=precompile,
+            on_accelerator=on_accelerator)
+
+
+# Integer fields whose default is None (the annotation is a string here).
+_INTS = {"max_model_len", "num_gpu_blocks_override", "kv_cache_memory_bytes", "max_num_seqs",
+         "max_num_batched_tokens"}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _default_text(default) -> str:
+    return "" if default is None else f" (default: {default})"

@@ -1,0 +1,44 @@
+"""EngineStats: one immutable snapshot of an engine's load and counters.
+
+Taken on the engine thread (LLMEngine.stats()), so readers on other threads (the server's
+admission check, /metrics, the 10-second log line) never touch the scheduler's queues or
+the block pool while the engine changes them. A data-parallel front end merges its
+replicas' snapshots (EngineStats.merge).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    running: int = 0  # sequences in the running set
+    waiting: int = 0  # sequences waiting (new or preempted)
+    unfinished_requests: int = 0  # requests (of n sequences each) not finished
+    kv_usage: float = 0.0  # fraction of the usable KV blocks in use, 0..1
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache so far
+    prefix_cache_hits: int = 0  # of those, tokens served from it
+    preemptions: int = 0  # so far
+    compilations: int = 0  # XLA compilations in this process so far
+    compiling: int = 0  # functions being compiled now
+    warm_up_done: bool = True  # every bucket compiled
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries \
+            if self.prefix_cache_queries else 0.0
+
+    @classmethod
+    def merge(cls, parts: list[EngineStats]) -> EngineStats:
+        """Replicas seen as one: counts summed, KV usage averaged (replicas have equal
+        pools), compilations process-wide (the first's), warm-up done when all are."""
+        return cls(
+            running=sum(p.running for p in parts), waiting=sum(p.waiting for p in parts),
+            unfinished_requests=sum(p.unfinished_requests for p in parts),
+            kv_usage=sum(p.kv_usage for p in parts) / len(parts),
+            prefix_cache_queries=sum(p.prefix_cache_queries for p in parts),
+            prefix_cache_hits=sum(p.prefix_cache_hits for p in parts),
+            preemptions=sum(p.preemptions for p in parts),
+            compilations=parts[0].compilations, compiling=sum(p.compiling for p in parts),
+            warm_up_done=all(p.warm_up_done for p in parts))

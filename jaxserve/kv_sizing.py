@@ -1,0 +1,67 @@
+"""KV-cache sizing: the bytes of one block and how many blocks a budget holds.
+
+One home for both users: the runner sizes its cache at start-up from the device's memory
+statistics (after the weights are placed), and `jaxserve plan` predicts the same number from
+a given device memory without touching a device. Shape letters as in docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.config import CacheConfig
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+CPU_KV_BYTES = 1 << 30  # the KV budget on the host when nothing else is given
+
+
+@dataclasses.dataclass(frozen=True)
+class KVBudget:
+    blocks: int  # P, the null block included
+    budget_bytes: int  # per device
+    source: str  # "num_kv_blocks", "kv_cache_memory_bytes", "device memory" or "host default"
+
+
+def bytes_per_block(num_layers: int, block_size: int, kv_heads_per_device: int,
+                    head_dim: int, dtype: str) -> int:
+    """K and V of one block on one device (its share of the kv heads), every layer."""
+    return 2 * num_layers * block_size * kv_heads_per_device * head_dim * ITEMSIZE[dtype]
+
+
+def blocks_per_seq(max_model_len: int, block_size: int) -> int:
+    """B: the block-table width, one sequence of max_model_len tokens."""
+    return -(-max_model_len // block_size)
+
+
+def kv_budget(cache: CacheConfig, per_block: int, *, device_limit: int | None, in_use: int,
+              max_seq_blocks: int | None = None) -> KVBudget:
+    """The blocks the cache gets: num_kv_blocks when given; else kv_cache_memory_bytes;
+    else on an accelerator (device_limit: its memory) device_limit x gpu_memory_utilization
+    minus the bytes in use (the weights); else (the host) CPU_KV_BYTES, capped at
+    max_seq_blocks (what max_num_seqs sequences can use at once)."""
+    if cache.num_kv_blocks is not None:
+        return KVBudget(cache.num_kv_blocks, cache.num_kv_blocks * per_block, "num_kv_blocks")
+    if cache.kv_cache_memory_bytes is not None:
+        blocks, source = cache.kv_cache_memory_bytes // per_block, "kv_cache_memory_bytes"
+        budget = cache.kv_cache_memory_bytes
+    elif device_limit is not None:
+        budget = int(device_limit * cache.gpu_memory_utilization - in_use)
+        blocks, source = max(budget, 0) // per_block, "device memory"
+    else:
+        budget, source = CPU_KV_BYTES, "host default"
+        blocks = budget // per_block
+    if device_limit is None and max_seq_blocks is not None:
+        blocks = min(blocks, max_seq_blocks)  # host memory: no point holding more
+    return KVBudget(int(blocks), int(budget), source)
+
+
+def check_holds_one_sequence(blocks: int, block_size: int, max_model_len: int) -> None:
+    """ValueError unless the cache holds one sequence of max_model_len (plus the null
+    block), saying what would help."""
+    needed = blocks_per_seq(max_model_len, block_size) + 1
+    if blocks < needed:
+        raise ValueError(
+            f"The KV cache has room for {blocks} blocks of {block_size} tokens, but one "
+            f"sequence of max_model_len={max_model_len} needs {needed} (with the reserved "
+            "null block). Raise num_gpu_blocks_override (num_kv_blocks), "
+            "kv_cache_memory_bytes or gpu_memory_utilization, or lower max_model_len.")
