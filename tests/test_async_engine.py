@@ -178,3 +178,22 @@ def test_a_consumer_whose_event_loop_closed_is_aborted_and_the_loop_goes_on(runn
         return await collect(running.submit("after", None, [5, 6, 7], PARAMS))
 
     assert asyncio.run(one())[-1].finished
+
+
+def test_a_template_that_refuses_is_the_same_400_on_tokenize_and_chat(running, engine):
+    tokenizer = engine.tokenizer
+    saved = tokenizer.chat_template
+    tokenizer.chat_template = "{{ raise_exception('system messages are not supported') }}"
+    try:
+        client = TestClient(create_app(running, ServerConfig(served_model_name="t")))
+        messages = [{"role": "system", "content": "be brief"}]
+        chat = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+        tokenize = client.post("/tokenize", json={"messages": messages})
+    finally:
+        tokenizer.chat_template = saved
+    for resp in (chat, tokenize):
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == "messages" and "system messages are not supported" in \
+            error["message"]
+    assert chat.json()["error"] == tokenize.json()["error"]
