@@ -104,7 +104,7 @@ class EngineArgs:
 
     # ---- from keywords and from the command line ----------------------------------------
     @classmethod
-    def from_kwargs(cls, caller: str = "EngineArgs", **kwargs: Any) -> EngineArgs:
+    def from_kwargs(cls, caller: str = "EngineArgs", /, **kwargs: Any) -> EngineArgs:
         """Keywords with vLLM's names or jaxserve's aliases; TypeError for any other."""
         names = {f.name for f in dataclasses.fields(cls)}
         alias_of = {alias: f.name for f in dataclasses.fields(cls)
