@@ -88,7 +88,7 @@ class Plan:
 
     @property
     def blocks_per_seq(self) -> int:
-        return -(-self.max_model_len // self.block_size)
+        return kv_sizing.blocks_per_seq(self.max_model_len, self.block_size)
 
     @property
     def max_concurrency(self) -> int:
