@@ -133,6 +133,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
                        description="Serve /v1/completions, /v1/chat/completions and friends.")
+    _add_model_positional(p)
     add_engine_args(p)
     add_distributed_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
@@ -161,13 +162,28 @@ def _serve_parser(sub) -> None:
     p.set_defaults(func=_run_serve)
 
 
+def _add_model_positional(parser: argparse.ArgumentParser) -> None:
+    """`jaxserve serve MODEL` as `vllm serve MODEL` (the same as --model)."""
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="model folder or Hugging Face Hub id (the same as --model)")
+
+
+def _model_of(args: argparse.Namespace) -> str | None:
+    tag = getattr(args, "model_tag", None)
+    if tag is not None and args.model is not None and tag != args.model:
+        raise ValueError(f"the model is given twice, as {tag!r} and --model {args.model!r}; "
+                         "give one of them.")
+    args.model = tag if tag is not None else args.model
+    return args.model
+
+
 def _run_serve(args: argparse.Namespace) -> int:
     from jaxserve.model_path import resolve_model
     from jaxserve.server.app import ServerConfig
     from jaxserve.server.launch import serve
     from jaxserve.server.protocol import RequestLimits
 
-    model = resolve_model(args.model, logging.getLogger("jaxserve.serve"))
+    model = resolve_model(_model_of(args), logging.getLogger("jaxserve.serve"))
     name = args.served_model_name or args.model or "jaxserve-default"
     server_config = ServerConfig(
         host=args.host, port=args.port, served_model_name=name,
@@ -189,6 +205,7 @@ def _plan_parser(sub) -> None:
         "(only its config.json is read), a mesh and a per-device memory size: weight and KV "
         "bytes, KV blocks, concurrency at max_model_len, compile buckets. Runs on the CPU; no "
         "accelerator is touched. Defaults are the engine's on an accelerator.")
+    _add_model_positional(p)
     add_engine_args(p)
     p.add_argument("--device-memory", required=True, type=_device_memory, metavar="SIZE",
                    help="memory of one device: 16GiB or 16G (binary), 80GB (decimal), 16e9 "
@@ -216,7 +233,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from jaxserve.model_path import resolve_model
     from jaxserve.plan import format_plan, make_plan, plan_dict
 
-    model = resolve_model(args.model, logging.getLogger("jaxserve.plan"))
+    model = resolve_model(_model_of(args), logging.getLogger("jaxserve.plan"))
     config = engine_config(args, model, on_accelerator=True)
     plan = make_plan(config, args.device_memory)
     print(json.dumps(plan_dict(plan), indent=2) if args.json else format_plan(plan))

@@ -254,8 +254,8 @@ def _parallel_config(hf_config: dict, mesh, data_parallel_size: int, tensor_para
 def read_hf_config(model: str | os.PathLike) -> dict:
     folder = Path(model)
     if not folder.is_dir():
-        raise ValueError(f"model must be a local Hugging Face model folder; {str(model)!r} is not "
-                         "a directory (jaxserve never downloads weights).")
+        raise ValueError(f"model must be a Hugging Face model folder or Hub id (org/name); "
+                         f"{str(model)!r} is not a directory.")
     path = folder / "config.json"
     if not path.is_file():
         raise ValueError(f"{folder} has no config.json; expected a Hugging Face model folder "
