@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+from jaxserve.generation_config import sampling_defaults
 from jaxserve.mesh import MeshShape, ModelDims, parse_mesh, plan_sharding
 from jaxserve.models import resolve_architecture
 
@@ -34,6 +35,9 @@ class ModelConfig:
     # auto: the folder's safetensors; dummy: random weights made on the devices (benchmarks
     # of a model's shape without its checkpoint, as vLLM's --load-format dummy)
     load_format: str = "auto"
+    # SamplingParams fields the model's generation_config.json sets (generation_config.py)
+    sampling_defaults: dict = dataclasses.field(default_factory=dict, compare=False,
+                                                hash=False)
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -192,6 +196,7 @@ class EngineConfig:
         attention_backend: str = "auto",
         compilation_cache_dir: str | None = "default",
         precompile: bool | str = True,
+        generation_config: str = "auto",
         on_accelerator: bool = False,
     ) -> EngineConfig:
         """Resolve defaults against the model folder's config.json and validate everything."""
@@ -216,7 +221,9 @@ class EngineConfig:
         return cls(
             model=ModelConfig(model=str(model), tokenizer=str(tokenizer or model),
                               dtype=resolved_dtype, max_model_len=max_model_len, seed=seed,
-                              hf_config=hf_config, load_format=load_format),
+                              hf_config=hf_config, load_format=load_format,
+                              sampling_defaults=sampling_defaults(str(model),
+                                                                  generation_config)),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               gpu_memory_utilization=gpu_memory_utilization,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,

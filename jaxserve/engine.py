@@ -66,6 +66,11 @@ class LLMEngine:
                     (blocks - 1) * size, blocks * self.runner.bytes_per_block / 2**20, max_len,
                     (blocks - 1) / self.runner.blocks_per_seq,
                     "on" if config.cache.enable_prefix_caching else "off")
+        if config.model.sampling_defaults:
+            logger.info("Default sampling parameters from the model's generation_config.json: "
+                        "%s (a request's own values win; generation_config='vllm' / "
+                        "--generation-config vllm ignores the file).",
+                        config.model.sampling_defaults)
         if config.precompile:
             self.runner.warm_up(background=config.precompile == "background")
         self._rng = np.random.default_rng(config.model.seed)

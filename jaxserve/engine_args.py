@@ -61,6 +61,11 @@ class EngineArgs:
         None, "longest sequence (prompt + output) in tokens (default: the model's "
         "max_position_embeddings, at most 8192 on an accelerator and 2048 on the CPU)")
     seed: int = _arg(0, "random seed of the engine (requests without a seed draw from it)")
+    generation_config: str = _arg(
+        "auto", "where the default sampling parameters come from: auto (the model folder's "
+        "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens), vllm (ignore it), or a folder holding a generation_config.json; a "
+        "request's own values win")
     block_size: int = _arg(16, "tokens per KV-cache block", choices=(8, 16, 32, 64, 128))
     num_gpu_blocks_override: int | None = _arg(
         None, "KV-cache size in blocks, instead of sizing it from the memory budget",
@@ -176,7 +181,7 @@ class EngineArgs:
             expert_parallel=self.enable_expert_parallel,
             attention_backend=self.attention_backend,
             compilation_cache_dir=self.compilation_cache_dir, precompile=precompile,
-            on_accelerator=on_accelerator)
+            generation_config=self.generation_config, on_accelerator=on_accelerator)
 
 
 # Integer fields whose default is None (the annotation is a string here).

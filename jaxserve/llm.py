@@ -54,6 +54,13 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (temperature,
+        top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens), unless the
+        engine was started with generation_config="vllm": what generate() and chat() use
+        when given no sampling_params, as vLLM does."""
+        return SamplingParams(**self.engine.config.model.sampling_defaults)
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] |
                  None = None, *, use_tqdm: bool = True,
                  priority: list[int] | None = None) -> list[RequestOutput]:
@@ -61,7 +68,7 @@ class LLM:
         lists, or {"prompt": ...} / {"prompt_token_ids": ...} dicts. Outputs come back in the
         order of the prompts. Every prompt is checked before any is scheduled."""
         items = _normalise_prompts(prompts)
-        params = _per_prompt(sampling_params, len(items))
+        params = _per_prompt(sampling_params, len(items), self.get_default_sampling_params)
         tokenized = [(text, ids if ids is not None else self._encode(text))
                      for text, ids in items]
         for (_, ids), p in zip(tokenized, params):
@@ -82,7 +89,7 @@ class LLM:
                                       chat_template=chat_template,
                                       **(chat_template_kwargs or {}))
             tokenized.append((tokenizer.decode(ids), ids))
-        params = _per_prompt(sampling_params, len(tokenized))
+        params = _per_prompt(sampling_params, len(tokenized), self.get_default_sampling_params)
         for (_, ids), p in zip(tokenized, params):
             self.engine.validate(ids, p)
         return self._run(tokenized, params, use_tqdm, None)
@@ -148,9 +155,9 @@ def _normalise_prompts(prompts) -> list[tuple[str | None, list[int] | None]]:
     return items
 
 
-def _per_prompt(params, count: int) -> list[SamplingParams]:
+def _per_prompt(params, count: int, default) -> list[SamplingParams]:
     if params is None:
-        return [SamplingParams()] * count
+        return [default()] * count
     if isinstance(params, SamplingParams):
         return [params] * count
     params = list(params)

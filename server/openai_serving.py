@@ -69,6 +69,7 @@ class OpenAIServing:
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.config.model.max_model_len
         self.vocab_size = engine.engine.config.model.vocab_size
+        self.sampling_defaults = engine.engine.config.model.sampling_defaults
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -79,14 +80,14 @@ class OpenAIServing:
     def prepare_completion(self, raw: bytes) -> Prepared:
         body = parse_body(raw, CompletionRequest)
         self.check_model(body.model)
-        params = _params(body, self.limits, "prompt")
+        params = _params(body, self.limits, "prompt", self.sampling_defaults)
         return Prepared("text_completion", body, params, self._completion_prompts(body.prompt),
                         "prompt")
 
     def prepare_chat(self, raw: bytes) -> Prepared:
         body = parse_body(raw, ChatCompletionRequest)
         self.check_model(body.model)
-        params = _params(body, self.limits, "messages")
+        params = _params(body, self.limits, "messages", self.sampling_defaults)
         ids = self._render_chat(body.template_messages(), body.add_generation_prompt)
         return Prepared("chat.completion", body, params, [(None, ids)], "messages")
 
@@ -233,9 +234,9 @@ def _retrieve(future: asyncio.Future) -> None:
         future.exception()
 
 
-def _params(body, limits: RequestLimits, prompt_param: str):
+def _params(body, limits: RequestLimits, prompt_param: str, defaults: dict):
     try:
-        return body.sampling_params(limits)
+        return body.sampling_params(limits, defaults)
     except ValueError as err:
         raise from_value_error(err, prompt_param) from None
 

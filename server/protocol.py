@@ -62,7 +62,9 @@ class _Sampling(BaseModel):
             raise ParamError("stop", f"stop strings of at most {limits.max_stop_length} chars")
         return stops
 
-    def _common(self, limits: RequestLimits) -> dict:
+    def _common(self, limits: RequestLimits, defaults: dict) -> dict:
+        """The fields every request kind shares; a sampling field the request leaves unset
+        takes the model's default (generation_config.json), else SamplingParams'."""
         if self.n > limits.max_n:
             raise ParamError("n", f"n must be at most {limits.max_n}")
         if self.logit_bias:
@@ -76,6 +78,8 @@ class _Sampling(BaseModel):
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
+            if value is None:
+                value = defaults.get(name)
             if value is not None:
                 values[name] = value
         return values
@@ -93,7 +97,10 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     best_of: int | None = None
 
-    def sampling_params(self, limits: RequestLimits) -> SamplingParams:
+    def sampling_params(self, limits: RequestLimits, defaults: dict | None = None
+                        ) -> SamplingParams:
+        """defaults: the model's sampling defaults (generation_config.json)."""
+        defaults = defaults or {}
         if self.suffix:
             raise ParamError("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -101,8 +108,11 @@ class CompletionRequest(_Sampling):
         if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
             raise ParamError("logprobs", f"logprobs must be at most {MAX_LOGPROBS}")
         prompt_logprobs = self.logprobs if (self.echo and self.logprobs is not None) else None
-        return SamplingParams(max_tokens=self.max_tokens, logprobs=self.logprobs,
-                              prompt_logprobs=prompt_logprobs, **self._common(limits))
+        max_tokens = self.max_tokens if self.max_tokens is not None else \
+            defaults.get("max_tokens")
+        return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs,
+                              prompt_logprobs=prompt_logprobs,
+                              **self._common(limits, defaults))
 
 
 class TextPart(BaseModel):
@@ -140,7 +150,10 @@ class ChatCompletionRequest(_Sampling):
     tools: list | None = None
     add_generation_prompt: bool = True
 
-    def sampling_params(self, limits: RequestLimits) -> SamplingParams:
+    def sampling_params(self, limits: RequestLimits, defaults: dict | None = None
+                        ) -> SamplingParams:
+        """defaults: the model's sampling defaults (generation_config.json)."""
+        defaults = defaults or {}
         if self.response_format is not None and self.response_format.type != "text":
             raise ParamError("response_format",
                              f"response_format type {self.response_format.type[:32]!r} is not "
@@ -158,7 +171,10 @@ class ChatCompletionRequest(_Sampling):
                 raise ParamError("max_completion_tokens", "max_completion_tokens must be an "
                                  f"integer in [1, {INT32_MAX}]")
             max_tokens = self.max_completion_tokens
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self._common(limits))
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens")
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+                              **self._common(limits, defaults))
 
     def template_messages(self) -> list[dict]:
         return [m.as_template_message() for m in self.messages]
