@@ -81,15 +81,35 @@ class OpenAIServing:
         body = parse_body(raw, CompletionRequest)
         self.check_model(body.model)
         params = _params(body, self.limits, "prompt", self.sampling_defaults)
-        return Prepared("text_completion", body, params, self._completion_prompts(body.prompt),
-                        "prompt")
+        prompts = self._completion_prompts(body.prompt)
+        self._check_context(prompts, params, "prompt")
+        return Prepared("text_completion", body, params, prompts, "prompt")
 
     def prepare_chat(self, raw: bytes) -> Prepared:
         body = parse_body(raw, ChatCompletionRequest)
         self.check_model(body.model)
         params = _params(body, self.limits, "messages", self.sampling_defaults)
         ids = self._render_chat(body.template_messages(), body.add_generation_prompt)
+        self._check_context([(None, ids)], params, "messages")
         return Prepared("chat.completion", body, params, [(None, ids)], "messages")
+
+    def _check_context(self, prompts, params, param: str) -> None:
+        """OpenAI's (and vLLM's) context-length error, which clients and gateways recognise:
+        for a prompt that leaves no room for output, and for a max_tokens that does not fit
+        next to its prompt (400, code context_length_exceeded)."""
+        limit = self.max_model_len
+        for _, ids in prompts:
+            if len(ids) >= limit:
+                raise APIError(400, f"This model's maximum context length is {limit} tokens. "
+                               f"However, your request has {len(ids)} input tokens. Please "
+                               f"reduce the length of the input {param}.", param=param,
+                               code="context_length_exceeded")
+            if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+                raise APIError(400, f"This model's maximum context length is {limit} tokens. "
+                               f"However, you requested {len(ids) + params.max_tokens} tokens "
+                               f"({len(ids)} in the {param}, {params.max_tokens} in the "
+                               f"completion). Please reduce the length of the {param} or "
+                               "completion.", param=param, code="context_length_exceeded")
 
     def tokenize(self, raw: bytes) -> dict:
         body = parse_body(raw, TokenizeRequest)

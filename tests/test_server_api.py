@@ -483,6 +483,24 @@ BAD = [  # (id, path, JSON body or raw bytes, status, param)
 ]
 
 
+@pytest.mark.parametrize("path, body, param, requested", [
+    (C, _c(prompt=[5] * 512), "prompt", None),
+    (C, _c(prompt=[5] * 10, max_tokens=600), "prompt", 610),
+    (CH, _ch(messages=[{"role": "user", "content": "hello " * 600}]), "messages", None),
+    (CH, _ch(max_tokens=600), "messages", None),
+])
+def test_context_overflow_uses_openais_message(http, path, body, param, requested):
+    """Clients and gateways detect an overflow by OpenAI's wording and code; a max_tokens
+    that does not fit beside the prompt is refused too, not shortened."""
+    resp = http.post(path, json=body)
+    assert_envelope(resp, 400, param)
+    error = resp.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert error["message"].startswith("This model's maximum context length is 512 tokens.")
+    if requested is not None:
+        assert f"you requested {requested} tokens" in error["message"]
+
+
 @pytest.mark.parametrize("name, path, body, status, param", BAD, ids=[
     case.values[0] if hasattr(case, "values") else case[0] for case in BAD])
 def test_bad_request_gets_envelope_and_server_stays_healthy(http, name, path, body, status,
