@@ -20,12 +20,12 @@ _PRECOMPILE = {"all": True, "background": "background", "lazy": False}
 
 
 def _arg(default, help: str, *, choices=None, parse=None, aliases: tuple[str, ...] = (),
-         short: tuple[str, ...] = (), cli_help: str | None = None):
+         short: tuple[str, ...] = (), cli_help: str | None = None, metavar: str | None = None):
     """A field with what the CLI needs: help text, choices, a parser for the flag's text,
     old names (keywords and flags) and short flags."""
     return dataclasses.field(default=default, metadata=dict(
         help=help, choices=choices, parse=parse, aliases=aliases, short=short,
-        cli_help=cli_help))
+        cli_help=cli_help, metavar=metavar))
 
 
 def _cache_dir(text: str) -> str | None:
@@ -103,7 +103,7 @@ class EngineArgs:
         None, "when to compile the shape buckets: True (all at start-up), 'background' (the "
         "first at start-up, the rest while serving) or False (each on first use); None: the "
         "entry point's default (LLM and generate: on first use, serve: background)",
-        parse=_precompile, cli_help="when to compile the shape buckets: all (at start-up), "
+        parse=_precompile, metavar="{" + ",".join(_PRECOMPILE) + "}", cli_help="when to compile the shape buckets: all (at start-up), "
         "background (the first at start-up, the rest while serving; serve's default) or "
         "lazy (each on first use; generate's default)")
 
@@ -143,14 +143,13 @@ class EngineArgs:
                 parser.add_argument(*flags, dest=f.name, default=f.default,
                                     action=argparse.BooleanOptionalAction, help=help_text)
                 continue
-            kind = meta["parse"] or (int if isinstance(f.default, int) or f.name in _INTS
-                                     else float if isinstance(f.default, float) else str)
+            # The annotation's first type ("int | None" -> int) reads the flag's text.
+            kind = meta["parse"] or _TYPES[str(f.type).split("|")[0].strip()]
             choices = None if meta["parse"] else meta["choices"]
             if choices is not None:
                 choices = list(choices)
-            metavar = "{" + ",".join(_PRECOMPILE) + "}" if f.name == "precompile" else None
             parser.add_argument(*flags, dest=f.name, default=f.default, type=kind,
-                                choices=choices, metavar=metavar,
+                                choices=choices, metavar=meta["metavar"],
                                 help=help_text + _default_text(f.default))
 
     @classmethod
@@ -184,9 +183,7 @@ class EngineArgs:
             generation_config=self.generation_config, on_accelerator=on_accelerator)
 
 
-# Integer fields whose default is None (the annotation is a string here).
-_INTS = {"max_model_len", "num_gpu_blocks_override", "kv_cache_memory_bytes", "max_num_seqs",
-         "max_num_batched_tokens"}
+_TYPES = {"int": int, "float": float, "str": str}
 
 
 def _flag(name: str) -> str:
