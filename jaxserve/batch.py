@@ -42,4 +42,6 @@ class SamplingInputs:
     reset_state: jax.Array  # bool[R]  the sequence starts from scratch this step
     prompt_lens: jax.Array  # i32[R]
     wants_logprobs: jax.Array  # bool[R]  the request asked for logprobs of sampled tokens
-    banned_ids: jax.Array  # i32[R, X]  tokens masked this step (stop ids before min_tokens); -1 pad
+    banned_ids: jax.Array  # i32[R, X]  tokens masked this step (stop ids before min_tokens,
+    #                                   bad words' last tokens); -1 pad
+    has_bias: jax.Array  # bool[R]  add the row's logit bias (PenaltyState.logit_bias)

@@ -74,13 +74,23 @@ class CacheConfig:
                              f"{self.enable_prefix_caching!r}.")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # fcfs: first come, first served (a request's priority must be 0); priority: waiting
+    # requests by priority (lower first), and the lowest-priority running request is the
+    # one preempted (vLLM's --scheduling-policy).
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}"
+                             f", got {self.policy!r}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -197,6 +207,7 @@ class EngineConfig:
         compilation_cache_dir: str | None = "default",
         precompile: bool | str = True,
         generation_config: str = "auto",
+        scheduling_policy: str = "fcfs",
         on_accelerator: bool = False,
     ) -> EngineConfig:
         """Resolve defaults against the model folder's config.json and validate everything."""
@@ -230,7 +241,7 @@ class EngineConfig:
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len),
+                                      max_model_len=max_model_len, policy=scheduling_policy),
             parallel=_parallel_config(hf_config, mesh, data_parallel_size,
                                       tensor_parallel_size, expert_parallel),
             attention=AttentionConfig(backend=attention_backend),

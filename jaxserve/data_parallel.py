@@ -88,6 +88,12 @@ class DataParallelEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.replicas[0].validate(prompt_token_ids, params)
 
+    def check_priority(self, priority: int) -> None:
+        self.replicas[0].check_priority(priority)
+
+    def truncate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        return self.replicas[0].truncate_prompt(prompt_token_ids, params)
+
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0) -> None:
         if request_id in self._owner:

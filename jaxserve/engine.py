@@ -38,6 +38,7 @@ from jaxserve.runner_api import Runner
 from jaxserve.runners import create_runner
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler, SchedulerOutput
+from jaxserve.token_constraints import TokenConstraints
 from jaxserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -154,26 +155,68 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab}), got "
                              f"{params.stop_token_ids}.")
-        if params.min_tokens and len(self.eos_token_ids | set(params.stop_token_ids)) > \
-                MAX_BANNED_IDS:
+        constraints = self._constraints(params)
+        stops = len(self.eos_token_ids | set(params.stop_token_ids)) if params.min_tokens else 0
+        if stops > MAX_BANNED_IDS:
             raise ValueError(f"min_tokens works with at most {MAX_BANNED_IDS} stop_token_ids "
                              "(EOS included).")
+        if constraints is not None:
+            bad = [t for t in constraints.token_ids() if not 0 <= t < vocab][:3]
+            if bad:
+                field = ("logit_bias" if any(t in (params.logit_bias or {}) for t in bad) else
+                         "allowed_token_ids")
+                raise ValueError(f"{field} must name token ids in [0, {vocab}) (the model's "
+                                 f"vocabulary); got {bad}.")
+            if stops + len(constraints.bad_sequences) > MAX_BANNED_IDS:
+                raise ValueError(f"bad_words: at most {MAX_BANNED_IDS - stops} words of several "
+                                 f"tokens (each spelling counts), got "
+                                 f"{len(constraints.bad_sequences)}.")
+
+    def check_priority(self, priority: int) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r:.40}.")
+        if priority != 0 and self.config.scheduler.policy != "priority":
+            raise ValueError(f"priority {priority} needs priority scheduling: start the engine "
+                             "with scheduling_policy='priority' (--scheduling-policy "
+                             "priority).")
+
+    def truncate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt as params.truncate_prompt_tokens keeps it, as vLLM: k tokens (-1:
+        max_model_len - 1), the last k unless truncation_side is "right"."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return prompt_token_ids
+        max_len = self.config.model.max_model_len
+        if k == -1:
+            k = max_len - 1
+        if k > max_len:
+            raise ValueError(f"truncate_prompt_tokens={k} cannot be greater than "
+                             f"max_model_len={max_len}; request a smaller truncation size.")
+        if params.truncation_side == "right":
+            return list(prompt_token_ids[:k])
+        return list(prompt_token_ids[-k:])
+
+    def _constraints(self, params: SamplingParams) -> TokenConstraints | None:
+        return TokenConstraints.from_params(params, self.tokenizer)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0) -> None:
         if request_id in self._tracked:
             raise ValueError(f"request_id {request_id!r} is already in use.")
+        if isinstance(params, SamplingParams):
+            prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
         self.validate(prompt_token_ids, params)
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r:.40}.")
+        self.check_priority(priority)
         prompt_token_ids = [int(t) for t in prompt_token_ids]
+        constraints = self._constraints(params)
         children, detoks = [], []
         for i in range(params.n):
             seed = (params.seed + i if params.seed is not None
                     else int(self._rng.integers(0, 2**32)))
             child = Request(f"{request_id}#{i}", prompt_token_ids, params, seed=seed % 2**32,
                             max_model_len=self.config.model.max_model_len,
-                            eos_token_ids=self.eos_token_ids, priority=priority)
+                            eos_token_ids=self.eos_token_ids, priority=priority,
+                            constraints=constraints)
             children.append(child)
             detoks.append(IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, stop=params.stop,

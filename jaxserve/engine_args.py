@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from jaxserve.config import ATTENTION_BACKENDS, DTYPE_CHOICES, LOAD_FORMATS
+from jaxserve.config import ATTENTION_BACKENDS, DTYPE_CHOICES, LOAD_FORMATS, SCHEDULING_POLICIES
 
 _PRECOMPILE = {"all": True, "background": "background", "lazy": False}
 
@@ -81,6 +81,10 @@ class EngineArgs:
         None, "most sequences in one step (default 256 on an accelerator, 128 on the CPU)")
     max_num_batched_tokens: int | None = _arg(
         None, "most tokens in one step (default 2048 on an accelerator, 512 on the CPU)")
+    scheduling_policy: str = _arg(
+        "fcfs", "fcfs: first come, first served; priority: requests with a lower priority "
+        "value go first, and the lowest-priority running request is preempted first",
+        choices=SCHEDULING_POLICIES)
     mesh: str | None = _arg(
         None, "device mesh DATAxMODEL, e.g. 2x4 (or data=2,model=4): DATA replicas, each "
         "tensor-parallel over MODEL devices (default 1x1)")
@@ -180,7 +184,8 @@ class EngineArgs:
             expert_parallel=self.enable_expert_parallel,
             attention_backend=self.attention_backend,
             compilation_cache_dir=self.compilation_cache_dir, precompile=precompile,
-            generation_config=self.generation_config, on_accelerator=on_accelerator)
+            generation_config=self.generation_config,
+            scheduling_policy=self.scheduling_policy, on_accelerator=on_accelerator)
 
 
 _TYPES = {"int": int, "float": float, "str": str}

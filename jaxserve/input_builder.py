@@ -11,7 +11,9 @@ import numpy as np
 
 from jaxserve.scheduler import SchedulerOutput
 
-MAX_BANNED_IDS = 16  # stop tokens masked while a request is below min_tokens
+# Tokens masked in one step of one sequence: its stop tokens while below min_tokens, and the
+# last tokens of multi-token bad words whose other tokens end the output.
+MAX_BANNED_IDS = 32
 
 
 def _fill_tokens(reqs, counts, firsts, starts, block_size, token_ids, positions, slot_mapping):
@@ -60,6 +62,7 @@ def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, bloc
     prompt_lens = np.zeros(num_rows, np.int32)
     wants_logprobs = np.zeros(num_rows, np.bool_)
     banned_ids = np.full((num_rows, MAX_BANNED_IDS), -1, np.int32)
+    has_bias = np.zeros(num_rows, np.bool_)
 
     reqs, n = out.requests, len(out.requests)
     if n:
@@ -89,9 +92,16 @@ def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, bloc
                 reset_state[row] = True
             if req.params.logprobs is not None:
                 wants_logprobs[row] = True
+            banned = []
             if req.num_output_tokens < req.params.min_tokens:
-                stops = sorted(req.eos_token_ids | req.stop_token_ids)[:MAX_BANNED_IDS]
-                banned_ids[row, : len(stops)] = stops
+                banned = sorted(req.eos_token_ids | req.stop_token_ids)
+            if req.constraints is not None:
+                has_bias[row] = req.constraints.has_row
+                if req.constraints.bad_sequences:
+                    banned += req.constraints.banned_next(
+                        req.token_ids[req.num_prompt_tokens: req.num_tokens])
+            if banned:  # the engine refuses requests that could need more
+                banned_ids[row, : len(banned)] = banned
 
     batch = dict(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
                  cu_q_lens=cu_q_lens, kv_lens=kv_lens, block_tables=block_tables,
@@ -102,5 +112,6 @@ def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, bloc
                     repetition_penalty=repetition, seeds=seeds,
                     sample_positions=sample_positions, state_slots=state_slots,
                     reset_state=reset_state, prompt_lens=prompt_lens,
-                    wants_logprobs=wants_logprobs, banned_ids=banned_ids)
+                    wants_logprobs=wants_logprobs, banned_ids=banned_ids,
+                    has_bias=has_bias)
     return batch, sampling

@@ -71,9 +71,13 @@ class LLM:
         params = _per_prompt(sampling_params, len(items), self.get_default_sampling_params)
         tokenized = [(text, ids if ids is not None else self._encode(text))
                      for text, ids in items]
-        for (_, ids), p in zip(tokenized, params):
-            self.engine.validate(ids, p)
-        return self._run(tokenized, params, use_tqdm, priority)
+        if priority is not None:
+            if len(priority) != len(items):
+                raise ValueError(f"priority has {len(priority)} entries for {len(items)} "
+                                 "prompts; give one per prompt.")
+            for value in priority:
+                self.engine.check_priority(value)
+        return self._run(self._checked(tokenized, params), params, use_tqdm, priority)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] |
              None = None, *, use_tqdm: bool = True, add_generation_prompt: bool = True,
@@ -90,9 +94,18 @@ class LLM:
                                       **(chat_template_kwargs or {}))
             tokenized.append((tokenizer.decode(ids), ids))
         params = _per_prompt(sampling_params, len(tokenized), self.get_default_sampling_params)
-        for (_, ids), p in zip(tokenized, params):
+        return self._run(self._checked(tokenized, params), params, use_tqdm, None)
+
+    def _checked(self, tokenized, params):
+        """The prompts as truncate_prompt_tokens keeps them, each checked against its
+        params before any is scheduled."""
+        out = []
+        for (text, ids), p in zip(tokenized, params):
+            if isinstance(p, SamplingParams):
+                ids = self.engine.truncate_prompt(ids, p)
             self.engine.validate(ids, p)
-        return self._run(tokenized, params, use_tqdm, None)
+            out.append((text, ids))
+        return out
 
     def _encode(self, text: str) -> list[int]:
         if not isinstance(text, str):

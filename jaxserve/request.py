@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.token_constraints import TokenConstraints
 
 
 class RequestStatus(enum.Enum):
@@ -31,7 +32,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  *, seed: int, max_model_len: int, eos_token_ids: frozenset[int],
-                 priority: int = 0) -> None:
+                 priority: int = 0, constraints: TokenConstraints | None = None) -> None:
         self.request_id = request_id
         self.params = params
         self.seed = seed
@@ -48,6 +49,8 @@ class Request:
                                 params.repetition_penalty)
         self.sampling_top_k = params.top_k
         self.stop_token_ids = frozenset(params.stop_token_ids)
+        # logit_bias, allowed_token_ids, bad_words (shared by a request's n children).
+        self.constraints = constraints
         # i32[max_model_len]: prompt then outputs; the first num_tokens entries are valid.
         self.token_ids = np.zeros(self.num_prompt_tokens + self.max_output_tokens, np.int32)
         self.token_ids[: self.num_prompt_tokens] = prompt_token_ids

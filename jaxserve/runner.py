@@ -66,6 +66,7 @@ from jaxserve.sampler import (
     SampleResult,
     sample,
     score_tokens,
+    set_bias_row,
     update_penalty_state,
     uses_penalties,
 )
@@ -185,6 +186,7 @@ class ModelRunner:
         self.kv_caches = [(zeros(), zeros()) for _ in range(self.arch.num_layers)]
         self._step = jax.jit(self._step_fn, donate_argnums=(1, 2), static_argnames=("layout",))
         self._score = jax.jit(self._score_fn)
+        self._set_bias = jax.jit(set_bias_row, donate_argnums=0)
         # Shapes and shardings to compile for: the live arrays are donated at every step.
         spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
         self._params_spec = jax.tree.map(spec, self.params)
@@ -293,6 +295,11 @@ class ModelRunner:
         return compiled
 
     def _lower(self, key: tuple) -> jax.stages.Lowered:
+        if key[0] == "bias":
+            row = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)
+            values = jax.ShapeDtypeStruct((self.arch.vocab_size,), jnp.float32,
+                                          sharding=self.replicated)
+            return self._set_bias.lower(self._penalty_spec, row, values)
         if key[0] == "step":
             _, num_tokens, num_rows = key
             layout = self._layout(num_tokens, num_rows)
@@ -347,13 +354,24 @@ class ModelRunner:
         if score_targets is not None:
             targets = np.zeros(num_tokens, np.int32)
             targets[: len(score_targets)] = np.maximum(score_targets, 0)
+        # A request that has just been given its sampler row brings its logit bias row.
+        bias_rows = [(req.state_slot, req.constraints.row(self.arch.vocab_size))
+                     for req in out.requests if req.needs_state_reset
+                     and req.constraints is not None and req.constraints.has_row]
         if self.channel is not None:  # multi-host: the other hosts run the same step
-            self.channel.send(num_tokens, num_rows, packed, targets)
-        return self._run(num_tokens, num_rows, packed, targets)
+            self.channel.send(num_tokens, num_rows, packed, targets, bias_rows)
+        return self._run(num_tokens, num_rows, packed, targets, bias_rows)
 
     def _run(self, num_tokens: int, num_rows: int, packed: np.ndarray,
-             targets: np.ndarray | None) -> InFlightStep:
-        """Launch the compiled step (and prompt scoring) on packed host inputs."""
+             targets: np.ndarray | None, bias_rows: list) -> InFlightStep:
+        """Launch the compiled step (and prompt scoring) on packed host inputs, after
+        writing the logit bias rows [(row, f32[V])] of requests starting this step."""
+        if bias_rows:
+            set_bias = self.compiled.get(("bias",))
+            for row, values in bias_rows:
+                self.penalty_state = set_bias(self.penalty_state,
+                                              place(np.asarray(row, np.int32), self.replicated),
+                                              place(values, self.replicated))
         step = self._compile_step(num_tokens, num_rows)
         self.kv_caches, self.penalty_state, hidden, result = step(
             self.params, self.kv_caches, self.penalty_state, place(packed, self.replicated))

@@ -26,14 +26,25 @@ _GREEDY_EPS = 1e-5  # as vLLM: temperatures below this are greedy
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PenaltyState:
+    """Per-request rows on the device: penalty counts, and each request's fixed logit bias
+    (logit_bias, allowed_token_ids, one-token bad words; set by set_bias_row when the request
+    gets its row, read only where SamplingInputs.has_bias)."""
+
     output_counts: jax.Array  # i32[Q, V]   Q = max_num_seqs + 1 rows
     prompt_mask: jax.Array  # bool[Q, V]
+    logit_bias: jax.Array  # f32[Q, V]
 
     @classmethod
     def zeros(cls, rows: int, vocab: int, sharding=None) -> PenaltyState:
         counts = jnp.zeros((rows, vocab), jnp.int32, device=sharding)
         mask = jnp.zeros((rows, vocab), jnp.bool_, device=sharding)
-        return cls(counts, mask)
+        bias = jnp.zeros((rows, vocab), jnp.float32, device=sharding)
+        return cls(counts, mask, bias)
+
+
+def set_bias_row(state: PenaltyState, row, values) -> PenaltyState:
+    """row: i32[]; values: f32[V]. Jitted with the state donated: one row written."""
+    return dataclasses.replace(state, logit_bias=state.logit_bias.at[row].set(values))
 
 
 @jax.tree_util.register_dataclass
@@ -59,7 +70,7 @@ def update_penalty_state(state: PenaltyState, batch: Batch, s: SamplingInputs, s
     is_prompt = batch.positions < s.prompt_lens[seq]
     mask = mask.at[jnp.where(is_prompt, rows, 0), batch.token_ids].set(True)
     counts = counts.at[jnp.where(is_prompt, 0, rows), batch.token_ids].add(1)
-    return PenaltyState(counts, mask)
+    return PenaltyState(counts, mask, state.logit_bias)
 
 
 def apply_penalties(logits, state: PenaltyState, s: SamplingInputs):
@@ -138,13 +149,20 @@ def _ban(logits, banned_ids):
     return jnp.where(banned, -jnp.inf, logits)
 
 
+def _add_bias(logits, state: PenaltyState, s: SamplingInputs):
+    bias = state.logit_bias[s.state_slots]  # f32[R, V]
+    return jnp.where(s.has_bias[:, None], logits + bias, logits)
+
+
 def sample(logits, state: PenaltyState, s: SamplingInputs) -> SampleResult:
     """logits: f32[R, V] raw model logits for each sequence's last token.
 
     Every stage that costs passes over [R, V] runs under lax.cond only when some row of the
-    step needs it (penalties, bans, random draws, logprobs): a plain greedy batch pays for
-    one argmax."""
+    step needs it (logit bias, penalties, bans, random draws, logprobs): a plain greedy
+    batch pays for one argmax. As in vLLM, the bias and bans come before the penalties, and
+    logprobs are those of the raw logits."""
     raw_logits = logits
+    logits = jax.lax.cond(jnp.any(s.has_bias), _add_bias, lambda x, *_: x, logits, state, s)
     logits = jax.lax.cond(uses_penalties(s), apply_penalties, lambda x, *_: x, logits, state, s)
     logits = jax.lax.cond(jnp.any(s.banned_ids >= 0), _ban, lambda x, _: x, logits,
                           s.banned_ids)

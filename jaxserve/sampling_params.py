@@ -22,6 +22,7 @@ FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 # longer changes (every seen token is pinned near 0 or pushed to -inf), and near float32's
 # limits a penalised logit overflows.
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+LOGIT_BIAS_MAX = 100.0  # as OpenAI: each bias in [-100, 100]
 
 
 @dataclasses.dataclass
@@ -51,12 +52,31 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Added to the logits of these token ids (before penalties and temperature).
+    logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # Never generated: a one-token word is banned outright, a longer one has its last token
+    # banned whenever the output ends with the rest (vLLM's semantics).
+    bad_words: list[str] | None = None
+    # Keep only k prompt tokens (-1: max_model_len - 1, leaving room for one output token);
+    # truncation_side "left" drops the oldest tokens, "right" the newest.
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str = "left"
 
     def __post_init__(self) -> None:
         self.stop = ([self.stop] if isinstance(self.stop, str) else
                      _as_list("stop", self.stop, "a string or a list of strings"))
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids,
                                        "a list of token ids")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids,
+                                              "a list of token ids")
+        if self.bad_words is not None:
+            self.bad_words = ([self.bad_words] if isinstance(self.bad_words, str) else
+                              _as_list("bad_words", self.bad_words, "a list of strings"))
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise _bad("logit_bias", "a dict of {token id: bias}", self.logit_bias)
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -96,6 +116,33 @@ class SamplingParams:
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, "true or false", getattr(self, name))
+        if self.logit_bias is not None:
+            for token, bias in self.logit_bias.items():
+                if not _is_int(token) or not 0 <= token <= INT32_MAX:
+                    raise _bad("logit_bias", f"keyed by token ids in [0, {INT32_MAX}]", token)
+                _check_float("logit_bias", bias, -LOGIT_BIAS_MAX, LOGIT_BIAS_MAX,
+                             f"values in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids
+                or any(not _is_int(t) or not 0 <= t <= INT32_MAX
+                       for t in self.allowed_token_ids)):
+            raise _bad("allowed_token_ids", f"a non-empty list of token ids in [0, {INT32_MAX}]",
+                       self.allowed_token_ids)
+        if self.bad_words is not None and any(not isinstance(w, str) or not w.strip()
+                                              for w in self.bad_words):
+            raise _bad("bad_words", "a list of non-blank strings", self.bad_words)
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, INT64_MAX,
+                       "-1 (max_model_len - 1) or a positive integer or None")
+        if self.truncation_side not in ("left", "right"):
+            raise _bad("truncation_side", "'left' or 'right'", self.truncation_side)
+
+    @property
+    def has_logit_bias(self) -> bool:
+        """Whether the request changes logits by a fixed per-token amount (logit_bias,
+        allowed_token_ids, or a one-token bad word): the engine gives it a bias row."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or \
+            bool(self.bad_words)
 
     def clone(self, **changes: object) -> SamplingParams:
         return dataclasses.replace(self, **changes)

@@ -56,11 +56,12 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def add(self, request: Request) -> None:
-        # Lower value first, FCFS among equals: insert after the last request that goes
-        # first. Scanning from the back keeps preempted requests (put at the front) in place.
+        """Queue a request: last (fcfs), or after every waiting request of the same or a
+        lower priority value (priority policy)."""
         index = len(self.waiting)
-        while index and self.waiting[index - 1].priority > request.priority:
-            index -= 1
+        if self.config.policy == "priority":
+            while index and self.waiting[index - 1].priority > request.priority:
+                index -= 1
         self.waiting.insert(index, request)
 
     def schedule(self, limits: tuple[int, int] | None = None) -> SchedulerOutput:
@@ -80,11 +81,12 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv_manager.allocate_slots(request, num_new):
-                # Victims come from the end of running, past index: none of them has been
-                # scheduled in this pass. That matters for prefix caching: allocate_slots
-                # registers the blocks a scheduled request fills this step, and those must
-                # be written by this step; a scheduled request is never preempted before.
-                victim = self.running.pop()
+                # Victims come from running past index: none of them has been scheduled in
+                # this pass. That matters for prefix caching: allocate_slots registers the
+                # blocks a scheduled request fills this step, and those must be written by
+                # this step; a scheduled request is never preempted before.
+                victim = self._victim(index)
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -144,6 +146,13 @@ class Scheduler:
             appended.append((row, request))
         return appended
 
+    def _victim(self, index: int) -> Request:
+        """The running request to preempt, from running[index:]: the newest (fcfs), or the
+        one with the lowest priority, newest among equals (priority)."""
+        if self.config.policy == "priority":
+            return max(self.running[index:], key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
     def _preempt(self, request: Request) -> None:
         self.kv_manager.free(request)
         self._release_slot(request)
@@ -151,7 +160,12 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        # Back to the front of the waiting queue (of its priority class).
+        index = 0
+        while (self.config.policy == "priority" and index < len(self.waiting)
+               and self.waiting[index].priority < request.priority):
+            index += 1
+        self.waiting.insert(index, request)
 
     def recompute(self, request: Request) -> None:
         """Send a running request back to the waiting queue, to be computed again from its

@@ -48,7 +48,9 @@ def test_no_recompilation_after_warm_up(llm):
             repetition_penalty=float(rng.choice([1.0, 1.2])), n=int(rng.choice([1, 2])),
             max_tokens=int(rng.integers(1, 40)), seed=i if i % 2 else None,
             logprobs=int(rng.choice([0, 3])) if i % 3 == 0 else None,
-            prompt_logprobs=2 if i % 7 == 0 else None, ignore_eos=bool(i % 2)))
+            prompt_logprobs=2 if i % 7 == 0 else None, ignore_eos=bool(i % 2),
+            logit_bias={7: 3.0} if i % 5 == 0 else None,
+            allowed_token_ids=list(range(100, 400)) if i % 11 == 0 else None))
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert len(outputs) == 50 and all(o.finished for o in outputs)
     assert llm.engine.num_compilations == before
@@ -309,3 +311,52 @@ def test_completion_finished_reads_as_attribute_and_as_vllm_method():
     assert not running.finished and running.finished() is False
     assert done.finished and done.finished() is True
     assert repr(done.finished) == "True"
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words_shape_the_output(llm):
+    prompt = random_prompts(1, 30, 31, seed=8)[0]
+    plain = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    forced = llm.generate([prompt], GREEDY.clone(logit_bias={321: 100.0}),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    assert plain != [321] * 24 and forced == [321] * 24
+    allowed = [11, 222, 333]
+    sampled = llm.generate([prompt] * 4, SamplingParams(
+        temperature=1.0, max_tokens=16, ignore_eos=True, allowed_token_ids=allowed, seed=3),
+        use_tqdm=False)
+    assert all(set(o.outputs[0].token_ids) <= set(allowed) for o in sampled)
+    # a bad word made of the greedy answer's first token: that token never comes
+    tokenizer = llm.get_tokenizer()
+    spellings = lambda t: [tokenizer.encode(prefix + tokenizer.decode([t]).strip(),
+                                            add_special_tokens=False) for prefix in ("", " ")]
+    token = next(t for t in plain if [t] in spellings(t))
+    out = llm.generate([prompt], GREEDY.clone(bad_words=[tokenizer.decode([token])]),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    assert token in plain and token not in out
+
+
+def test_a_multi_token_bad_word_bans_its_last_token_after_the_rest():
+    from jaxserve.token_constraints import TokenConstraints
+
+    class Tokenizer:
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) for c in text]
+
+    constraints = TokenConstraints.from_params(SamplingParams(bad_words=["ab"]), Tokenizer())
+    assert constraints.bad_sequences == ((97, 98), (32, 97, 98))
+    assert constraints.banned_next(np.array([5, 97])) == [98]
+    assert constraints.banned_next(np.array([32, 97])) == [98, 98]
+    assert constraints.banned_next(np.array([97, 5])) == []
+    one = TokenConstraints.from_params(SamplingParams(bad_words=["a"]), Tokenizer())
+    assert one.bias == {97: -np.inf} and one.bad_sequences == ((32, 97),)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_tail(llm):
+    prompt = random_prompts(1, 600, 601, seed=9)[0]
+    out = llm.generate([prompt], GREEDY.clone(truncate_prompt_tokens=100), use_tqdm=False)[0]
+    assert out.prompt_token_ids == prompt[-100:]
+    tail = llm.generate([prompt[-100:]], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == tail.outputs[0].token_ids
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        llm.generate([prompt], GREEDY.clone(truncate_prompt_tokens=MAX_LEN + 1), use_tqdm=False)
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate([prompt[:5]], GREEDY.clone(logit_bias={10**6: 1.0}), use_tqdm=False)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxserve.batch import SamplingInputs
-from jaxserve.sampler import PenaltyState, apply_penalties, sample
+from jaxserve.sampler import PenaltyState, apply_penalties, sample, set_bias_row
 
 V = 8
 
@@ -24,7 +24,8 @@ def inputs(rows=1, **overrides) -> SamplingInputs:
                   state_slots=np.arange(1, rows + 1, dtype=np.int32),
                   reset_state=np.zeros(rows, bool), prompt_lens=np.zeros(rows, np.int32),
                   wants_logprobs=np.ones(rows, bool),
-                  banned_ids=np.full((rows, 16), -1, np.int32))
+                  banned_ids=np.full((rows, 16), -1, np.int32),
+                  has_bias=np.zeros(rows, bool))
     for key, value in overrides.items():
         values[key] = np.broadcast_to(np.asarray(value, values[key].dtype), values[key].shape)
     return SamplingInputs(**{k: jnp.asarray(v) for k, v in values.items()})
@@ -67,7 +68,7 @@ def test_penalties_follow_vllm_semantics():
     counts[1, 2] = 3  # token 2 generated three times
     mask = np.zeros((2, V), bool)
     mask[1, [0, 1]] = True  # tokens 0 and 1 in the prompt
-    state = PenaltyState(jnp.asarray(counts), jnp.asarray(mask))
+    state = PenaltyState(jnp.asarray(counts), jnp.asarray(mask), jnp.zeros((2, V)))
     out = apply_penalties(logits, state, inputs(repetition_penalty=2.0, presence_penalty=0.5,
                                                 frequency_penalty=0.25))
     expected = [2.0 / 2, -2.0 * 2, 1.0 / 2 - 0.25 * 3 - 0.5, 0.5, 0, 0, 0, 0]
@@ -90,3 +91,24 @@ def test_logprobs_are_raw_log_softmax(k):
     np.testing.assert_allclose(np.asarray(out.top_logprobs[0]), np.sort(LOGITS[0])[::-1],
                                rtol=1e-5)
     assert float(out.logprobs[0]) == pytest.approx(float(LOGITS[0, 0]), rel=1e-5)
+
+
+def test_the_bias_row_applies_only_to_rows_that_ask_and_bans_with_minus_inf():
+    state = PenaltyState.zeros(3, V)
+    bias = np.zeros(V, np.float32)
+    bias[5] = 100.0  # logit_bias pushes an unlikely token to the top
+    bias[0] = -np.inf  # a banned token
+    state = set_bias_row(state, 1, jnp.asarray(bias))
+    logits = jnp.asarray(np.repeat(LOGITS, 2, axis=0))
+    out = sample(logits, state, inputs(2, temperature=0.0, has_bias=[True, False]))
+    assert out.token_ids.tolist() == [5, 0]
+    # logprobs stay those of the model's distribution (vLLM's raw logprobs)
+    np.testing.assert_allclose(out.logprobs[0], np.log(0.01), rtol=1e-4)
+    # random draws land only on the allowed tokens (allowed_token_ids: -inf elsewhere)
+    count = 200
+    allowed = np.full(V, -np.inf, np.float32)
+    allowed[[3, 6]] = 0.0
+    state = set_bias_row(PenaltyState.zeros(2, V), 1, jnp.asarray(allowed))
+    drawn = sample(jnp.asarray(np.repeat(LOGITS, count, axis=0)), state,
+                   inputs(count, seeds=np.arange(count), state_slots=1, has_bias=True))
+    assert set(np.asarray(drawn.token_ids).tolist()) == {3, 6}

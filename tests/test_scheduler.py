@@ -65,10 +65,10 @@ class Harness:
 
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int = 256,
-                 enable_caching: bool = False) -> None:
+                 enable_caching: bool = False, policy: str = "fcfs") -> None:
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len)
+                                      max_model_len=max_model_len, policy=policy)
         self.kv_manager = KVCacheManager(num_blocks, block_size, enable_caching=enable_caching)
         self.enable_caching = enable_caching
         self.hash_tokens: dict[bytes, list[int]] = {}  # every block hash seen -> its tokens
@@ -128,7 +128,8 @@ class Harness:
 
         m = len(out.preempted)
         assert s.num_preemptions == prev_preemptions + m
-        assert list(s.waiting)[:m] == out.preempted[::-1], "preempted go to the front, in order"
+        if self.config.policy == "fcfs":
+            assert list(s.waiting)[:m] == out.preempted[::-1], "preempted go to the front"
         for victim in out.preempted:
             assert victim.status is RequestStatus.PREEMPTED
             assert victim.num_computed_tokens == 0
@@ -396,7 +397,8 @@ def test_waiting_requests_are_admitted_fcfs():
 
 
 def test_priority_lower_value_first_fcfs_among_equals():
-    h = Harness(num_blocks=100, block_size=4, max_num_seqs=1, max_num_batched_tokens=64)
+    h = Harness(num_blocks=100, block_size=4, max_num_seqs=1, max_num_batched_tokens=64,
+                policy="priority")
     prios = [3, 1, 2, 1, 0, 3, 0, 2]
     reqs = [h.new(f"r{i}", prompt_len=5, max_tokens=2, priority=p) for i, p in enumerate(prios)]
     want = sorted(reqs, key=lambda r: (r.priority, reqs.index(r)))
@@ -414,15 +416,17 @@ def test_default_priority_is_plain_fcfs():
     assert h.admitted == reqs
 
 
-def test_priority_order_survives_a_preempted_request_at_the_front():
-    h = Harness(num_blocks=5, block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
-    h.new("old", prompt_len=4, max_tokens=12, priority=0)
+def test_priority_policy_preempts_the_lowest_priority_and_keeps_the_queue_in_order():
+    h = Harness(num_blocks=5, block_size=4, max_num_seqs=2, max_num_batched_tokens=64,
+                policy="priority")
     low = h.new("low", prompt_len=4, max_tokens=12, priority=5)
+    h.new("old", prompt_len=4, max_tokens=12, priority=0)  # newer, but more important
     h.step()
     a0 = h.new("a0", prompt_len=4, max_tokens=2, priority=0)  # waits: max_num_seqs is full
     while not h.scheduler.num_preemptions:
         h.step()
-    assert list(h.scheduler.waiting) == [low, a0]  # the preempted one in front
+    assert low.num_preemptions == 1  # not the newest: the least important
+    assert list(h.scheduler.waiting) == [a0, low]  # each by its priority
     h.new("c3", prompt_len=4, max_tokens=2, priority=3)
     b1 = h.new("b1", prompt_len=4, max_tokens=2, priority=1)
     waiting = list(h.scheduler.waiting)
