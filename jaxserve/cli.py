@@ -65,12 +65,24 @@ def engine_config(args: argparse.Namespace, model: str, precompile: bool | str =
                                                    default_precompile=precompile)
 
 
+def _names_a_model(text: str) -> bool:
+    """A local model folder (one with a config.json) or an org/name Hub id."""
+    import pathlib
+    import re
+
+    if (pathlib.Path(text).expanduser() / "config.json").is_file():
+        return True
+    return re.fullmatch(r"[\w.-]+/[\w.-]+", text) is not None and ".." not in text
+
+
 def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate completions for prompts (offline)",
                        description="Generate completions offline and print them.")
     add_engine_args(p)
     add_distributed_args(p)
-    p.add_argument("prompts", nargs="*", help="prompt strings")
+    p.add_argument("prompts", nargs="*", metavar="[MODEL] PROMPT",
+                   help="prompt strings; with two or more, a first one that is a model folder "
+                   "or a Hub id (org/name) is the model, as `jaxserve generate MODEL PROMPT`")
     p.add_argument("--prompts-file", help="a file with one prompt per line ('-' for stdin)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat turn")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -95,6 +107,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     from jaxserve import LLM, SamplingParams
 
     prompts = list(args.prompts)
+    if args.model is None and prompts and (len(prompts) > 1 or args.prompts_file) and \
+            _names_a_model(prompts[0]):
+        args.model = prompts.pop(0)
     if args.prompts_file:
         stream = sys.stdin if args.prompts_file == "-" else open(args.prompts_file)
         with stream:
@@ -138,14 +153,26 @@ def _serve_parser(sub) -> None:
     add_distributed_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the --model argument)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every API route")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name(s) clients send; the first is the main one, in "
+                   "metrics and logs (default: the model argument)")
+    p.add_argument("--api-key", nargs="+", action="extend", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every API route; several keys "
+                   "are each accepted (default: $JAXSERVE_API_KEY, else $VLLM_API_KEY)")
     p.add_argument("--metrics-require-auth", action="store_true",
                    help="with --api-key, protect /metrics too")
     p.add_argument("--allowed-origins", default="",
-                   help="comma-separated CORS origins (default: no CORS headers)")
+                   help="CORS origins, comma-separated or as a JSON list ('[\"*\"]', vLLM's "
+                   "form) (default: no CORS headers)")
+    p.add_argument("--chat-template", default=None,
+                   help="chat template (a file, or the template itself) instead of the "
+                   "tokenizer's")
+    p.add_argument("--default-chat-template-kwargs", type=_json_object, default=None,
+                   metavar="JSON", help="variables every chat template render gets, as a JSON "
+                   "object (e.g. '{\"enable_thinking\": false}'); a request's "
+                   "chat_template_kwargs win")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a chat_template sent with a request (refused by default)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="admission cap: beyond it new requests get 429")
@@ -181,14 +208,18 @@ def _run_serve(args: argparse.Namespace) -> int:
     from jaxserve.model_path import resolve_model
     from jaxserve.server.app import ServerConfig
     from jaxserve.server.launch import serve
+    from jaxserve.server.openai_serving import ChatSettings
     from jaxserve.server.protocol import RequestLimits
 
     model = resolve_model(_model_of(args), logging.getLogger("jaxserve.serve"))
-    name = args.served_model_name or args.model or "jaxserve-default"
+    names = tuple(args.served_model_name or [args.model or "jaxserve-default"])
     server_config = ServerConfig(
-        host=args.host, port=args.port, served_model_name=name,
-        api_key=args.api_key, metrics_require_auth=args.metrics_require_auth,
-        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+        host=args.host, port=args.port, served_model_name=names,
+        api_key=_api_keys(args.api_key), metrics_require_auth=args.metrics_require_auth,
+        allowed_origins=_origins(args.allowed_origins),
+        chat=ChatSettings(template=_chat_template(args.chat_template),
+                          default_kwargs=args.default_chat_template_kwargs or {},
+                          trust_request_template=args.trust_request_chat_template),
         max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
         shutdown_timeout=args.shutdown_timeout, request_read_timeout=args.request_read_timeout,
         keep_alive_timeout=args.keep_alive_timeout,
@@ -196,6 +227,59 @@ def _run_serve(args: argparse.Namespace) -> int:
     if _join_hosts(args, args.model, "background"):
         return 0  # a worker host: it ran host 0's steps until host 0 stopped
     return serve(engine_config(args, model, "background"), server_config, args.log_level)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text[:80]!r}")
+    return value
+
+
+def _api_keys(flags: list[str] | None) -> tuple[str, ...]:
+    """--api-key values, else $JAXSERVE_API_KEY, else $VLLM_API_KEY (as vLLM)."""
+    import os
+
+    if flags:
+        keys = tuple(flags)
+    else:
+        keys = tuple(k for k in (os.environ.get("JAXSERVE_API_KEY"),
+                                 os.environ.get("VLLM_API_KEY")) if k)[:1]
+    if any(not key.strip() for key in keys):
+        raise ValueError("--api-key: an API key must not be empty.")
+    return keys
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    """CORS origins: a JSON list (vLLM's form, '["*"]') or comma-separated."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, list) or not all(isinstance(o, str) for o in value):
+            raise ValueError(f"--allowed-origins: {text[:80]!r} is not a JSON list of strings.")
+        return tuple(o.strip() for o in value if o.strip())
+    return tuple(o.strip() for o in text.split(",") if o.strip())
+
+
+def _chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's contents, or the value itself when it is a template."""
+    import pathlib
+
+    if value is None:
+        return None
+    path = pathlib.Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{" not in value:
+        raise ValueError(f"--chat-template: {value[:80]!r} is neither a file nor a Jinja "
+                         "template.")
+    return value
 
 
 def _plan_parser(sub) -> None:

@@ -95,12 +95,14 @@ class DataParallelEngine:
         return self.replicas[0].truncate_prompt(prompt_token_ids, params)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, priority: int = 0) -> None:
+                    params: SamplingParams, priority: int = 0,
+                    cache_salt: str | None = None) -> None:
         if request_id in self._owner:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         rank = min(range(len(self.replicas)),
                    key=lambda i: self.replicas[i].num_unfinished_requests)
-        self.replicas[rank].add_request(request_id, prompt, prompt_token_ids, params, priority)
+        self.replicas[rank].add_request(request_id, prompt, prompt_token_ids, params, priority,
+                                        cache_salt)
         self._owner[request_id] = self.replicas[rank]
         self.routed[rank] += 1
 

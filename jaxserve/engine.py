@@ -200,7 +200,10 @@ class LLMEngine:
         return TokenConstraints.from_params(params, self.tokenizer)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, priority: int = 0) -> None:
+                    params: SamplingParams, priority: int = 0,
+                    cache_salt: str | None = None) -> None:
+        """priority: lower runs first (needs the priority scheduling policy); cache_salt:
+        the request shares cached prefix blocks only with requests of the same salt."""
         if request_id in self._tracked:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         if isinstance(params, SamplingParams):
@@ -217,6 +220,8 @@ class LLMEngine:
                             max_model_len=self.config.model.max_model_len,
                             eos_token_ids=self.eos_token_ids, priority=priority,
                             constraints=constraints)
+            if cache_salt is not None:
+                child.extra_keys = ("cache_salt", str(cache_salt))
             children.append(child)
             detoks.append(IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, stop=params.stop,

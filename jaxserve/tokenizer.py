@@ -99,3 +99,15 @@ def _encode(tokenizer, text: str, parse_special: bool) -> list[int]:
     if not text:
         return []
     return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=not parse_special)
+
+
+def with_special_tokens(tokenizer, ids: list[int]) -> list[int]:
+    """ids wrapped in the special tokens the tokenizer adds to an encoded text (a BOS for
+    Llama-style tokenizers; nothing for many others), as add_special_tokens=True would."""
+    probe = "a"
+    plain = tokenizer.encode(probe, add_special_tokens=False)
+    wrapped = tokenizer.encode(probe, add_special_tokens=True)
+    for start in range(len(wrapped) - len(plain) + 1):
+        if wrapped[start: start + len(plain)] == plain:
+            return wrapped[:start] + list(ids) + wrapped[start + len(plain):]
+    return list(ids)

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 import jaxserve
 from jaxserve.server.async_engine import AsyncLLMEngine
 from jaxserve.server.errors import APIError, from_validation_error
-from jaxserve.server.openai_serving import REQUEST_ID_KEY, OpenAIServing
+from jaxserve.server.openai_serving import REQUEST_ID_KEY, ChatSettings, OpenAIServing
 from jaxserve.server.protocol import RequestLimits
 
 logger = logging.getLogger(__name__)
@@ -39,8 +39,10 @@ _OPEN_PATHS = ("/health", "/ready", "/version")
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    served_model_name: str = "model"
-    api_key: str | None = None
+    # One name or several (aliases; the first is the main one, in metrics and logs).
+    served_model_name: str | tuple[str, ...] = "model"
+    # One key or several; a request needs "Authorization: Bearer <one of them>".
+    api_key: str | tuple[str, ...] | None = None
     metrics_require_auth: bool = False
     allowed_origins: tuple[str, ...] = ()
     max_body_bytes: int = 4 * 1024 * 1024
@@ -50,8 +52,21 @@ class ServerConfig:
     request_read_timeout: float = 30.0
     keep_alive_timeout: float = 5.0  # an idle keep-alive connection is closed after this
     limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
+    chat: ChatSettings = dataclasses.field(default_factory=ChatSettings)
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        name = self.served_model_name
+        return (name,) if isinstance(name, str) else tuple(name)
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        key = self.api_key
+        return () if not key else (key,) if isinstance(key, str) else tuple(k for k in key if k)
 
     def __post_init__(self) -> None:
+        if not self.served_names or not all(self.served_names):
+            raise ValueError("served_model_name needs at least one non-empty name.")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}.")
         if self.max_body_bytes < 1024:
@@ -73,7 +88,7 @@ class ServerState:
     def __init__(self, engine: AsyncLLMEngine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
-        self.serving = OpenAIServing(engine, config.served_model_name, config.limits)
+        self.serving = OpenAIServing(engine, config.served_names, config.limits, config.chat)
         self.draining = False
         self.started = time.time()
         # Parsing, chat templates and tokenization (the tokenizer releases the GIL).
@@ -131,8 +146,7 @@ class _Guard:
 
     def __init__(self, app, state: ServerState) -> None:
         self.app, self.state = app, state
-        key = state.config.api_key
-        self.expected = f"Bearer {key}".encode() if key else None
+        self.expected = [f"Bearer {key}".encode() for key in state.config.api_keys]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -142,8 +156,10 @@ class _Guard:
         scope.setdefault("state", {})[REQUEST_ID_KEY] = request_id
         headers = dict(scope["headers"])
         open_path = path in _OPEN_PATHS or (path == "/metrics" and not config.metrics_require_auth)
-        if self.expected is not None and not open_path and scope["method"] != "OPTIONS":
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+        if self.expected and not open_path and scope["method"] != "OPTIONS":
+            given = headers.get(b"authorization", b"")
+            # Every key is compared (no early exit), so timing tells nothing about which.
+            if not sum(hmac.compare_digest(given, key) for key in self.expected):
                 error = APIError(401, "Missing or invalid API key: send 'Authorization: Bearer "
                                  "<key>'.", code="invalid_api_key")
                 return await error.response()(scope, receive, send)
@@ -242,9 +258,10 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{
-            "id": config.served_model_name, "object": "model", "created": int(state.started),
+            "id": name, "object": "model", "created": int(state.started),
             "owned_by": "jaxserve", "root": engine.engine.config.model.model,
-            "max_model_len": engine.engine.config.model.max_model_len}]}
+            "max_model_len": engine.engine.config.model.max_model_len}
+            for name in config.served_names]}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

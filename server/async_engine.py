@@ -116,12 +116,15 @@ class AsyncLLMEngine:
         return self.submit_many([(request_id, prompt, prompt_token_ids)], params)[0]
 
     def submit_many(self, prompts: list[tuple[str, str | None, list[int]]],
-                    params: SamplingParams) -> list[AsyncIterator[RequestOutput]]:
+                    params: SamplingParams, *, priority: int = 0,
+                    cache_salt: str | None = None) -> list[AsyncIterator[RequestOutput]]:
         """Queue several requests, (request id, prompt text, prompt token ids) each, all or
         none: each is validated, and the admission cap is checked for all of them at once, so
-        refusing a large request never refuses or aborts anyone else's."""
+        refusing a large request never refuses or aborts anyone else's. priority and
+        cache_salt: as LLMEngine.add_request."""
         if not self.is_running:
             raise EngineDeadError(self.dead_reason or "the engine loop has stopped")
+        self.engine.check_priority(priority)
         for _, _, ids in prompts:
             self.engine.validate(ids, params)
         loop = asyncio.get_running_loop()
@@ -136,11 +139,12 @@ class AsyncLLMEngine:
                     f"{sequences} (the cap is {self.max_waiting_requests}); retry later")
             ids = [request_id for request_id, _, _ in prompts]
             if len(set(ids)) != len(ids) or any(i in self._streams for i in ids):
-                raise ValueError("request ids must be unique and not already in use")
+                raise ValueError("request_id must be unique: this one is already in use")
             self._streams.update(zip(ids, streams))
             self._pending += sequences
         for request_id, prompt, prompt_token_ids in prompts:
-            self._inbox.put(("add", (request_id, prompt, prompt_token_ids, params)))
+            self._inbox.put(("add", (request_id, prompt, prompt_token_ids, params, priority,
+                                     cache_salt)))
         self._wake.set()
         return [self._outputs(request_id, stream) for request_id, stream in zip(ids, streams)]
 

@@ -109,7 +109,7 @@ def serve(engine_config, server_config: ServerConfig, log_level: str = "info") -
     from jaxserve.data_parallel import create_engine
 
     engine = create_engine(engine_config)
-    metrics = EngineMetrics(server_config.served_model_name,
+    metrics = EngineMetrics(server_config.served_names[0],
                             warm_up_done=lambda: async_engine.warm_up_done)
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=server_config.max_waiting_requests,
                                   metrics=metrics)
@@ -122,7 +122,7 @@ def serve(engine_config, server_config: ServerConfig, log_level: str = "info") -
                             timeout_graceful_shutdown=5)
     server = _DrainingServer(config, app.state.jaxserve, async_engine,
                              server_config.shutdown_timeout)
-    logger.info("Serving %s on http://%s:%d", server_config.served_model_name,
+    logger.info("Serving %s on http://%s:%d", ", ".join(server_config.served_names),
                 server_config.host, server_config.port)
     try:
         server.run()

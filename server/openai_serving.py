@@ -42,12 +42,21 @@ from jaxserve.server.protocol import (
     TokenizeRequest,
 )
 from jaxserve.server.request_body import parse_body
-from jaxserve.tokenizer import apply_chat_template
+from jaxserve.tokenizer import apply_chat_template, with_special_tokens
 
 logger = logging.getLogger(__name__)
 
 _DISCONNECT_POLL_S = 0.5
 REQUEST_ID_KEY = "jaxserve_request_id"  # in the ASGI scope's state, set by the app's guard
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatSettings:
+    """Server-wide chat-template settings (vLLM's flags)."""
+
+    template: str | None = None  # --chat-template: instead of the tokenizer's own
+    default_kwargs: dict = dataclasses.field(default_factory=dict)  # --default-chat-template-kwargs
+    trust_request_template: bool = False  # --trust-request-chat-template
 
 
 @dataclasses.dataclass
@@ -59,39 +68,69 @@ class Prepared:
     params: SamplingParams
     prompts: list[tuple[str | None, list[int]]]  # (text if given as text, token ids)
     prompt_param: str  # the field a prompt problem is reported on
+    model: str  # the name the response carries
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, limits: RequestLimits) -> None:
+    def __init__(self, engine: AsyncLLMEngine, served_names: str | tuple[str, ...],
+                 limits: RequestLimits, chat: ChatSettings | None = None) -> None:
         self.engine = engine
-        self.model_name = model_name
+        self.served_names = (served_names,) if isinstance(served_names, str) else \
+            tuple(served_names)
+        self.model_name = self.served_names[0]
         self.limits = limits
+        self.chat = chat or ChatSettings()
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.config.model.max_model_len
         self.vocab_size = engine.engine.config.model.vocab_size
         self.sampling_defaults = engine.engine.config.model.sampling_defaults
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+    def check_model(self, name: str | None) -> str:
+        """The served name a request's `model` picks (any alias; none or "": the first)."""
+        if not name:
+            return self.model_name
+        if name not in self.served_names:
             raise APIError(404, f"The model {name[:64]!r} does not exist; this server serves "
-                           f"{self.model_name!r}.", param="model", code="model_not_found")
+                           f"{', '.join(map(repr, self.served_names))}.", param="model",
+                           code="model_not_found")
+        return name
 
     # ---- worker thread: parse, validate, tokenize -------------------------------------
     def prepare_completion(self, raw: bytes) -> Prepared:
         body = parse_body(raw, CompletionRequest)
-        self.check_model(body.model)
+        model = self.check_model(body.model)
         params = _params(body, self.limits, "prompt", self.sampling_defaults)
-        prompts = self._completion_prompts(body.prompt)
+        prompts = self._completion_prompts(body.prompt, body.add_special_tokens)
+        prompts = [(text, self._truncated(ids, params)) for text, ids in prompts]
         self._check_context(prompts, params, "prompt")
-        return Prepared("text_completion", body, params, prompts, "prompt")
+        return Prepared("text_completion", body, params, prompts, "prompt", model)
 
     def prepare_chat(self, raw: bytes) -> Prepared:
         body = parse_body(raw, ChatCompletionRequest)
-        self.check_model(body.model)
+        model = self.check_model(body.model)
         params = _params(body, self.limits, "messages", self.sampling_defaults)
-        ids = self._render_chat(body.template_messages(), body.add_generation_prompt)
+        if body.chat_template is not None and not self.chat.trust_request_template:
+            raise APIError(400, "chat_template: a chat template sent with the request is "
+                           "refused unless the server runs with --trust-request-chat-template.",
+                           param="chat_template", code="invalid_value")
+        try:
+            kwargs = body.template_kwargs(self.chat.default_kwargs)
+            messages = body.template_messages()
+        except ValueError as err:
+            raise from_value_error(err, "messages") from None
+        ids = self._render_chat(messages, body.adds_generation_prompt,
+                                body.chat_template or self.chat.template, kwargs)
+        if body.add_special_tokens:
+            ids = with_special_tokens(self.tokenizer, ids)
+        ids = self._truncated(ids, params)
         self._check_context([(None, ids)], params, "messages")
-        return Prepared("chat.completion", body, params, [(None, ids)], "messages")
+        return Prepared("chat.completion", body, params, [(None, ids)], "messages", model)
+
+    def _truncated(self, ids: list[int], params: SamplingParams) -> list[int]:
+        try:
+            return self.engine.engine.truncate_prompt(ids, params)
+        except ValueError as err:
+            raise from_value_error(err) from None
 
     def _check_context(self, prompts, params, param: str) -> None:
         """OpenAI's (and vLLM's) context-length error, which clients and gateways recognise:
@@ -118,7 +157,8 @@ class OpenAIServing:
             raise APIError(400, "Give exactly one of prompt or messages.", param="prompt")
         if body.messages is not None:
             ids = self._render_chat([m.as_template_message() for m in body.messages],
-                                    body.add_generation_prompt)
+                                    body.add_generation_prompt, self.chat.template,
+                                    dict(self.chat.default_kwargs))
         else:
             ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
@@ -130,14 +170,17 @@ class OpenAIServing:
             raise APIError(400, f"tokens must be in [0, {self.vocab_size}).", param="tokens")
         return {"prompt": self.tokenizer.decode(body.tokens)}
 
-    def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool,
+                     template: str | None, kwargs: dict) -> list[int]:
         try:
             return apply_chat_template(self.tokenizer, messages,
-                                       add_generation_prompt=add_generation_prompt)
+                                       add_generation_prompt=add_generation_prompt,
+                                       chat_template=template, **kwargs)
         except ValueError as err:
             raise from_value_error(err, "messages") from None
 
-    def _completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+    def _completion_prompts(self, prompt, add_special_tokens: bool = True
+                            ) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and isinstance(prompt[0], int):
@@ -153,7 +196,8 @@ class OpenAIServing:
             if isinstance(item, str):
                 if not item:
                     raise APIError(400, "prompt must not be empty.", param="prompt")
-                out.append((item, self.tokenizer.encode(item)))
+                out.append((item, self.tokenizer.encode(
+                    item, add_special_tokens=add_special_tokens)))
             else:
                 out.append((None, list(item)))
         return out
@@ -161,16 +205,20 @@ class OpenAIServing:
     # ---- event loop: queue and respond ----------------------------------------------------
     async def respond(self, prepared: Prepared, raw: Request):
         prefix = "chatcmpl" if prepared.kind == "chat.completion" else "cmpl"
-        http_id = raw.scope.get("state", {}).get(REQUEST_ID_KEY) or uuid.uuid4().hex
+        # As vLLM: the X-Request-Id header, else the body's request_id, else a fresh id.
+        header = raw.headers.get("x-request-id")
+        own_id = (header[:256] if header else None) or prepared.body.request_id
+        http_id = own_id or raw.scope.get("state", {}).get(REQUEST_ID_KEY) or uuid.uuid4().hex
         request_id = f"{prefix}-{http_id}"
+        body = prepared.body
         try:
             streams = self.engine.submit_many(
                 [(f"{request_id}-{i}", text, ids) for i, (text, ids) in
-                 enumerate(prepared.prompts)], prepared.params)
+                 enumerate(prepared.prompts)], prepared.params, priority=body.priority,
+                cache_salt=body.cache_salt)
         except (OverloadedError, EngineDeadError, ValueError) as err:
             raise _api_error(err, prepared.prompt_param) from None
-        view = _View(prepared.kind, request_id, self.model_name, prepared.body,
-                     prepared.prompts, self)
+        view = _View(prepared.kind, request_id, prepared.model, body, prepared.prompts, self)
         if prepared.body.stream:
             return _sse(self._stream(view, streams))
         return await self._respond(view, streams, raw)
@@ -286,7 +334,8 @@ def _sse(events: AsyncIterator[str]) -> StreamingResponse:
 
 
 class _View:
-    """Turns engine outputs into OpenAI response objects for one HTTP request."""
+    """Turns engine outputs into OpenAI response objects (with vLLM's additions) for one HTTP
+    request."""
 
     def __init__(self, kind: str, request_id: str, model: str, body, prompts, serving) -> None:
         self.chat = kind == "chat.completion"
@@ -295,67 +344,105 @@ class _View:
         self.n = body.n
         self.prompts = prompts
         self.serving = serving
-        self.echo = bool(getattr(body, "echo", False))
+        self.echo = bool(body.echo) and not self.chat
+        self.chat_echo = body.echo_text if self.chat else ""
+        self.prompt_only = bool(getattr(body, "scores_prompt_only", False))
+        self.token_ids = bool(body.return_token_ids)
+        self.as_ids = bool(body.return_tokens_as_token_ids)
+        self.interval = body.stream_interval or 1
         total = len(prompts) * self.n
         self.sent_text = [0] * total
         self.sent_tokens = [0] * total
         self.finished = [False] * total
         self.completion_tokens = [0] * total
         self.text_offsets = [0] * total
+        self.cached_tokens = [0] * len(prompts)
 
     # ---- non-streamed -------------------------------------------------------------------
     def full_response(self, finals: list[RequestOutput]) -> dict:
         choices = []
         for p, output in enumerate(finals):
+            self.cached_tokens[p] = output.num_cached_tokens
             for c in output.outputs:
                 index = p * self.n + c.index
-                self.completion_tokens[index] = len(c.token_ids)
+                generated = [] if self.prompt_only else c.token_ids
+                self.completion_tokens[index] = len(generated)
                 if self.chat:
-                    choices.append({"index": index, "message": {"role": "assistant",
-                                                                "content": c.text},
-                                    "logprobs": self._chat_logprobs(c, 0),
-                                    "finish_reason": c.finish_reason,
-                                    "stop_reason": c.stop_reason})
+                    choice = {"index": index, "message": {"role": "assistant",
+                                                          "content": self.chat_echo + c.text},
+                              "logprobs": self._chat_logprobs(c, 0),
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 else:
-                    text, logprobs = c.text, self._completion_logprobs(output, c, 0, True,
-                                                                       index)
+                    text = "" if self.prompt_only else c.text
                     if self.echo:
                         text = self._prompt_text(p) + text
-                    choices.append({"index": index, "text": text, "logprobs": logprobs,
-                                    "finish_reason": c.finish_reason,
-                                    "stop_reason": c.stop_reason})
-        return {"id": self.id, "object": self.kind, "created": self.created,
-                "model": self.model, "choices": choices, "usage": self._usage()}
+                    choice = {"index": index, "text": text,
+                              "logprobs": self._completion_logprobs(output, c, 0, True, index),
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                              "prompt_logprobs": self._prompt_logprobs(output)}
+                    if self.token_ids:
+                        choice["prompt_token_ids"] = output.prompt_token_ids
+                if self.token_ids:
+                    choice["token_ids"] = list(generated)
+                choices.append(choice)
+        response = {"id": self.id, "object": self.kind, "created": self.created,
+                    "model": self.model, "choices": choices, "usage": self._usage()}
+        if self.chat:
+            response["prompt_logprobs"] = self._prompt_logprobs(finals[0])
+            if self.token_ids:
+                response["prompt_token_ids"] = finals[0].prompt_token_ids
+            if self.body.return_prompt_text:
+                response["prompt_text"] = self._prompt_text(0)
+        return response
 
     # ---- streamed -----------------------------------------------------------------------
     def opening_chunks(self) -> list[dict]:
-        if self.chat:
-            return [self._chunk(i, {"role": "assistant", "content": ""}, None, None)
-                    for i in range(self.n)]
-        return []
+        if not self.chat:
+            return []
+        chunks = [self._chunk(i, {"role": "assistant", "content": ""}, None, None)
+                  for i in range(self.n)]
+        if self.token_ids:
+            chunks[0]["prompt_token_ids"] = self.prompts[0][1]
+        if self.body.return_prompt_text:
+            chunks[0]["prompt_text"] = self._prompt_text(0)
+        if self.chat_echo:
+            chunks += [self._chunk(i, {"content": self.chat_echo}, None, None)
+                       for i in range(self.n)]
+        return chunks
 
     def chunks(self, p: int, output: RequestOutput) -> list[dict]:
         out = []
+        self.cached_tokens[p] = output.num_cached_tokens
         for c in output.outputs:
             index = p * self.n + c.index
             if self.finished[index]:
                 continue
-            delta = c.text[self.sent_text[index]:]
-            first = self.sent_tokens[index] == 0 and self.sent_text[index] == 0
+            done = c.finish_reason is not None
+            start = self.sent_tokens[index]
+            if not done and len(c.token_ids) - start < self.interval:
+                continue  # stream_interval: wait for more tokens
+            first = start == 0 and self.sent_text[index] == 0
+            delta = "" if self.prompt_only else c.text[self.sent_text[index]:]
             if self.echo and first:
                 delta = self._prompt_text(p) + delta
-            start = self.sent_tokens[index]
-            done = c.finish_reason is not None
             if not delta and not done and (c.logprobs is None or len(c.token_ids) == start):
                 continue  # nothing to show yet (text held back, or no new tokens)
             logprobs = (self._chat_logprobs(c, start) if self.chat else
                         self._completion_logprobs(output, c, start, first, index))
             self.sent_text[index] = len(c.text)
             self.sent_tokens[index] = len(c.token_ids)
-            self.completion_tokens[index] = len(c.token_ids)
+            self.completion_tokens[index] = 0 if self.prompt_only else len(c.token_ids)
             self.finished[index] = done
             payload = {"content": delta} if self.chat else delta
-            out.append(self._chunk(index, payload, logprobs, c.finish_reason, c.stop_reason))
+            chunk = self._chunk(index, payload, logprobs, c.finish_reason, c.stop_reason)
+            choice = chunk["choices"][0]
+            if self.token_ids:
+                choice["token_ids"] = [] if self.prompt_only else c.token_ids[start:]
+                if first and not self.chat:
+                    choice["prompt_token_ids"] = output.prompt_token_ids
+            if self.body.continuous_usage:
+                chunk["usage"] = self._usage()
+            out.append(chunk)
         return out
 
     def usage_chunk(self) -> dict | None:
@@ -383,11 +470,30 @@ class _View:
         prompt = sum(len(ids) for _, ids in self.prompts)
         completion = sum(self.completion_tokens)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
 
     def _prompt_text(self, p: int) -> str:
         text, ids = self.prompts[p]
-        return text if text is not None else self.serving.tokenizer.decode(ids)
+        if text is not None:
+            return text
+        return self.serving.tokenizer.decode(ids, skip_special_tokens=not self.chat)
+
+    def _token_text(self, token: int, lp) -> str:
+        if self.as_ids:
+            return f"token_id:{token}"
+        return lp.decoded_token or ""
+
+    def _prompt_logprobs(self, output: RequestOutput) -> list | None:
+        """vLLM's prompt_logprobs: per prompt token, null for the first, else {token id:
+        {logprob, rank, decoded_token}} (the prompt's token and the top ones)."""
+        if output.prompt_logprobs is None:
+            return None
+        return [None if entry is None else
+                {str(t): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank,
+                          "decoded_token": self._token_text(t, lp)}
+                 for t, lp in entry.items()}
+                for entry in output.prompt_logprobs]
 
     def _chat_logprobs(self, c: CompletionOutput, start: int) -> dict | None:
         if c.logprobs is None:
@@ -395,11 +501,16 @@ class _View:
         k = self.body.top_logprobs or 0
         content = []
         for token, entry in zip(c.token_ids[start:], c.logprobs[start:]):
-            top = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= k),
-                         key=lambda lp: lp.rank)
-            content.append({**_token_entry(entry[token]),
-                            "top_logprobs": [_token_entry(lp) for lp in top[:k]]})
+            top = sorted(((t, lp) for t, lp in entry.items()
+                          if lp.rank is not None and lp.rank <= k), key=lambda x: x[1].rank)
+            content.append({**self._token_entry(token, entry[token]),
+                            "top_logprobs": [self._token_entry(t, lp) for t, lp in top[:k]]})
         return {"content": content}
+
+    def _token_entry(self, token: int, lp) -> dict:
+        text = self._token_text(token, lp)
+        return {"token": text, "logprob": max(lp.logprob, -9999.0),
+                "bytes": list(text.encode("utf-8"))}
 
     def _completion_logprobs(self, output: RequestOutput, c: CompletionOutput, start: int,
                              with_prompt: bool, index: int) -> dict | None:
@@ -408,9 +519,11 @@ class _View:
         rows = []  # (token text, logprob, {token text: logprob}) per position
         if self.echo and with_prompt and output.prompt_logprobs is not None:
             for token, entry in zip(output.prompt_token_ids, output.prompt_logprobs):
-                rows.append(_completion_row(token, entry) if entry is not None else
-                            (self.serving.tokenizer.decode([token]), None, None))
-        rows += [_completion_row(t, e) for t, e in zip(c.token_ids[start:], c.logprobs[start:])]
+                rows.append(self._completion_row(token, entry) if entry is not None else
+                            (self._token_text(token, _Plain(token, self.serving)), None, None))
+        if not self.prompt_only:
+            rows += [self._completion_row(t, e)
+                     for t, e in zip(c.token_ids[start:], c.logprobs[start:])]
         offsets, position = [], self.text_offsets[index]  # continues across stream chunks
         for token, _, _ in rows:
             offsets.append(position)
@@ -419,13 +532,13 @@ class _View:
         return {"tokens": [r[0] for r in rows], "token_logprobs": [r[1] for r in rows],
                 "top_logprobs": [r[2] for r in rows], "text_offset": offsets}
 
+    def _completion_row(self, token: int, entry: dict) -> tuple:
+        return (self._token_text(token, entry[token]), entry[token].logprob,
+                {self._token_text(t, lp): lp.logprob for t, lp in entry.items()})
 
-def _completion_row(token: int, entry: dict) -> tuple:
-    return (entry[token].decoded_token or "", entry[token].logprob,
-            {lp.decoded_token: lp.logprob for lp in entry.values()})
 
+class _Plain:
+    """The decoded text of a prompt token that has no logprob entry (the first)."""
 
-def _token_entry(lp) -> dict:
-    token = lp.decoded_token or ""
-    return {"token": token, "logprob": max(lp.logprob, -9999.0),
-            "bytes": list(token.encode("utf-8"))}
+    def __init__(self, token: int, serving) -> None:
+        self.decoded_token = serving.tokenizer.decode([token])

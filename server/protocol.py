@@ -1,20 +1,33 @@
-"""OpenAI request schemas (pydantic) and their translation to SamplingParams.
+"""OpenAI request schemas (pydantic) as vLLM declares them, and their translation to
+SamplingParams.
 
-Field names and defaults follow the OpenAI API, plus vLLM's extra sampling fields (top_k,
-min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, ...). Unknown fields are
-ignored, as the OpenAI clients send some; wrong types and out-of-range values are errors.
+Every field of vLLM 0.33.0's CompletionRequest and ChatCompletionRequest is declared here
+(tests/test_vllm_fields.py holds the two lists). Each either works as in vLLM or, when set to
+anything but its default, gets a 400 naming it (`_REFUSED`: features jaxserve does not have,
+or not yet). A field outside vLLM's schema is accepted, as OpenAI clients send some, and
+logged once per name; the guided-decoding fields vLLM removed in 0.12 are refused, since
+accepting them would return unconstrained output. Wrong types and out-of-range values are
+400s.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+import logging
+import threading
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from jaxserve.sampling_params import INT32_MAX, MAX_LOGPROBS, SamplingParams
+from jaxserve.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, \
+    SamplingParams
+
+logger = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
+COMPLETION_MAX_TOKENS = 16  # completions' default max_tokens (OpenAI and vLLM)
+MAX_CACHE_SALT = 128  # characters, as vLLM checks it
 
 
 class RequestLimits(BaseModel):
@@ -26,33 +39,163 @@ class RequestLimits(BaseModel):
     max_stop_length: int = MAX_STOP_LENGTH
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+class ParamError(ValueError):
+    """A request field with an unacceptable value; `param` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+# ---- unknown fields: logged once per name ------------------------------------------------
+_logged_unknown: set[str] = set()
+_logged_lock = threading.Lock()
+
+
+def _log_unknown(where: str, names) -> None:
+    for name in names:
+        key = f"{where}.{name}"
+        with _logged_lock:
+            if key in _logged_unknown:
+                continue
+            _logged_unknown.add(key)
+        logger.warning("Requests carry the field %r, which is not part of vLLM's %s schema: "
+                       "it is ignored (logged once).", name[:64], where)
+
+
+class _Body(BaseModel):
+    """Extra fields are kept (and logged once per name), as vLLM's OpenAIBaseModel does."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _note_unknown(self):
+        extra = set(self.model_extra or ()) - set(_REMOVED_GUIDED)
+        if extra:
+            _log_unknown(type(self).__name__, sorted(extra))
+        return self
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+# Fields of features jaxserve does not have (yet): (is it set?, why it is refused).
+def _set(value) -> bool:
+    return value is not None
+
+
+_REFUSED: dict[str, tuple[Any, str]] = {
+    "suffix": (_set, "suffix (insertion) is not supported"),
+    "use_beam_search": (bool, "beam search is not supported"),
+    "length_penalty": (lambda v: v != 1.0, "length_penalty applies to beam search, which is "
+                       "not supported"),
+    "watermarking": (bool, "watermarking is not supported"),
+    "logprob_token_ids": (_set, "logprob_token_ids is not supported; use logprobs"),
+    "prompt_embeds": (_set, "prompt_embeds is not supported; send text or token ids"),
+    "structured_outputs": (_set, "structured outputs are not supported yet"),
+    "session_id": (_set, "session_id is not supported"),
+    "return_weight_versions": (bool, "weight versions are not reported"),
+    "routed_experts_prompt_start": (bool, "routed experts are not reported"),
+    "return_token_offsets": (bool, "return_token_offsets is not supported"),
+    "kv_transfer_params": (_set, "disaggregated prefill (KV transfer) is not supported"),
+    "ec_transfer_params": (_set, "encoder-cache transfer is not supported"),
+    "vllm_xargs": (_set, "no engine extension takes vllm_xargs"),
+    "repetition_detection": (_set, "repetition_detection is not supported"),
+    "thinking_token_budget": (lambda v: v is not None and v != -1,
+                              "thinking_token_budget needs a reasoning parser, which is not "
+                              "supported yet"),
+    "tools": (bool, "tools are not supported yet"),
+    "tool_choice": (lambda v: v not in (None, "none"), "tool_choice other than 'none' needs "
+                    "tools, which are not supported yet"),
+    "include_reasoning": (lambda v: v is False, "include_reasoning=false needs a reasoning "
+                          "parser, which is not supported yet"),
+    "mm_processor_kwargs": (_set, "this server takes text only (no multimodal processor)"),
+    "media_io_kwargs": (_set, "this server takes text only (no media loading)"),
+}
+# Removed from vLLM in 0.12 (structured_outputs replaced them); refused, not ignored.
+_REMOVED_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                   "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag")
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+
+
+class _Request(_Body):
+    """The fields completions and chat share (vLLM's names, types and defaults)."""
 
     model: str | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     n: int = 1
+    presence_penalty: float | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
+    user: str | None = None  # an end-user id for the caller's records; no effect (as vLLM)
+    use_beam_search: bool = False
     top_k: int | None = None
     min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    watermarking: bool | None = None
+    length_penalty: float = 1.0
     stop_token_ids: list[int] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
+    truncation_side: Literal["left", "right"] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
+    bad_words: list[str] = Field(default_factory=list)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+    request_id: str | None = Field(None, min_length=1, max_length=256)
+    session_id: str | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    return_weight_versions: bool = False
+    routed_experts_prompt_start: int = Field(0, ge=0)
+    return_token_offsets: bool | None = False
+    mm_payload: Literal["tensors", "none"] = "tensors"  # no multimodal output: either holds
+    return_mm_kwargs: bool | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT)
+    kv_transfer_params: dict | None = None
+    ec_transfer_params: dict | None = None
+    vllm_xargs: dict | None = None
+    repetition_detection: dict | None = None
+    thinking_token_budget: int | None = None
+    stream_interval: int | None = Field(None, ge=1)
+
+    # ---- checks shared by both kinds ------------------------------------------------------
+    def _refuse_unsupported(self) -> None:
+        for name in _REMOVED_GUIDED:
+            if name in (self.model_extra or {}):
+                raise ParamError(name, f"{name} was removed in vLLM 0.12 and is not accepted "
+                                 "here; structured outputs are not supported yet.")
+        for name, (is_set, why) in _REFUSED.items():
+            if name in type(self).model_fields and is_set(getattr(self, name)):
+                raise ParamError(name, f"{name}: {why}.")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ParamError("response_format", f"response_format type "
+                             f"{self.response_format.type!r} is not supported yet; only "
+                             "'text' is.")
+        if self.cache_salt is not None and any(c in self.cache_salt for c in "@/\\\0"):
+            raise ParamError("cache_salt", "cache_salt must not contain '@', '/', '\\' or NUL.")
+        if self.stream_options is not None and not self.stream:
+            raise ParamError("stream_options", "stream_options is only allowed with stream=true")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ParamError("prompt_logprobs", "prompt_logprobs are not available when "
+                             "stream=true.")
 
     def _stops(self, limits: RequestLimits) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -62,19 +205,39 @@ class _Sampling(BaseModel):
             raise ParamError("stop", f"stop strings of at most {limits.max_stop_length} chars")
         return stops
 
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            ids = {int(key): value for key, value in self.logit_bias.items()}
+        except ValueError:
+            bad = [k for k in self.logit_bias if not k.strip().lstrip("-").isdigit()][:3]
+            raise ParamError("logit_bias", f"logit_bias keys must be token ids; got {bad}.") \
+                from None
+        # As vLLM (and OpenAI's documented range): each bias clamped to [-100, 100].
+        return {token: min(100.0, max(-100.0, bias)) for token, bias in ids.items()}
+
     def _common(self, limits: RequestLimits, defaults: dict) -> dict:
         """The fields every request kind shares; a sampling field the request leaves unset
         takes the model's default (generation_config.json), else SamplingParams'."""
+        self._refuse_unsupported()
         if self.n > limits.max_n:
             raise ParamError("n", f"n must be at most {limits.max_n}")
-        if self.logit_bias:
-            raise ParamError("logit_bias", "logit_bias is not supported yet")
-        if self.stream_options is not None and not self.stream:
-            raise ParamError("stream_options", "stream_options is only allowed with stream=true")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ParamError("prompt_logprobs", f"prompt_logprobs must be in [0, "
+                             f"{MAX_LOGPROBS}].")
         values = dict(n=self.n, seed=self.seed, stop=self._stops(limits),
                       stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-                      min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
-                      include_stop_str_in_output=self.include_stop_str_in_output)
+                      min_tokens=self.min_tokens,
+                      skip_special_tokens=(True if self.skip_special_tokens is None
+                                           else self.skip_special_tokens),
+                      spaces_between_special_tokens=self.spaces_between_special_tokens,
+                      include_stop_str_in_output=self.include_stop_str_in_output,
+                      logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids,
+                      bad_words=list(dict.fromkeys(self.bad_words)) or None,
+                      truncate_prompt_tokens=self.truncate_prompt_tokens,
+                      truncation_side=self.truncation_side or "left",
+                      prompt_logprobs=self.prompt_logprobs)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
@@ -88,83 +251,152 @@ class _Sampling(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
-class CompletionRequest(_Sampling):
+
+class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = None  # None: as many as fit in the context
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = None
+    max_tokens: int | None = COMPLETION_MAX_TOKENS
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = None  # OpenAI's; vLLM no longer declares it: only best_of == n
+    prompt_embeds: Any = None
+    add_special_tokens: bool = True
+
+    @property
+    def scores_prompt_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) back, nothing generated."""
+        return bool(self.echo) and self.max_tokens == 0
 
     def sampling_params(self, limits: RequestLimits, defaults: dict | None = None
                         ) -> SamplingParams:
         """defaults: the model's sampling defaults (generation_config.json)."""
         defaults = defaults or {}
-        if self.suffix:
-            raise ParamError("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ParamError("best_of", "best_of other than n is not supported")
-        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
-            raise ParamError("logprobs", f"logprobs must be at most {MAX_LOGPROBS}")
-        prompt_logprobs = self.logprobs if (self.echo and self.logprobs is not None) else None
-        max_tokens = self.max_tokens if self.max_tokens is not None else \
-            defaults.get("max_tokens")
-        return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs,
-                              prompt_logprobs=prompt_logprobs,
-                              **self._common(limits, defaults))
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ParamError("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        if self.echo and self.suffix is not None:
+            raise ParamError("echo", "echo is not supported with suffix.")
+        values = self._common(limits, defaults)
+        if self.echo and values["prompt_logprobs"] is None:
+            values["prompt_logprobs"] = self.logprobs  # the echoed prompt carries logprobs
+        max_tokens = self.max_tokens if self.max_tokens is not None else COMPLETION_MAX_TOKENS
+        if self.scores_prompt_only:
+            max_tokens = 1  # computed and dropped: the response holds the prompt alone
+        elif max_tokens < 1:
+            raise ParamError("max_tokens", "max_tokens must be at least 1 (0 only with "
+                             "echo=true, to score the prompt).")
+        return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **values)
 
 
-class TextPart(BaseModel):
+class TextPart(_Body):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str | dict = "{}"
 
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(_Body):
+    """A message as OpenAI and vLLM take it; what a chat template may read is passed on
+    (name, tool_call_id, tool_calls with their arguments as objects, reasoning)."""
+
+    role: str = Field(min_length=1, max_length=64)
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None  # vLLM's older name for reasoning
+    tools: list[dict] | None = None  # a developer message's tools
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
 
     def as_template_message(self) -> dict:
-        content = self.content
-        if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": self.text}
+        for name in ("name", "tool_call_id", "tools"):
+            if getattr(self, name) is not None:
+                message[name] = getattr(self, name)
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:
+            message["reasoning"] = message["reasoning_content"] = reasoning
+        if self.tool_calls is not None:
+            message["tool_calls"] = [_template_tool_call(call, i)
+                                     for i, call in enumerate(self.tool_calls)]
+        return message
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+def _template_tool_call(call: ToolCall, index: int) -> dict:
+    """Chat templates read a call's arguments as an object (vLLM parses the JSON string)."""
+    arguments = call.function.arguments
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            raise ParamError("messages", f"tool_calls[{index}].function.arguments is not valid "
+                             "JSON.") from None
+    out = {"type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+    if call.id is not None:
+        out["id"] = call.id
+    return out
 
-    type: str
 
-
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = 0
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
-    tools: list | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = "none"
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | \
+        None = None
+    include_reasoning: bool = True
+    parallel_tool_calls: bool | None = True  # applies to tool calls, refused until tools land
+    echo: bool = False
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict | None = None
+    mm_processor_kwargs: dict | None = None
+    return_prompt_text: bool | None = None
 
     def sampling_params(self, limits: RequestLimits, defaults: dict | None = None
                         ) -> SamplingParams:
         """defaults: the model's sampling defaults (generation_config.json)."""
         defaults = defaults or {}
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ParamError("response_format",
-                             f"response_format type {self.response_format.type[:32]!r} is not "
-                             "supported yet; only 'text' is")
-        if self.tools:
-            raise ParamError("tools", "tools are not supported yet")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+        top = self.top_logprobs or 0
+        if not 0 <= top <= MAX_LOGPROBS:
             raise ParamError("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}]")
-        if self.top_logprobs and not self.logprobs:
+        if top and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs needs logprobs=true")
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        if self.continue_final_message and self.add_generation_prompt and \
+                "add_generation_prompt" in self.model_fields_set:
+            raise ParamError("continue_final_message", "Cannot set both continue_final_message "
+                             "and add_generation_prompt to true.")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ParamError("continue_final_message", "continue_final_message needs the last "
+                             "message to be the assistant's.")
+        logprobs = top if self.logprobs else None
         max_tokens = self.max_tokens
         if self.max_completion_tokens is not None:
             if not 1 <= self.max_completion_tokens <= INT32_MAX:
@@ -176,13 +408,43 @@ class ChatCompletionRequest(_Sampling):
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
                               **self._common(limits, defaults))
 
+    @property
+    def adds_generation_prompt(self) -> bool:
+        """continue_final_message renders the last message open (no new turn), as vLLM."""
+        return self.add_generation_prompt and not self.continue_final_message
+
     def template_messages(self) -> list[dict]:
         return [m.as_template_message() for m in self.messages]
 
+    def template_kwargs(self, server_defaults: dict) -> dict:
+        """What the chat template sees besides the messages: the server's defaults, then the
+        request's chat_template_kwargs, then the typed fields (vLLM's order)."""
+        kwargs = dict(server_defaults)
+        own = self.chat_template_kwargs or {}
+        for name in ("chat_template", "tokenize", "conversation", "messages"):
+            if name in own:
+                raise ParamError("chat_template_kwargs", f"chat_template_kwargs may not set "
+                                 f"{name!r}.")
+        kwargs.update(own)
+        if self.continue_final_message:
+            kwargs["continue_final_message"] = True
+        if self.documents is not None:
+            kwargs["documents"] = self.documents
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kwargs
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    @property
+    def echo_text(self) -> str:
+        """Chat echo (vLLM's): the last message's content, when it has the role the answer
+        takes (the assistant's, or the last message's own when no new turn is opened)."""
+        last = self.messages[-1]
+        role = "assistant" if self.adds_generation_prompt else last.role
+        return last.text if self.echo and last.role == role else ""
 
+
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -190,16 +452,6 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
-
-
-class ParamError(ValueError):
-    """A request field with an unacceptable value; `param` names the field."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param

@@ -61,7 +61,10 @@ class FakeReplica:
     def validate(self, ids, params) -> None:
         pass
 
-    def add_request(self, request_id, prompt, ids, params, priority=0) -> None:
+    def check_priority(self, priority) -> None:
+        pass
+
+    def add_request(self, request_id, prompt, ids, params, priority=0, cache_salt=None) -> None:
         self.requests[request_id] = 0
         self.waiting.append(request_id)
 

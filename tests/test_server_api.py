@@ -422,7 +422,7 @@ BAD = [  # (id, path, JSON body or raw bytes, status, param)
     ("prompt-number", C, _c(prompt=5), 400, "prompt"),
     ("stop-number", C, _c(stop=5), 400, "stop"),
     ("messages-str", CH, _ch(messages="hi"), 400, "messages"),
-    ("message-role", CH, _ch(messages=[{"role": "wizard", "content": "x"}]), 400,
+    ("message-role", CH, _ch(messages=[{"role": "", "content": "x"}]), 400,
      "messages.0.role"),
     ("message-content-number", CH, _ch(messages=[{"role": "user", "content": 5}]), 400,
      "messages.0.content"),
