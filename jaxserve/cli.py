@@ -337,7 +337,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # `generate MODEL --flag ... PROMPT...`: argparse fills a positional list once, so
+    # prompts after the flags come back as extras.
+    if extra and args.command == "generate" and not any(e.startswith("-") for e in extra):
+        args.prompts += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))
     logging.getLogger("jaxserve").setLevel(args.log_level)

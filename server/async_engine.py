@@ -45,6 +45,8 @@ class _Stream:
     queue: asyncio.Queue
     arrival: float
     num_prompt_tokens: int
+    n: int = 1
+    max_tokens: int = 0  # the most tokens each sequence may generate
     first_token: float | None = None
     last_token: float | None = None
     num_tokens: int = 0
@@ -128,7 +130,9 @@ class AsyncLLMEngine:
         for _, _, ids in prompts:
             self.engine.validate(ids, params)
         loop = asyncio.get_running_loop()
-        streams = [_Stream(loop, asyncio.Queue(), time.monotonic(), len(ids))
+        max_len = self.engine.config.model.max_model_len
+        streams = [_Stream(loop, asyncio.Queue(), time.monotonic(), len(ids), params.n,
+                           min(params.max_tokens or max_len, max_len - len(ids)))
                    for _, _, ids in prompts]
         sequences = len(prompts) * params.n
         with self._lock:
@@ -286,12 +290,8 @@ class AsyncLLMEngine:
                     "finish %s", output.request_id, stream.num_prompt_tokens, stream.num_tokens,
                     ttft, now - stream.arrival, reasons)
         if self.metrics:
-            self.metrics.e2e_latency.observe(now - stream.arrival)
-            for reason in reasons.split(","):
-                self.metrics.finished(reason)
-            queued = output.metrics.time_in_queue if output.metrics else None
-            if queued is not None:
-                self.metrics.queue_time.observe(queued)
+            self.metrics.request_finished(output, stream.arrival, stream.first_token, now,
+                                          stream.n, stream.max_tokens)
 
     def _publish_stats(self, taken: int = 0) -> EngineStats:
         """Take a snapshot (engine thread); `taken` sequences left _pending and are in it."""

@@ -110,7 +110,8 @@ def serve(engine_config, server_config: ServerConfig, log_level: str = "info") -
 
     engine = create_engine(engine_config)
     metrics = EngineMetrics(server_config.served_names[0],
-                            warm_up_done=lambda: async_engine.warm_up_done)
+                            warm_up_done=lambda: async_engine.warm_up_done,
+                            max_model_len=engine.config.model.max_model_len)
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=server_config.max_waiting_requests,
                                   metrics=metrics)
     async_engine.start()

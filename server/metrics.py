@@ -11,13 +11,20 @@
 | vllm:time_to_first_token_seconds | histogram |
 | vllm:inter_token_latency_seconds (also vllm:time_per_output_token_seconds) | histogram |
 | vllm:e2e_request_latency_seconds, vllm:request_queue_time_seconds | histogram |
+| vllm:request_prefill_time_seconds, vllm:request_decode_time_seconds | histogram |
+| vllm:request_inference_time_seconds, vllm:request_time_per_output_token_seconds | histogram |
+| vllm:request_prompt_tokens, vllm:request_generation_tokens | histogram (tokens) |
+| vllm:request_max_num_generation_tokens, vllm:request_params_max_tokens | histogram (tokens) |
+| vllm:request_params_n | histogram |
 | jaxserve:compile_seconds{kind=step|score} (trace, lower and compile of one bucket) | histogram |
 | jaxserve:xla_compilations_total (every XLA compile in the process) | counter |
 | jaxserve:executable_cache_loads_total (buckets loaded from disk, not compiled) | counter |
 | jaxserve:warm_up_done (1 once every bucket is compiled) | gauge |
 
 Every series carries the label model_name; the jaxserve: series describe the process. Gauges are set from the engine loop after every
-step, and return to 0 when the engine is idle.
+step, and return to 0 when the engine is idle. Histogram buckets are vLLM's (v1 metrics), so
+its dashboards' quantiles read the same: latencies up to 7680 s, token counts on a 1-2-5
+series up to max_model_len.
 """
 
 from __future__ import annotations
@@ -34,10 +41,25 @@ from jaxserve.compilation import (
     executable_loads,
 )
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-                  0.75, 1.0, 2.5, 5.0)
+# vLLM's buckets (vllm/v1/metrics): whole requests, time to first token, between tokens.
+_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                          2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def one_two_five_buckets(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to limit (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > limit:
+                return tuple(out)
+            out.append(step * scale)
+        scale *= 10
 
 
 class CompileCollector:
@@ -68,8 +90,10 @@ class CompileCollector:
 
 class EngineMetrics:
     def __init__(self, model_name: str, *,
-                 warm_up_done: Callable[[], bool] = lambda: True) -> None:
-        """warm_up_done: whether the engine has compiled every bucket (for the gauge)."""
+                 warm_up_done: Callable[[], bool] = lambda: True,
+                 max_model_len: int = 8192) -> None:
+        """warm_up_done: whether the engine has compiled every bucket (for the gauge);
+        max_model_len: the top of the token-count buckets."""
         self.registry = CollectorRegistry()
         self.registry.register(CompileCollector(model_name, warm_up_done))
         labels = {"model_name": model_name}
@@ -101,16 +125,44 @@ class EngineMetrics:
                                        ["model_name", "finished_reason"], registry=r)
         self._request_success_labels = labels
         self.time_to_first_token = histogram("vllm:time_to_first_token_seconds",
-                                             "Time to first token.", _LATENCY_BUCKETS)
+                                             "Time to first token.", _TTFT_BUCKETS)
         self.inter_token_latency = histogram("vllm:inter_token_latency_seconds",
-                                             "Time between output tokens.", _TOKEN_BUCKETS)
+                                             "Time between output tokens.",
+                                             _TOKEN_LATENCY_BUCKETS)
         self.time_per_output_token = histogram(
             "vllm:time_per_output_token_seconds",
-            "Same as vllm:inter_token_latency_seconds (older name).", _TOKEN_BUCKETS)
+            "Same as vllm:inter_token_latency_seconds (older name).", _TOKEN_LATENCY_BUCKETS)
+        self.request_time_per_output_token = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Mean time per output token of each request (its decode time / (tokens - 1)).",
+            _TOKEN_LATENCY_BUCKETS)
         self.e2e_latency = histogram("vllm:e2e_request_latency_seconds",
-                                     "End-to-end request latency.", _LATENCY_BUCKETS)
+                                     "End-to-end request latency.", _REQUEST_LATENCY_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds",
-                                    "Time from arrival to first scheduling.", _LATENCY_BUCKETS)
+                                    "Time from arrival to first scheduling.",
+                                    _REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Time from first scheduling to the first token.",
+                                      _REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "Time from the first token to the last.",
+                                     _REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "Time from first scheduling to the last token.",
+                                        _REQUEST_LATENCY_BUCKETS)
+        tokens = one_two_five_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
+                                               "Prompt tokens of each request.", tokens)
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Generated tokens of each request (all its "
+            "sequences).", tokens)
+        self.request_max_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens", "Most tokens generated by one sequence "
+            "of each request.", tokens)
+        self.request_params_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "max_tokens of each request.", tokens)
+        self.request_params_n = histogram("vllm:request_params_n", "n of each request.",
+                                          _N_BUCKETS)
         self._preemptions_seen = 0
         self._prefix_cache_seen = (0, 0)  # (queries, hits) already counted
         self._tokens = [0, 0]
@@ -136,6 +188,31 @@ class EngineMetrics:
 
     def finished(self, reason: str) -> None:
         self.request_success.labels(finished_reason=reason, **self._request_success_labels).inc()
+
+    def request_finished(self, output, arrival: float, first_token: float | None, now: float,
+                         n: int, max_tokens: int) -> None:
+        """The per-request series of a finished request (times on time.monotonic())."""
+        self.e2e_latency.observe(now - arrival)
+        reasons = sorted({c.finish_reason or "abort" for c in output.outputs})
+        for reason in reasons:
+            self.finished(reason)
+        lengths = [len(c.token_ids) for c in output.outputs]
+        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.observe(sum(lengths))
+        self.request_max_generation_tokens.observe(max(lengths, default=0))
+        self.request_params_n.observe(n)
+        self.request_params_max_tokens.observe(max_tokens)
+        scheduled = output.metrics.first_scheduled_time if output.metrics else None
+        if scheduled is None:
+            return  # never ran (aborted while waiting)
+        self.queue_time.observe(output.metrics.time_in_queue)
+        self.inference_time.observe(max(0.0, now - scheduled))
+        if first_token is not None:
+            self.prefill_time.observe(max(0.0, first_token - scheduled))
+            self.decode_time.observe(max(0.0, now - first_token))
+            longest = max(lengths, default=0)
+            if longest > 1:
+                self.request_time_per_output_token.observe((now - first_token) / (longest - 1))
 
     def token_gap(self, seconds: float) -> None:
         self.inter_token_latency.observe(seconds)

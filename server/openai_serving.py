@@ -211,6 +211,8 @@ class OpenAIServing:
         http_id = own_id or raw.scope.get("state", {}).get(REQUEST_ID_KEY) or uuid.uuid4().hex
         request_id = f"{prefix}-{http_id}"
         body = prepared.body
+        if body.user:  # OpenAI's end-user id: for the operator's abuse monitoring
+            logger.info("request %s: user %r", request_id, body.user[:128])
         try:
             streams = self.engine.submit_many(
                 [(f"{request_id}-{i}", text, ids) for i, (text, ids) in
@@ -408,6 +410,9 @@ class _View:
         if self.chat_echo:
             chunks += [self._chunk(i, {"content": self.chat_echo}, None, None)
                        for i in range(self.n)]
+        if self.body.continuous_usage:
+            for chunk in chunks:
+                chunk["usage"] = self._usage()
         return chunks
 
     def chunks(self, p: int, output: RequestOutput) -> list[dict]:

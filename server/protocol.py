@@ -19,8 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from jaxserve.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, \
-    SamplingParams
+from jaxserve.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -284,13 +283,23 @@ class CompletionRequest(_Request):
         values = self._common(limits, defaults)
         if self.echo and values["prompt_logprobs"] is None:
             values["prompt_logprobs"] = self.logprobs  # the echoed prompt carries logprobs
-        max_tokens = self.max_tokens if self.max_tokens is not None else COMPLETION_MAX_TOKENS
+        max_tokens = _capped(self.max_tokens if self.max_tokens is not None else
+                             COMPLETION_MAX_TOKENS, defaults)
         if self.scores_prompt_only:
             max_tokens = 1  # computed and dropped: the response holds the prompt alone
         elif max_tokens < 1:
             raise ParamError("max_tokens", "max_tokens must be at least 1 (0 only with "
                              "echo=true, to score the prompt).")
         return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **values)
+
+
+def _capped(max_tokens: int | None, defaults: dict) -> int | None:
+    """As vLLM: the model's max_new_tokens (generation_config.json) caps a request's
+    max_tokens and is the default when the request sets none."""
+    limit = defaults.get("max_tokens")
+    if limit is None or (max_tokens is not None and max_tokens < 1):
+        return max_tokens
+    return limit if max_tokens is None else min(max_tokens, limit)
 
 
 class TextPart(_Body):
@@ -403,9 +412,7 @@ class ChatCompletionRequest(_Request):
                 raise ParamError("max_completion_tokens", "max_completion_tokens must be an "
                                  f"integer in [1, {INT32_MAX}]")
             max_tokens = self.max_completion_tokens
-        if max_tokens is None:
-            max_tokens = defaults.get("max_tokens")
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+        return SamplingParams(max_tokens=_capped(max_tokens, defaults), logprobs=logprobs,
                               **self._common(limits, defaults))
 
     @property

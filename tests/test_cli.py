@@ -28,7 +28,8 @@ def test_help_lists_every_subcommand():
 
 
 def test_generate_prints_completions(tiny_checkpoints):
-    out = run("generate", "--model", str(tiny_checkpoints["llama"]), *SMALL, "--max-tokens", "5",
+    # `jaxserve generate MODEL PROMPT...`, as `vllm serve MODEL`: the model comes first
+    out = run("generate", str(tiny_checkpoints["llama"]), *SMALL, "--max-tokens", "5",
               "--ignore-eos", "--json", "def fibonacci(n):", "import os")
     assert out.returncode == 0, out.stderr
     lines = [json.loads(line) for line in out.stdout.splitlines()]
@@ -71,3 +72,28 @@ def test_unknown_architecture_is_refused(tmp_path, tiny_checkpoints):
     out = run("generate", "--model", str(folder), *SMALL, "hi")
     assert out.returncode == 2
     assert "GPT2LMHeadModel" in out.stderr and "LlamaForCausalLM" in out.stderr
+
+
+def test_generate_reads_a_first_argument_as_the_model_only_when_it_names_one(tmp_path):
+    from jaxserve.cli import _names_a_model
+
+    (tmp_path / "config.json").write_text("{}")
+    assert _names_a_model(str(tmp_path)) and _names_a_model("Qwen/Qwen2.5-0.5B-Instruct")
+    assert not _names_a_model("def f(x):") and not _names_a_model("a / b")
+    assert not _names_a_model(str(tmp_path / "missing"))
+
+
+def test_server_flags_take_vllms_forms(monkeypatch):
+    from jaxserve.cli import _api_keys, _origins
+
+    assert _origins('["*"]') == ("*",)
+    assert _origins("http://a.example, http://b.example") == ("http://a.example",
+                                                              "http://b.example")
+    with pytest.raises(ValueError, match="allowed-origins"):
+        _origins('["*"')
+    monkeypatch.delenv("JAXSERVE_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert _api_keys(None) == ("from-vllm",)
+    monkeypatch.setenv("JAXSERVE_API_KEY", "ours")
+    assert _api_keys(None) == ("ours",)
+    assert _api_keys(["k1", "k2"]) == ("k1", "k2")  # the flags win

@@ -44,6 +44,9 @@ def test_requests_take_the_defaults_and_their_own_values_win():
     own = CompletionRequest(prompt="x", temperature=0.0, max_tokens=3).sampling_params(
         limits, defaults)
     assert (own.temperature, own.top_k, own.max_tokens) == (0.0, 20, 3)
+    # as vLLM: the model's max_new_tokens also caps a request's larger max_tokens
+    assert CompletionRequest(prompt="x", max_tokens=50).sampling_params(
+        limits, defaults).max_tokens == 7
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
                                  max_completion_tokens=4).sampling_params(limits, defaults)
     assert (chat.temperature, chat.max_tokens) == (0.7, 4)

@@ -43,7 +43,8 @@ def server(api_server):
 
 @pytest.fixture(scope="module")
 def auth_server(tiny_checkpoints, tmp_path_factory):
-    with running_server(tiny_checkpoints["llama"], "--api-key", "secret",
+    with running_server(tiny_checkpoints["llama"], "--api-key", "secret", "--api-key", "other",
+                        "--served-model-name", "tiny", "tiny-alias",
                         log_dir=tmp_path_factory.mktemp("server-api-auth")) as srv:
         yield srv
 
@@ -571,8 +572,9 @@ def test_api_key_required_except_on_open_routes(auth_server):
                                    timeout=30), 401)
     for path in ("/health", "/ready", "/version", "/metrics"):
         assert httpx.get(url + path, timeout=30).status_code == 200, path
-    good = {"Authorization": "Bearer secret"}
-    assert httpx.post(url + C, json=NORMAL, headers=good, timeout=30).status_code == 200
+    for key in ("secret", "other"):  # several --api-key values: each is accepted
+        good = {"Authorization": f"Bearer {key}"}
+        assert httpx.post(url + C, json=NORMAL, headers=good, timeout=30).status_code == 200
 
 
 def test_openai_client_with_right_and_wrong_key(auth_server):
@@ -582,7 +584,9 @@ def test_openai_client_with_right_and_wrong_key(auth_server):
         assert err.value.status_code == 401
         assert ENVELOPE_KEYS <= set(err.value.body)
     with openai.OpenAI(base_url=auth_server.api, api_key="secret", max_retries=0) as good:
-        assert [m.id for m in good.models.list().data] == ["tiny"]
+        assert [m.id for m in good.models.list().data] == ["tiny", "tiny-alias"]
+        alias = good.completions.create(model="tiny-alias", prompt="hi", max_tokens=2)
+        assert alias.model == "tiny-alias"
         resp = good.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3)
         assert resp.choices[0].finish_reason in ("length", "stop")
         chunks = list(good.completions.create(model="tiny", prompt="hi", max_tokens=3,

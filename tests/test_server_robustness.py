@@ -339,6 +339,43 @@ def test_metrics_and_request_log_follow_the_requests(server):
     assert f"prompt {one.usage.prompt_tokens} tokens, output 7 tokens" in line, line
 
 
+# Every series vLLM 0.33.0's example Grafana dashboard queries
+# (examples/observability/prometheus_grafana/grafana.json), by model_name.
+DASHBOARD_SERIES = [
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total", "vllm:inter_token_latency_seconds_bucket",
+    "vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count",
+    "vllm:request_time_per_output_token_seconds_bucket",
+    "vllm:request_time_per_output_token_seconds_sum",
+    "vllm:request_time_per_output_token_seconds_count", "vllm:num_requests_running",
+    "vllm:num_requests_waiting", "vllm:time_to_first_token_seconds_bucket",
+    "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
+    "vllm:kv_cache_usage_perc", "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket", "vllm:request_success_total",
+    "vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_decode_time_seconds_sum", "vllm:request_max_num_generation_tokens_sum"]
+
+
+def test_every_series_of_vllms_dashboard_is_there_after_one_request(server):
+    client(server).completions.create(model=MODEL, prompt="def f(x):", max_tokens=5,
+                                      extra_body={"ignore_eos": True})
+    text = httpx.get(f"{server.url}/metrics", timeout=5, trust_env=False).text
+    labelled = {line.split("{", 1)[0] for line in text.splitlines()
+                if 'model_name="tiny"' in line}
+    missing = [name for name in DASHBOARD_SERIES if name not in labelled]
+    assert not missing, missing
+    values = metrics(server.url)
+    for name in ("vllm:request_prefill_time_seconds_count",
+                 "vllm:request_decode_time_seconds_count",
+                 "vllm:request_max_num_generation_tokens_count",
+                 "vllm:request_time_per_output_token_seconds_count"):
+        assert values[name] >= 1, name
+    # vLLM's buckets: a long request's latency is not cut off at 80 s
+    assert 'vllm:e2e_request_latency_seconds_bucket{le="7680.0"' in text
+    assert 'vllm:request_prompt_tokens_bucket{le="500.0"' in text  # 1-2-5 up to 512
+
+
 def test_the_shared_server_log_has_no_error_lines(server):
     errors = [line for line in server.log().splitlines()
               if line.startswith(("ERROR", "CRITICAL")) or "Traceback" in line]
