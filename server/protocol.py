@@ -433,8 +433,9 @@ class ChatCompletionRequest(_Request):
                 raise ParamError("chat_template_kwargs", f"chat_template_kwargs may not set "
                                  f"{name!r}.")
         kwargs.update(own)
-        if self.continue_final_message:
-            kwargs["continue_final_message"] = True
+        # The typed fields win (and add_generation_prompt is passed on its own).
+        kwargs.pop("add_generation_prompt", None)
+        kwargs["continue_final_message"] = self.continue_final_message
         if self.documents is not None:
             kwargs["documents"] = self.documents
         if self.reasoning_effort is not None:

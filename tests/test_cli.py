@@ -97,3 +97,15 @@ def test_server_flags_take_vllms_forms(monkeypatch):
     monkeypatch.setenv("JAXSERVE_API_KEY", "ours")
     assert _api_keys(None) == ("ours",)
     assert _api_keys(["k1", "k2"]) == ("k1", "k2")  # the flags win
+
+
+def test_chat_template_flag_takes_a_file_or_a_template(tmp_path):
+    from jaxserve.cli import _chat_template, _json_object
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0].content }}")
+    assert _chat_template(str(path)) == "{{ messages[0].content }}"
+    assert _chat_template("{{ 1 }}") == "{{ 1 }}"
+    with pytest.raises(ValueError, match="chat-template"):
+        _chat_template(str(tmp_path / "missing.jinja"))
+    assert _json_object('{"enable_thinking": false}') == {"enable_thinking": False}

@@ -90,7 +90,8 @@ class FakeReplica:
 
 
 def make_engine():
-    config = types.SimpleNamespace(parallel=types.SimpleNamespace(data_parallel_size=2))
+    config = types.SimpleNamespace(parallel=types.SimpleNamespace(data_parallel_size=2),
+                                   model=types.SimpleNamespace(max_model_len=512))
     replicas = [FakeReplica(2, 0.5, 3), FakeReplica(5, 0.1, 1)]
     return DataParallelEngine(config, replicas=replicas), replicas
 

@@ -110,3 +110,11 @@ def test_bf16_generation_matches_across_backends(tiny_checkpoint):
         outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                        use_tqdm=False)]
     assert outs["auto"] == outs["reference"]
+    # The per-request bias row (logit_bias, allowed_token_ids) in a bf16 model: it is added
+    # to the float32 logits whatever the model's dtype.
+    forced = llm.generate(prompts[:1], params.clone(logit_bias={42: 100.0}), use_tqdm=False)
+    assert forced[0].outputs[0].token_ids == [42] * 12
+    allowed = llm.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True, seed=1,
+                                                       allowed_token_ids=[7, 9]),
+                           use_tqdm=False)
+    assert set(allowed[0].outputs[0].token_ids) <= {7, 9}

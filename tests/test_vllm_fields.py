@@ -68,7 +68,8 @@ def client(tiny_checkpoints):
     async_engine = AsyncLLMEngine(LLMEngine(config))
     async_engine.start()
     server = ServerConfig(served_model_name=("tiny", "alias"),
-                          chat=ChatSettings(trust_request_template=True))
+                          chat=ChatSettings(trust_request_template=True,
+                                            default_kwargs={"flag": "server", "other": "x"}))
     try:
         with TestClient(create_app(async_engine, server)) as test_client:
             yield test_client
@@ -413,10 +414,17 @@ def _chat_template(c: Call):
 
 
 def _chat_template_kwargs(c: Call):
-    answer = c.ok(chat_template="{{ flag }}|" + SHOW, chat_template_kwargs={"flag": "on"},
+    template = "{{ flag }}/{{ other }}|" + SHOW
+    # --default-chat-template-kwargs, then the request's own (which win)
+    assert c.ok(chat_template=template, return_prompt_text=True)["prompt_text"].startswith(
+        "server/x|")
+    answer = c.ok(chat_template=template, chat_template_kwargs={"flag": "on"},
                   return_prompt_text=True)
-    assert answer["prompt_text"].startswith("on|")
+    assert answer["prompt_text"].startswith("on/x|")
     c.refused("chat_template_kwargs", {"tokenize": True})
+    # the typed fields win over the same names in chat_template_kwargs
+    assert c.ok(chat_template_kwargs={"add_generation_prompt": False})["usage"][
+        "prompt_tokens"] == c.ok()["usage"]["prompt_tokens"]
 
 
 def _return_prompt_text(c: Call):
@@ -516,6 +524,16 @@ def test_unknown_fields_are_served_and_logged_once_per_name(client, caplog):
             Call(client, False).ok(not_a_vllm_field=1, store=True)
     names = [r.getMessage() for r in caplog.records if "not part of vLLM" in r.getMessage()]
     assert len(names) == 2 and any("not_a_vllm_field" in m for m in names)
+
+
+def test_cached_tokens_count_a_repeated_prompts_cached_blocks(client):
+    call = Call(client, False)
+    prompt = PROMPT * 4 + "# a prompt no other test sends\n"
+    first = call.ok(prompt=prompt)["usage"]
+    again = call.ok(prompt=prompt)["usage"]
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    full_blocks = (again["prompt_tokens"] - 1) // 16 * 16  # the last token is always computed
+    assert again["prompt_tokens_details"]["cached_tokens"] == full_blocks > 0
 
 
 def test_a_fcfs_engine_refuses_a_priority():
