@@ -528,7 +528,7 @@ def test_unknown_fields_are_served_and_logged_once_per_name(client, caplog):
 
 def test_cached_tokens_count_a_repeated_prompts_cached_blocks(client):
     call = Call(client, False)
-    prompt = PROMPT * 4 + "# a prompt no other test sends\n"
+    prompt = "# a prompt no other test sends\n" + PROMPT * 4
     first = call.ok(prompt=prompt)["usage"]
     again = call.ok(prompt=prompt)["usage"]
     assert first["prompt_tokens_details"]["cached_tokens"] == 0
