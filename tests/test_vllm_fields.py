@@ -233,7 +233,21 @@ def _stream_options(c: Call):
 
 
 def _user(c: Call):
-    c.ok(user="user-42")  # an end-user id for the caller's records: no effect, as in vLLM
+    """OpenAI's end-user id, for the operator's abuse monitoring: logged with the request
+    id (vLLM ignores it); it changes nothing else."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("jaxserve.server.openai_serving")
+    log.addHandler(handler)
+    old_level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        answer = c.ok(user="user-42")
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)
+    assert any("user-42" in r.getMessage() and answer["id"] in r.getMessage() for r in records)
 
 
 def _refused(value):
