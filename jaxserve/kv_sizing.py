@@ -28,6 +28,16 @@ def bytes_per_block(num_layers: int, block_size: int, kv_heads_per_device: int,
     return 2 * num_layers * block_size * kv_heads_per_device * head_dim * ITEMSIZE[dtype]
 
 
+# Bytes per vocabulary entry of one sampler-state row (sampler.PenaltyState, on every device):
+# output-token counts (int32), the prompt mask (bool) and the logit-bias row (float32).
+SAMPLER_STATE_BYTES_PER_ENTRY = 4 + 1 + 4
+
+
+def sampler_state_bytes(max_num_seqs: int, vocab_size: int) -> int:
+    """The sampler state on each device: one row per running request plus a scratch row."""
+    return (max_num_seqs + 1) * vocab_size * SAMPLER_STATE_BYTES_PER_ENTRY
+
+
 def blocks_per_seq(max_model_len: int, block_size: int) -> int:
     """B: the block-table width, one sequence of max_model_len tokens."""
     return -(-max_model_len // block_size)

@@ -51,6 +51,7 @@ class Plan:
     device_memory_bytes: int
     gpu_memory_utilization: float
     weights: tuple[WeightGroup, ...]
+    sampler_state_bytes: int  # per device: penalty counts, prompt mask, logit bias rows
     kv_budget_bytes: int  # per device
     kv_budget_source: str  # "device memory", "kv_cache_memory_bytes" or "num_kv_blocks"
     bytes_per_block: int  # KV bytes of one block on each device
@@ -113,7 +114,8 @@ def make_plan(config: EngineConfig, device_memory_bytes: int) -> Plan:
     arch = model_family(hf).arch_from_hf(hf)
     cache, sched = config.cache, config.scheduler
     per_block = _bytes_per_block(hf, sharding, cache.block_size, dtype)
-    used = sum(g.bytes_per_device for g in weights)
+    state = kv_sizing.sampler_state_bytes(sched.max_num_seqs, arch.vocab_size)
+    used = sum(g.bytes_per_device for g in weights) + state
     usable = device_memory_bytes * cache.gpu_memory_utilization
     needed = kv_sizing.blocks_per_seq(config.model.max_model_len, cache.block_size) + 1
     kv = kv_sizing.kv_budget(cache, per_block, device_limit=device_memory_bytes, in_use=used)
@@ -130,7 +132,7 @@ def make_plan(config: EngineConfig, device_memory_bytes: int) -> Plan:
         expert_intermediate_size=dims.expert_intermediate_size,
         device_memory_bytes=int(device_memory_bytes),
         gpu_memory_utilization=cache.gpu_memory_utilization, weights=weights,
-        kv_budget_bytes=int(budget), kv_budget_source=source, bytes_per_block=per_block,
+        sampler_state_bytes=state, kv_budget_bytes=int(budget), kv_budget_source=source, bytes_per_block=per_block,
         block_size=cache.block_size, num_blocks=int(blocks),
         max_model_len=config.model.max_model_len, max_num_seqs=sched.max_num_seqs,
         max_num_batched_tokens=sched.max_num_batched_tokens,
@@ -150,6 +152,8 @@ def _no_fit_message(config: EngineConfig, memory: int, used: int, kv: int) -> st
     hf, dtype = config.model.hf_config, config.model.dtype
     usable = memory * cache.gpu_memory_utilization
     needed = kv_sizing.blocks_per_seq(config.model.max_model_len, cache.block_size) + 1
+    state = kv_sizing.sampler_state_bytes(config.scheduler.max_num_seqs,
+                                          model_family(hf).arch_from_hf(hf).vocab_size)
     what = ("the weights alone do not fit" if used > usable
             else "the weights leave too little room for the KV cache")
     hints = []
@@ -159,7 +163,8 @@ def _no_fit_message(config: EngineConfig, memory: int, used: int, kv: int) -> st
         except ValueError:
             continue
         weights = sum(g.bytes_per_device for g in _weight_groups(hf, sharding, dtype))
-        if weights + needed * _bytes_per_block(hf, sharding, cache.block_size, dtype) <= usable:
+        if weights + state + needed * _bytes_per_block(hf, sharding, cache.block_size,
+                                                       dtype) <= usable:
             hints.append(f"a model axis of {m} fits (--mesh {mesh.data}x{m}, "
                          f"{mesh.data * m} devices)")
             break
@@ -169,7 +174,7 @@ def _no_fit_message(config: EngineConfig, memory: int, used: int, kv: int) -> st
         hints.append("a lower --max-model-len (or --num-kv-blocks)")
     hints.append("devices with more memory")
     return (f"Mesh {mesh}: {what}. Each device of a replica needs {_size(used)} of {dtype} "
-            f"weights and {_size(kv)} of KV cache, but {_size(memory)} x "
+            f"weights and sampler state and {_size(kv)} of KV cache, but {_size(memory)} x "
             f"gpu_memory_utilization {cache.gpu_memory_utilization:g} = {_size(usable)} is "
             f"usable. What helps: {'; '.join(hints)}.")
 
@@ -290,15 +295,20 @@ def format_plan(plan: Plan) -> str:
                      f"{_size(g.bytes_per_device):>10}  "
                      f"{placement[g.split] if s.model > 1 else 'one device'}")
     used = plan.weight_bytes_per_device
+    state = plan.sampler_state_bytes
     lines += [
         f"  {'total':<18} {plan.num_params:>15,} {used:>15,} {_size(used):>10}",
+        f"{'sampler state':<20} {'':>15} {state:>15,} {_size(state):>10}  "
+        f"{plan.max_num_seqs + 1} rows x vocabulary x "
+        f"{kv_sizing.SAMPLER_STATE_BYTES_PER_ENTRY} B (penalties, logit bias)",
         "",
         f"KV cache per device  {plan.bytes_per_token:,} B per token (2 x {plan.num_layers} "
         f"layers x {_count(s.kv_heads_per_device, 'kv head')} x {plan.head_dim} x "
         f"{kv_sizing.ITEMSIZE[plan.dtype]} B); {plan.bytes_per_block:,} B ({_size(plan.bytes_per_block)}) "
         f"per block of {plan.block_size} tokens",
         f"  budget             {plan.kv_budget_bytes:,} B ({_size(plan.kv_budget_bytes)}), "
-        + ("usable memory - weights" if plan.kv_budget_source == "device memory"
+        + ("usable memory - weights - sampler state"
+           if plan.kv_budget_source == "device memory"
            else f"from {plan.kv_budget_source}"),
         f"  blocks             {plan.num_blocks:,} ({plan.usable_blocks:,} usable + the null "
         f"block) = {plan.kv_tokens:,} tokens",
