@@ -81,17 +81,26 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] |
              None = None, *, use_tqdm: bool = True, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, documents: list[dict] | None = None,
              chat_template: str | None = None,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """messages: one conversation (a list of {"role", "content"} dicts) or a list of them."""
+        """messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
+        continue_final_message: the last (assistant) message is left open for the model to
+        continue (then add_generation_prompt must be False); documents: passed to the
+        template, as vLLM does."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=True needs add_generation_prompt=False.")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.engine.tokenizer
+        kwargs = dict(chat_template_kwargs or {})
+        if documents is not None:
+            kwargs["documents"] = documents
         tokenized = []
         for conversation in conversations:
             ids = apply_chat_template(tokenizer, list(conversation),
                                       add_generation_prompt=add_generation_prompt,
-                                      chat_template=chat_template,
-                                      **(chat_template_kwargs or {}))
+                                      continue_final_message=continue_final_message,
+                                      chat_template=chat_template, **kwargs)
             tokenized.append((tokenizer.decode(ids), ids))
         params = _per_prompt(sampling_params, len(tokenized), self.get_default_sampling_params)
         return self._run(self._checked(tokenized, params), params, use_tqdm, None)
