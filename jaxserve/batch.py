@@ -45,3 +45,4 @@ class SamplingInputs:
     banned_ids: jax.Array  # i32[R, X]  tokens masked this step (stop ids before min_tokens,
     #                                   bad words' last tokens); -1 pad
     has_bias: jax.Array  # bool[R]  add the row's logit bias (PenaltyState.logit_bias)
+    has_grammar: jax.Array  # bool[R]  mask by the row's grammar (PenaltyState.grammar_mask)

@@ -99,7 +99,7 @@ class CompiledFunctions:
                 order.append(("score", t))
         order += [("score", t) for t in self.buckets.token_buckets
                   if ("score", t) not in order]
-        return order + [("bias",)]
+        return order + [("bias",), ("grammar",)]
 
     def warm_up(self, background: bool = False) -> None:
         """Compile (or load) every (T, R) step bucket and the prompt-scoring function per T,

@@ -52,38 +52,44 @@ class StepChannel:
     """Host 0 -> all hosts: each step's bucket and inputs, or the order to stop."""
 
     def send(self, num_tokens: int, num_rows: int, packed: np.ndarray,
-             targets: np.ndarray | None, bias_rows: list[tuple[int, np.ndarray]]) -> None:
-        """bias_rows: [(sampler row, f32[V])] to write before the step."""
-        vocab = bias_rows[0][1].size if bias_rows else 0
-        header = np.array([_STEP, num_tokens, num_rows, packed.size,
-                           -1 if targets is None else targets.size, len(bias_rows), vocab],
-                          np.int32)
-        self._broadcast(header)
+             targets: np.ndarray | None, bias_rows: list[tuple[int, np.ndarray]],
+             grammar_rows: list[tuple[int, np.ndarray]]) -> None:
+        """bias_rows: [(sampler row, f32[V])]; grammar_rows: [(sampler row, i32[W])]: the
+        sampler-state rows to write before the step."""
+        header = [_STEP, num_tokens, num_rows, packed.size,
+                  -1 if targets is None else targets.size]
+        for rows in (bias_rows, grammar_rows):
+            header += [len(rows), rows[0][1].size if rows else 0]
+        self._broadcast(np.array(header, np.int32))
         self._broadcast(packed)
         if targets is not None:
             self._broadcast(targets)
-        if bias_rows:
-            self._broadcast(np.array([row for row, _ in bias_rows], np.int32))
-            self._broadcast(np.stack([values for _, values in bias_rows]).astype(np.float32))
+        for rows in (bias_rows, grammar_rows):
+            if rows:
+                self._broadcast(np.array([row for row, _ in rows], np.int32))
+                self._broadcast(np.stack([values for _, values in rows]))
 
     def send_stop(self) -> None:
-        self._broadcast(np.array([_STOP, 0, 0, 0, -1, 0, 0], np.int32))
+        self._broadcast(np.array([_STOP, 0, 0, 0, -1, 0, 0, 0, 0], np.int32))
 
     def receive(self):
-        """(num_tokens, num_rows, packed i32[X], targets i32[T] or None, bias rows), or
-        None: stop."""
-        kind, num_tokens, num_rows, size, num_targets, num_bias, vocab = self._broadcast(
-            np.zeros(7, np.int32))
+        """(num_tokens, num_rows, packed i32[X], targets i32[T] or None, bias rows, grammar
+        rows), or None: stop."""
+        header = self._broadcast(np.zeros(9, np.int32))
+        kind, num_tokens, num_rows, size, num_targets = header[:5]
         if kind == _STOP:
             return None
         packed = self._broadcast(np.zeros(size, np.int32))
         targets = self._broadcast(np.zeros(num_targets, np.int32)) if num_targets >= 0 else None
-        bias_rows = []
-        if num_bias:
-            rows = self._broadcast(np.zeros(num_bias, np.int32))
-            values = self._broadcast(np.zeros((num_bias, vocab), np.float32))
-            bias_rows = list(zip(rows.tolist(), values))
-        return int(num_tokens), int(num_rows), packed, targets, bias_rows
+        row_sets = []
+        for (count, width), dtype in zip((header[5:7], header[7:9]), (np.float32, np.int32)):
+            rows = []
+            if count:
+                ids = self._broadcast(np.zeros(count, np.int32))
+                values = self._broadcast(np.zeros((count, width), dtype))
+                rows = list(zip(ids.tolist(), values))
+            row_sets.append(rows)
+        return int(num_tokens), int(num_rows), packed, targets, *row_sets
 
     def share(self, value: int) -> int:
         """Host 0's value of an integer, on every host (e.g. the KV block count)."""

@@ -29,7 +29,7 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.engine_stats import EngineStats
-from jaxserve.input_builder import MAX_BANNED_IDS
+from jaxserve.input_builder import MAX_BANNED_IDS, samples_this_step
 from jaxserve.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request, RequestStatus
@@ -38,6 +38,7 @@ from jaxserve.runner_api import Runner
 from jaxserve.runners import create_runner
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler, SchedulerOutput
+from jaxserve.structured_output import GrammarCompiler
 from jaxserve.token_constraints import TokenConstraints
 from jaxserve.tokenizer import load_tokenizer
 
@@ -61,6 +62,8 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(blocks, size,
                                          enable_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self.grammars = GrammarCompiler(self.tokenizer, config.model.vocab_size,
+                                        self.eos_token_ids)
         max_len = config.model.max_model_len
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at "
                     "max_model_len=%d: %.2f; prefix caching %s", blocks - 1, size,
@@ -155,6 +158,8 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab}), got "
                              f"{params.stop_token_ids}.")
+        if params.structured_outputs is not None:
+            self.compile_grammar(params)
         constraints = self._constraints(params)
         stops = len(self.eos_token_ids | set(params.stop_token_ids)) if params.min_tokens else 0
         if stops > MAX_BANNED_IDS:
@@ -171,6 +176,14 @@ class LLMEngine:
                 raise ValueError(f"bad_words: at most {MAX_BANNED_IDS - stops} words of several "
                                  f"tokens (each spelling counts), got "
                                  f"{len(constraints.bad_sequences)}.")
+
+    def compile_grammar(self, params: SamplingParams):
+        """A matcher for params.structured_outputs (compiled once, then copied); ValueError
+        naming structured_outputs when the schema, regex or grammar cannot be used."""
+        try:
+            return self.grammars.compile(params.structured_outputs)
+        except ValueError as err:
+            raise ValueError(f"structured_outputs: {err}") from None
 
     def check_priority(self, priority: int) -> None:
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -216,10 +229,12 @@ class LLMEngine:
         for i in range(params.n):
             seed = (params.seed + i if params.seed is not None
                     else int(self._rng.integers(0, 2**32)))
+            grammar = (self.compile_grammar(params) if params.structured_outputs is not None
+                       else None)
             child = Request(f"{request_id}#{i}", prompt_token_ids, params, seed=seed % 2**32,
                             max_model_len=self.config.model.max_model_len,
                             eos_token_ids=self.eos_token_ids, priority=priority,
-                            constraints=constraints)
+                            constraints=constraints, grammar=grammar)
             if cache_salt is not None:
                 child.extra_keys = ("cache_salt", str(cache_salt))
             children.append(child)
@@ -345,7 +360,8 @@ class LLMEngine:
         """Start a step on the device. If it cannot start, nothing of it ran: start its
         requests one at a time, and fail one that cannot start alone."""
         try:
-            handle = self.runner.dispatch(out, self._prompt_score_targets(out))
+            handle = self.runner.dispatch(out, self._prompt_score_targets(out),
+                                          self._grammar_masks(out))
         except BaseException as err:
             self._drop_cached_blocks()
             if not isinstance(err, Exception):
@@ -361,6 +377,15 @@ class LLMEngine:
                     self._dispatch(SchedulerOutput([req], [count], []))
             return
         self._in_flight.append((out, handle))
+
+    def _grammar_masks(self, out: SchedulerOutput) -> list[tuple[int, np.ndarray]] | None:
+        """The next-token bitmask of each constrained request that samples in this step."""
+        rows = [req for req, count in zip(out.requests, out.num_scheduled_tokens)
+                if req.grammar is not None and samples_this_step(req, count)]
+        if not rows:
+            return None
+        masks = self.grammars.fill_masks([req.grammar for req in rows])
+        return [(req.state_slot, masks[i]) for i, req in enumerate(rows)]
 
     def _drop_cached_blocks(self) -> None:
         # Scheduling registered the blocks a step fills; if the step did not run (an error,
@@ -426,6 +451,8 @@ class LLMEngine:
         for row, req in self.scheduler.update_from_output(out, sampled):
             tracked = self._by_child[req.request_id]
             token = int(req.token_ids[req.num_tokens - 1])
+            if req.grammar is not None and not self._advance_grammar(tracked, req, token):
+                continue
             if req.params.logprobs is not None:
                 k = req.params.logprobs
                 try:
@@ -440,12 +467,29 @@ class LLMEngine:
             appended.append((tracked, req, token))
         return appended
 
+    def _advance_grammar(self, tracked: TrackedRequest, req: Request, token: int) -> bool:
+        """Feed a sampled token to the request's grammar; a grammar that has reached its end
+        finishes the request ("stop"). False (the request failed) if the grammar refuses
+        the token, which the step's mask should have made impossible."""
+        if not req.grammar.consume_token(token):
+            self._fail(tracked, RuntimeError(f"token {token} broke its grammar: "
+                                             f"{req.grammar.get_error()[:200]}"),
+                       "while matching its structured output")
+            return False
+        if req.grammar.is_stopped() and not req.finished:
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        return True
+
     def _detokenize(self, tracked: TrackedRequest, req: Request, token: int) -> None:
         """Text for the token, and stop strings: a request that matches one finishes now,
         and its row in the step already running is dropped when that step is collected."""
         detok = tracked.detokenizers[tracked.children.index(req)]
+        # The token itself ended the request (EOS, a stop token id): its text is not shown.
+        # A grammar that reached its end also stops the request, after a token that is.
+        by_token = req.status is RequestStatus.FINISHED_STOPPED and (
+            token in req.eos_token_ids or token in req.stop_token_ids)
         stop_str = detok.update(
-            [token], stop_terminated=req.status is RequestStatus.FINISHED_STOPPED,
+            [token], stop_terminated=by_token,
             check_stop=req.num_output_tokens > req.params.min_tokens)
         if stop_str is not None:
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop_reason=stop_str)

@@ -16,6 +16,12 @@ from jaxserve.scheduler import SchedulerOutput
 MAX_BANNED_IDS = 32
 
 
+def samples_this_step(req, count: int) -> bool:
+    """Whether a request scheduled for `count` tokens samples a token at the end of this
+    step (the rest of a chunked prefill does not)."""
+    return req.num_computed_tokens + count == req.num_tokens
+
+
 def _fill_tokens(reqs, counts, firsts, starts, block_size, token_ids, positions, slot_mapping):
     """Token ids, positions and KV slots: decode rows (one token) in one pass, prefill
     chunks by slices."""
@@ -63,6 +69,7 @@ def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, bloc
     wants_logprobs = np.zeros(num_rows, np.bool_)
     banned_ids = np.full((num_rows, MAX_BANNED_IDS), -1, np.int32)
     has_bias = np.zeros(num_rows, np.bool_)
+    has_grammar = np.zeros(num_rows, np.bool_)
 
     reqs, n = out.requests, len(out.requests)
     if n:
@@ -87,7 +94,9 @@ def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, bloc
                          for r in reqs], np.int64)
         top_k[:n] = ints[:, 0]  # SamplingParams keeps top_k within int32
         seeds[:n], prompt_lens[:n], state_slots[:n] = ints[:, 1], ints[:, 2], ints[:, 3]
-        for row, req in enumerate(reqs):
+        for row, (req, count) in enumerate(zip(reqs, out.num_scheduled_tokens)):
+            if req.grammar is not None and samples_this_step(req, count):
+                has_grammar[row] = True  # its mask comes with the step (see the engine)
             if req.needs_state_reset:  # cleared by update_from_output once it ran
                 reset_state[row] = True
             if req.params.logprobs is not None:
@@ -113,5 +122,5 @@ def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, bloc
                     sample_positions=sample_positions, state_slots=state_slots,
                     reset_state=reset_state, prompt_lens=prompt_lens,
                     wants_logprobs=wants_logprobs, banned_ids=banned_ids,
-                    has_bias=has_bias)
+                    has_bias=has_bias, has_grammar=has_grammar)
     return batch, sampling

@@ -29,13 +29,15 @@ def bytes_per_block(num_layers: int, block_size: int, kv_heads_per_device: int,
 
 
 # Bytes per vocabulary entry of one sampler-state row (sampler.PenaltyState, on every device):
-# output-token counts (int32), the prompt mask (bool) and the logit-bias row (float32).
+# output-token counts (int32), the prompt mask (bool) and the logit-bias row (float32); plus
+# the grammar bitmask, one bit per entry in int32 words.
 SAMPLER_STATE_BYTES_PER_ENTRY = 4 + 1 + 4
 
 
 def sampler_state_bytes(max_num_seqs: int, vocab_size: int) -> int:
     """The sampler state on each device: one row per running request plus a scratch row."""
-    return (max_num_seqs + 1) * vocab_size * SAMPLER_STATE_BYTES_PER_ENTRY
+    per_row = vocab_size * SAMPLER_STATE_BYTES_PER_ENTRY + (vocab_size + 31) // 32 * 4
+    return (max_num_seqs + 1) * per_row
 
 
 def blocks_per_seq(max_model_len: int, block_size: int) -> int:

@@ -300,7 +300,7 @@ def format_plan(plan: Plan) -> str:
         f"  {'total':<18} {plan.num_params:>15,} {used:>15,} {_size(used):>10}",
         f"{'sampler state':<20} {'':>15} {state:>15,} {_size(state):>10}  "
         f"{plan.max_num_seqs + 1} rows x vocabulary x "
-        f"{kv_sizing.SAMPLER_STATE_BYTES_PER_ENTRY} B (penalties, logit bias)",
+        f"{kv_sizing.SAMPLER_STATE_BYTES_PER_ENTRY} B + 1 bit (penalties, logit bias, grammar)",
         "",
         f"KV cache per device  {plan.bytes_per_token:,} B per token (2 x {plan.num_layers} "
         f"layers x {_count(s.kv_heads_per_device, 'kv head')} x {plan.head_dim} x "

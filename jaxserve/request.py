@@ -32,7 +32,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  *, seed: int, max_model_len: int, eos_token_ids: frozenset[int],
-                 priority: int = 0, constraints: TokenConstraints | None = None) -> None:
+                 priority: int = 0, constraints: TokenConstraints | None = None,
+                 grammar=None) -> None:
         self.request_id = request_id
         self.params = params
         self.seed = seed
@@ -51,6 +52,8 @@ class Request:
         self.stop_token_ids = frozenset(params.stop_token_ids)
         # logit_bias, allowed_token_ids, bad_words (shared by a request's n children).
         self.constraints = constraints
+        # Structured outputs: this sequence's llguidance matcher (None: unconstrained).
+        self.grammar = grammar
         # i32[max_model_len]: prompt then outputs; the first num_tokens entries are valid.
         self.token_ids = np.zeros(self.num_prompt_tokens + self.max_output_tokens, np.int32)
         self.token_ids[: self.num_prompt_tokens] = prompt_token_ids

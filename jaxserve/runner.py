@@ -62,11 +62,13 @@ from jaxserve.models.mixtral import expert_parallel
 from jaxserve.packing import Layout, layout_of, pack, pack_device, unpack, unpack_host
 from jaxserve.runner_api import RunnerStats, StepResult
 from jaxserve.sampler import (
+    MASK_ROWS_PER_CALL,
     PenaltyState,
     SampleResult,
     sample,
     score_tokens,
     set_bias_row,
+    set_grammar_rows,
     update_penalty_state,
     uses_penalties,
 )
@@ -187,6 +189,7 @@ class ModelRunner:
         self._step = jax.jit(self._step_fn, donate_argnums=(1, 2), static_argnames=("layout",))
         self._score = jax.jit(self._score_fn)
         self._set_bias = jax.jit(set_bias_row, donate_argnums=0)
+        self._set_grammar = jax.jit(set_grammar_rows, donate_argnums=0)
         # Shapes and shardings to compile for: the live arrays are donated at every step.
         spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
         self._params_spec = jax.tree.map(spec, self.params)
@@ -300,6 +303,11 @@ class ModelRunner:
             values = jax.ShapeDtypeStruct((self.arch.vocab_size,), jnp.float32,
                                           sharding=self.replicated)
             return self._set_bias.lower(self._penalty_spec, row, values)
+        if key[0] == "grammar":
+            k, words = MASK_ROWS_PER_CALL, (self.arch.vocab_size + 31) // 32
+            rows = jax.ShapeDtypeStruct((k,), jnp.int32, sharding=self.replicated)
+            masks = jax.ShapeDtypeStruct((k, words), jnp.int32, sharding=self.replicated)
+            return self._set_grammar.lower(self._penalty_spec, rows, masks)
         if key[0] == "step":
             _, num_tokens, num_rows = key
             layout = self._layout(num_tokens, num_rows)
@@ -337,12 +345,12 @@ class ModelRunner:
 
 
     # ---- one step -----------------------------------------------------------------------
-    def dispatch(self, out: SchedulerOutput,
-                 score_targets: np.ndarray | None = None) -> InFlightStep:
+    def dispatch(self, out: SchedulerOutput, score_targets: np.ndarray | None = None,
+                 grammar_masks: list[tuple[int, np.ndarray]] | None = None) -> InFlightStep:
         """Start one step on the device and return at once (JAX dispatch is asynchronous):
         the host can do other work until fetch. score_targets (i32[total tokens], -1 where
         not wanted) asks for the logprob of given next tokens at each position
-        (prompt_logprobs)."""
+        (prompt_logprobs); grammar_masks: (sampler row, i32[W]) of the constrained rows."""
         num_tokens, num_rows = self.compiled.pick_bucket(out.total_num_scheduled_tokens,
                                                          len(out.requests))
         self.padding.record(out.total_num_scheduled_tokens, num_tokens, len(out.requests),
@@ -358,20 +366,32 @@ class ModelRunner:
         bias_rows = [(req.state_slot, req.constraints.row(self.arch.vocab_size))
                      for req in out.requests if req.needs_state_reset
                      and req.constraints is not None and req.constraints.has_row]
+        grammar_rows = list(grammar_masks or [])
         if self.channel is not None:  # multi-host: the other hosts run the same step
-            self.channel.send(num_tokens, num_rows, packed, targets, bias_rows)
-        return self._run(num_tokens, num_rows, packed, targets, bias_rows)
+            self.channel.send(num_tokens, num_rows, packed, targets, bias_rows, grammar_rows)
+        return self._run(num_tokens, num_rows, packed, targets, bias_rows, grammar_rows)
 
     def _run(self, num_tokens: int, num_rows: int, packed: np.ndarray,
-             targets: np.ndarray | None, bias_rows: list) -> InFlightStep:
+             targets: np.ndarray | None, bias_rows: list, grammar_rows: list) -> InFlightStep:
         """Launch the compiled step (and prompt scoring) on packed host inputs, after
-        writing the logit bias rows [(row, f32[V])] of requests starting this step."""
+        writing the logit bias rows [(row, f32[V])] of requests starting this step and the
+        grammar bitmasks [(row, i32[W])] of its constrained rows."""
         if bias_rows:
             set_bias = self.compiled.get(("bias",))
             for row, values in bias_rows:
                 self.penalty_state = set_bias(self.penalty_state,
                                               place(np.asarray(row, np.int32), self.replicated),
                                               place(values, self.replicated))
+        for start in range(0, len(grammar_rows), MASK_ROWS_PER_CALL):
+            part = grammar_rows[start: start + MASK_ROWS_PER_CALL]
+            rows = np.zeros(MASK_ROWS_PER_CALL, np.int32)  # padding: the scratch row 0
+            masks = np.full((MASK_ROWS_PER_CALL, (self.arch.vocab_size + 31) // 32), -1,
+                            np.int32)
+            for i, (row, mask) in enumerate(part):
+                rows[i], masks[i] = row, mask
+            set_grammar = self.compiled.get(("grammar",))
+            self.penalty_state = set_grammar(self.penalty_state, place(rows, self.replicated),
+                                             place(masks, self.replicated))
         step = self._compile_step(num_tokens, num_rows)
         self.kv_caches, self.penalty_state, hidden, result = step(
             self.params, self.kv_caches, self.penalty_state, place(packed, self.replicated))

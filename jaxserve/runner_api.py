@@ -54,10 +54,13 @@ class Runner(Protocol):
     bytes_per_block: int  # KV bytes of one block on each device
     blocks_per_seq: int  # B: block-table width (max_model_len / block_size, rounded up)
 
-    def dispatch(self, out: SchedulerOutput,
-                 score_targets: np.ndarray | None = None) -> Any:
+    def dispatch(self, out: SchedulerOutput, score_targets: np.ndarray | None = None,
+                 grammar_masks: list[tuple[int, np.ndarray]] | None = None) -> Any:
         """Start one step and return a handle at once. score_targets: i32[total tokens], the
-        token whose logprob to score at each position (-1: none), for prompt_logprobs."""
+        token whose logprob to score at each position (-1: none), for prompt_logprobs.
+        grammar_masks: (sampler row, i32[W] next-token bitmask) of each constrained request
+        that samples in this step (input_builder.samples_this_step), for structured
+        outputs."""
 
     def fetch(self, handle: Any) -> StepResult:
         """Wait for a dispatched step; its results."""

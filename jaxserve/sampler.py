@@ -33,18 +33,29 @@ class PenaltyState:
     output_counts: jax.Array  # i32[Q, V]   Q = max_num_seqs + 1 rows
     prompt_mask: jax.Array  # bool[Q, V]
     logit_bias: jax.Array  # f32[Q, V]
+    grammar_mask: jax.Array  # i32[Q, W]  W = ceil(V / 32): bit t % 32 of word t // 32
 
     @classmethod
     def zeros(cls, rows: int, vocab: int, sharding=None) -> PenaltyState:
         counts = jnp.zeros((rows, vocab), jnp.int32, device=sharding)
         mask = jnp.zeros((rows, vocab), jnp.bool_, device=sharding)
         bias = jnp.zeros((rows, vocab), jnp.float32, device=sharding)
-        return cls(counts, mask, bias)
+        grammar = jnp.full((rows, (vocab + 31) // 32), -1, jnp.int32, device=sharding)
+        return cls(counts, mask, bias, grammar)
+
+
+MASK_ROWS_PER_CALL = 8  # grammar masks written per set_grammar_rows call (K)
 
 
 def set_bias_row(state: PenaltyState, row, values) -> PenaltyState:
     """row: i32[]; values: f32[V]. Jitted with the state donated: one row written."""
     return dataclasses.replace(state, logit_bias=state.logit_bias.at[row].set(values))
+
+
+def set_grammar_rows(state: PenaltyState, rows, masks) -> PenaltyState:
+    """rows: i32[K] (0, the scratch row, for padding); masks: i32[K, W]. Jitted with the
+    state donated: the next-token bitmasks of the constrained rows of a step."""
+    return dataclasses.replace(state, grammar_mask=state.grammar_mask.at[rows].set(masks))
 
 
 @jax.tree_util.register_dataclass
@@ -70,7 +81,7 @@ def update_penalty_state(state: PenaltyState, batch: Batch, s: SamplingInputs, s
     is_prompt = batch.positions < s.prompt_lens[seq]
     mask = mask.at[jnp.where(is_prompt, rows, 0), batch.token_ids].set(True)
     counts = counts.at[jnp.where(is_prompt, 0, rows), batch.token_ids].add(1)
-    return PenaltyState(counts, mask, state.logit_bias)
+    return dataclasses.replace(state, output_counts=counts, prompt_mask=mask)
 
 
 def apply_penalties(logits, state: PenaltyState, s: SamplingInputs):
@@ -154,15 +165,26 @@ def _add_bias(logits, state: PenaltyState, s: SamplingInputs):
     return jnp.where(s.has_bias[:, None], logits + bias, logits)
 
 
+def _apply_grammar(logits, state: PenaltyState, s: SamplingInputs):
+    """Tokens the row's grammar does not allow next get -inf (structured outputs)."""
+    words = state.grammar_mask[s.state_slots]  # i32[R, W]
+    ids = jnp.arange(logits.shape[-1])
+    allowed = ((words[:, ids // 32] >> (ids % 32)) & 1) != 0  # bool[R, V]
+    return jnp.where(s.has_grammar[:, None] & ~allowed, -jnp.inf, logits)
+
+
 def sample(logits, state: PenaltyState, s: SamplingInputs) -> SampleResult:
     """logits: f32[R, V] raw model logits for each sequence's last token.
 
     Every stage that costs passes over [R, V] runs under lax.cond only when some row of the
-    step needs it (logit bias, penalties, bans, random draws, logprobs): a plain greedy
+    step needs it (logit bias, grammar masks, penalties, bans, random draws, logprobs): a
+    plain greedy
     batch pays for one argmax. As in vLLM, the bias and bans come before the penalties, and
     logprobs are those of the raw logits."""
     raw_logits = logits
     logits = jax.lax.cond(jnp.any(s.has_bias), _add_bias, lambda x, *_: x, logits, state, s)
+    logits = jax.lax.cond(jnp.any(s.has_grammar), _apply_grammar, lambda x, *_: x, logits,
+                          state, s)
     logits = jax.lax.cond(uses_penalties(s), apply_penalties, lambda x, *_: x, logits, state, s)
     logits = jax.lax.cond(jnp.any(s.banned_ids >= 0), _ban, lambda x, _: x, logits,
                           s.banned_ids)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jaxserve.structured_output import StructuredOutputsParams
+
 MAX_LOGPROBS = 20  # top-k logprobs the device step computes; logprobs/prompt_logprobs cap
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -63,8 +65,16 @@ class SamplingParams:
     # truncation_side "left" drops the oldest tokens, "right" the newest.
     truncate_prompt_tokens: int | None = None
     truncation_side: str = "left"
+    # Constrained decoding: a JSON schema, JSON object, regex, choice or grammar.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        if self.structured_outputs is not None and \
+                not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise _bad("structured_outputs", "a StructuredOutputsParams (or its dict) or None",
+                       self.structured_outputs)
         self.stop = ([self.stop] if isinstance(self.stop, str) else
                      _as_list("stop", self.stop, "a string or a list of strings"))
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids,

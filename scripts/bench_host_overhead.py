@@ -57,7 +57,8 @@ class NullRunner:
     def close(self) -> None:
         pass
 
-    def dispatch(self, out: SchedulerOutput, score_targets=None) -> StepResult:
+    def dispatch(self, out: SchedulerOutput, score_targets=None,
+                 grammar_masks=None) -> StepResult:
         sched = self.config.scheduler
         num_tokens, num_rows = sched.pick_bucket(out.total_num_scheduled_tokens,
                                                  len(out.requests))

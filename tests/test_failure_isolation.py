@@ -46,12 +46,12 @@ class FaultyRunner:
     def _poisoned(self, out) -> bool:
         return self.mode == "lost" or any(self.is_poison(r) for r in out.requests)
 
-    def dispatch(self, out, score_targets=None):
+    def dispatch(self, out, score_targets=None, grammar_masks=None):
         self.steps += 1
         if self.mode in ("dispatch", "lost") and self._poisoned(out):
             self.failed_steps.append(len(out.requests))
             raise InjectedError("injected while preparing the step")
-        return (self.runner.dispatch(out, score_targets), len(out.requests),
+        return (self.runner.dispatch(out, score_targets, grammar_masks), len(out.requests),
                 self.mode == "fetch" and self._poisoned(out))
 
     def fetch(self, handle):

@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from jaxserve.batch import SamplingInputs
-from jaxserve.sampler import PenaltyState, apply_penalties, sample, set_bias_row
+from jaxserve.sampler import (
+    PenaltyState,
+    apply_penalties,
+    sample,
+    set_bias_row,
+    set_grammar_rows,
+)
 
 V = 8
 
@@ -25,7 +31,7 @@ def inputs(rows=1, **overrides) -> SamplingInputs:
                   reset_state=np.zeros(rows, bool), prompt_lens=np.zeros(rows, np.int32),
                   wants_logprobs=np.ones(rows, bool),
                   banned_ids=np.full((rows, 16), -1, np.int32),
-                  has_bias=np.zeros(rows, bool))
+                  has_bias=np.zeros(rows, bool), has_grammar=np.zeros(rows, bool))
     for key, value in overrides.items():
         values[key] = np.broadcast_to(np.asarray(value, values[key].dtype), values[key].shape)
     return SamplingInputs(**{k: jnp.asarray(v) for k, v in values.items()})
@@ -68,7 +74,8 @@ def test_penalties_follow_vllm_semantics():
     counts[1, 2] = 3  # token 2 generated three times
     mask = np.zeros((2, V), bool)
     mask[1, [0, 1]] = True  # tokens 0 and 1 in the prompt
-    state = PenaltyState(jnp.asarray(counts), jnp.asarray(mask), jnp.zeros((2, V)))
+    state = PenaltyState(jnp.asarray(counts), jnp.asarray(mask), jnp.zeros((2, V)),
+                         jnp.full((2, 1), -1, jnp.int32))
     out = apply_penalties(logits, state, inputs(repetition_penalty=2.0, presence_penalty=0.5,
                                                 frequency_penalty=0.25))
     expected = [2.0 / 2, -2.0 * 2, 1.0 / 2 - 0.25 * 3 - 0.5, 0.5, 0, 0, 0, 0]
@@ -112,3 +119,17 @@ def test_the_bias_row_applies_only_to_rows_that_ask_and_bans_with_minus_inf():
     drawn = sample(jnp.asarray(np.repeat(LOGITS, count, axis=0)), state,
                    inputs(count, seeds=np.arange(count), state_slots=1, has_bias=True))
     assert set(np.asarray(drawn.token_ids).tolist()) == {3, 6}
+
+
+def test_a_grammar_mask_limits_its_row_to_the_allowed_tokens():
+    state = PenaltyState.zeros(3, V)
+    allowed = np.zeros((2, 1), np.int32)
+    allowed[0, 0] = (1 << 4) | (1 << 6)  # tokens 4 and 6
+    state = set_grammar_rows(state, jnp.asarray([1, 0]), jnp.asarray(allowed))
+    logits = jnp.asarray(np.repeat(LOGITS, 2, axis=0))
+    out = sample(logits, state, inputs(2, temperature=0.0, has_grammar=[True, False]))
+    assert out.token_ids.tolist() == [4, 0]  # the likeliest allowed token; row 2 unmasked
+    count = 200
+    drawn = sample(jnp.asarray(np.repeat(LOGITS, count, axis=0)), state,
+                   inputs(count, seeds=np.arange(count), state_slots=1, has_grammar=True))
+    assert set(np.asarray(drawn.token_ids).tolist()) == {4, 6}
