@@ -88,6 +88,9 @@ class DataParallelEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.replicas[0].validate(prompt_token_ids, params)
 
+    def compile_grammar(self, params: SamplingParams):
+        return self.replicas[0].compile_grammar(params)
+
     def check_priority(self, priority: int) -> None:
         self.replicas[0].check_priority(priority)
 

@@ -47,7 +47,7 @@ def from_validation_error(err: RequestValidationError | ValidationError) -> APIE
     if kind in ("json_invalid", "json_type") or (not loc and "dict" in kind):
         return APIError(400, "The request body must be a JSON object.", code="invalid_json")
     message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg")
-    return APIError(400, _short(message), param=param, code="invalid_value")
+    return APIError(400, short(message), param=param, code="invalid_value")
 
 
 def from_value_error(err: ValueError, prompt_param: str = "prompt") -> APIError:
@@ -58,8 +58,8 @@ def from_value_error(err: ValueError, prompt_param: str = "prompt") -> APIError:
         match = _FIELD.match(message)
         if match:
             param = prompt_param if match.group(1) in _PROMPT_FIELDS else match.group(1)
-    return APIError(400, _short(message), param=param, code="invalid_value")
+    return APIError(400, short(message), param=param, code="invalid_value")
 
 
-def _short(text: str, limit: int = 300) -> str:
+def short(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -33,7 +33,7 @@ from jaxserve.server.async_engine import (
     OverloadedError,
     RequestFailedError,
 )
-from jaxserve.server.errors import APIError, from_value_error
+from jaxserve.server.errors import APIError, from_value_error, short
 from jaxserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -100,6 +100,7 @@ class OpenAIServing:
         body = parse_body(raw, CompletionRequest)
         model = self.check_model(body.model)
         params = _params(body, self.limits, "prompt", self.sampling_defaults)
+        self._compile_grammar(body, params)
         prompts = self._completion_prompts(body.prompt, body.add_special_tokens)
         prompts = [(text, self._truncated(ids, params)) for text, ids in prompts]
         self._check_context(prompts, params, "prompt")
@@ -109,6 +110,7 @@ class OpenAIServing:
         body = parse_body(raw, ChatCompletionRequest)
         model = self.check_model(body.model)
         params = _params(body, self.limits, "messages", self.sampling_defaults)
+        self._compile_grammar(body, params)
         if body.chat_template is not None and not self.chat.trust_request_template:
             raise APIError(400, "chat_template: a chat template sent with the request is "
                            "refused unless the server runs with --trust-request-chat-template.",
@@ -125,6 +127,18 @@ class OpenAIServing:
         ids = self._truncated(ids, params)
         self._check_context([(None, ids)], params, "messages")
         return Prepared("chat.completion", body, params, [(None, ids)], "messages", model)
+
+    def _compile_grammar(self, body, params: SamplingParams) -> None:
+        """Compile (and check) a structured-output grammar here, in the worker thread: the
+        engine thread later only copies it. A bad schema, regex or grammar is a 400 naming
+        the field that asked for it."""
+        if params.structured_outputs is None:
+            return
+        try:
+            self.engine.engine.compile_grammar(params)
+        except ValueError as err:
+            raise APIError(400, short(str(err)), param=body.structured_field,
+                           code="invalid_value") from None
 
     def _truncated(self, ids: list[int], params: SamplingParams) -> list[int]:
         try:

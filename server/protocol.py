@@ -5,9 +5,9 @@ Every field of vLLM 0.33.0's CompletionRequest and ChatCompletionRequest is decl
 (tests/test_vllm_fields.py holds the two lists). Each either works as in vLLM or, when set to
 anything but its default, gets a 400 naming it (`_REFUSED`: features jaxserve does not have,
 or not yet). A field outside vLLM's schema is accepted, as OpenAI clients send some, and
-logged once per name; the guided-decoding fields vLLM removed in 0.12 are refused, since
-accepting them would return unconstrained output. Wrong types and out-of-range values are
-400s.
+logged once per name. Structured outputs come from structured_outputs, response_format
+(json_object, json_schema) or the guided_* fields vLLM had before 0.12 (it now ignores them;
+here they still constrain). Wrong types and out-of-range values are 400s.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jaxserve.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
+from jaxserve.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class _Body(BaseModel):
 
     @model_validator(mode="after")
     def _note_unknown(self):
-        extra = set(self.model_extra or ()) - set(_REMOVED_GUIDED)
+        extra = set(self.model_extra or ())
         if extra:
             _log_unknown(type(self).__name__, sorted(extra))
         return self
@@ -93,7 +94,6 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "watermarking": (bool, "watermarking is not supported"),
     "logprob_token_ids": (_set, "logprob_token_ids is not supported; use logprobs"),
     "prompt_embeds": (_set, "prompt_embeds is not supported; send text or token ids"),
-    "structured_outputs": (_set, "structured outputs are not supported yet"),
     "session_id": (_set, "session_id is not supported"),
     "return_weight_versions": (bool, "weight versions are not reported"),
     "routed_experts_prompt_start": (bool, "routed experts are not reported"),
@@ -113,13 +113,24 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "mm_processor_kwargs": (_set, "this server takes text only (no multimodal processor)"),
     "media_io_kwargs": (_set, "this server takes text only (no media loading)"),
 }
-# Removed from vLLM in 0.12 (structured_outputs replaced them); refused, not ignored.
-_REMOVED_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                   "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag")
+# vLLM's older structured-output fields (before 0.12): still honoured here.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+_BACKENDS = ("auto", "guidance", "llguidance")  # guided_decoding_backend values served
+
+
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
 
 
 class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Request(_Body):
@@ -157,6 +168,12 @@ class _Request(_Body):
     bad_words: list[str] = Field(default_factory=list)
     response_format: ResponseFormat | None = None
     structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     request_id: str | None = Field(None, min_length=1, max_length=256)
     session_id: str | None = None
@@ -177,17 +194,15 @@ class _Request(_Body):
 
     # ---- checks shared by both kinds ------------------------------------------------------
     def _refuse_unsupported(self) -> None:
-        for name in _REMOVED_GUIDED:
-            if name in (self.model_extra or {}):
-                raise ParamError(name, f"{name} was removed in vLLM 0.12 and is not accepted "
-                                 "here; structured outputs are not supported yet.")
         for name, (is_set, why) in _REFUSED.items():
             if name in type(self).model_fields and is_set(getattr(self, name)):
                 raise ParamError(name, f"{name}: {why}.")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ParamError("response_format", f"response_format type "
-                             f"{self.response_format.type!r} is not supported yet; only "
-                             "'text' is.")
+        if self.response_format is not None and self.response_format.type == "structural_tag":
+            raise ParamError("response_format", "response_format type 'structural_tag' is not "
+                             "supported; use json_schema, json_object or structured_outputs.")
+        if self.guided_decoding_backend not in (None, *_BACKENDS):
+            raise ParamError("guided_decoding_backend", "guided_decoding_backend: this server "
+                             f"constrains with llguidance; use one of {list(_BACKENDS)}.")
         if self.cache_salt is not None and any(c in self.cache_salt for c in "@/\\\0"):
             raise ParamError("cache_salt", "cache_salt must not contain '@', '/', '\\' or NUL.")
         if self.stream_options is not None and not self.stream:
@@ -203,6 +218,40 @@ class _Request(_Body):
         if any(len(s) > limits.max_stop_length for s in stops):
             raise ParamError("stop", f"stop strings of at most {limits.max_stop_length} chars")
         return stops
+
+    @property
+    def structured_field(self) -> str | None:
+        """The field that asks for structured output (the one its errors name)."""
+        fields = [name for name in ("structured_outputs", *_GUIDED)
+                  if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            fields.append("response_format")
+        if len(fields) > 1:
+            raise ParamError(fields[1], f"give one of {', '.join(fields)}: each asks for a "
+                             "structured output.")
+        return fields[0] if fields else None
+
+    def _structured(self) -> StructuredOutputsParams | None:
+        field = self.structured_field
+        if field is None:
+            return None
+        try:
+            if field == "structured_outputs":
+                return StructuredOutputsParams.from_dict(self.structured_outputs)
+            extra = {}
+            if self.guided_whitespace_pattern is not None:
+                extra["whitespace_pattern"] = self.guided_whitespace_pattern
+            if field in _GUIDED:
+                return StructuredOutputsParams(**{_GUIDED[field]: getattr(self, field)},
+                                               **extra)
+            fmt = self.response_format
+            if fmt.type == "json_object":
+                return StructuredOutputsParams(json_object=True, **extra)
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise ValueError("type 'json_schema' needs json_schema.schema.")
+            return StructuredOutputsParams(json=fmt.json_schema.schema_, **extra)
+        except (TypeError, ValueError) as err:
+            raise ParamError(field, f"{field}: {err}") from None
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -236,7 +285,8 @@ class _Request(_Body):
                       bad_words=list(dict.fromkeys(self.bad_words)) or None,
                       truncate_prompt_tokens=self.truncate_prompt_tokens,
                       truncation_side=self.truncation_side or "left",
-                      prompt_logprobs=self.prompt_logprobs)
+                      prompt_logprobs=self.prompt_logprobs,
+                      structured_outputs=self._structured())
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)

@@ -463,10 +463,11 @@ BAD = [  # (id, path, JSON body or raw bytes, status, param)
     ("token-id-1024", C, _c(prompt=[5, 6, 1024]), 400, "prompt"),
     ("token-id-1024-nested", C, _c(prompt=[[5, 6], [7, 1024]]), 400, "prompt"),
     ("token-id-negative", C, _c(prompt=[-1]), 400, "prompt"),
-    ("response-format-json", CH, _ch(response_format={"type": "json_object"}), 400,
+    ("response-format-no-schema", CH, _ch(response_format={"type": "json_schema"}), 400,
      "response_format"),
-    ("response-format-schema", CH, _ch(response_format={"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object"}}}), 400, "response_format"),
+    ("response-format-bad-schema", CH, _ch(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}), 400, "response_format"),
+    ("guided-regex-bad", C, _c(guided_regex="(unclosed"), 400, "guided_regex"),
     ("suffix", C, _c(suffix="return n"), 400, "suffix"),
     ("stream-options-without-stream", C, _c(stream_options={"include_usage": True}), 400,
      "stream_options"),

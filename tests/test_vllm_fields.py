@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 from server_helpers import SMALL_ENGINE_ARGS
@@ -311,9 +312,29 @@ def _add_special_tokens(c: Call):
         assert without == len(tokenizer.encode(PROMPT, add_special_tokens=False))
 
 
+SMALL_SCHEMA = {"type": "object", "required": ["a"], "additionalProperties": False,
+                "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999}}}
+
+
 def _response_format(c: Call):
     c.ok(response_format={"type": "text"})
-    c.refused("response_format", {"type": "json_object"})
+    schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": SMALL_SCHEMA,
+                                                     "strict": True}}
+    answer = c.ok(response_format=schema, temperature=1.0, max_tokens=30)
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    assert isinstance(json.loads(c.text(answer))["a"], int)
+    free = c.text(c.ok(response_format={"type": "json_object"}, temperature=1.0))
+    assert free.startswith("{")
+    c.refused("response_format", {"type": "json_schema"})  # no schema
+    c.refused("response_format", {"type": "structural_tag"})
+
+
+def _structured_outputs(c: Call):
+    answer = c.ok(structured_outputs={"regex": "[0-9]{3}-[a-z]{2}"}, temperature=1.0,
+                  max_tokens=12)
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", c.text(answer))
+    c.refused("structured_outputs", {"regex": "(unclosed"})
+    c.refused("structured_outputs", {"regex": "a", "choice": ["b"]})  # exactly one
 
 
 def _priority(c: Call):
@@ -477,7 +498,7 @@ CASES = {
     # Features jaxserve does not have (yet): a 400 naming the field.
     "suffix": _refused("x"), "use_beam_search": _refused(True), "watermarking": _refused(True),
     "length_penalty": _refused(2.0), "logprob_token_ids": _refused([1]),
-    "prompt_embeds": _refused("AAAA"), "structured_outputs": _refused({"regex": "a+"}),
+    "prompt_embeds": _refused("AAAA"), "structured_outputs": _structured_outputs,
     "session_id": _refused("s1"), "return_weight_versions": _refused(True),
     "routed_experts_prompt_start": _refused(1), "return_token_offsets": _refused(True),
     "kv_transfer_params": _refused({}), "ec_transfer_params": _refused({}),
@@ -508,10 +529,37 @@ def test_every_chat_field_works_or_is_refused(client, field):
     _run(client, True, field)
 
 
+GUIDED_VALUES = {"guided_json": SMALL_SCHEMA, "guided_regex": "[a-c]{4}",
+                 "guided_choice": ["left", "right"],
+                 "guided_grammar": 'start: "ab" | "cd" "e"'}
+
+
 @pytest.mark.parametrize("field", GUIDED)
-def test_removed_guided_fields_are_refused_not_ignored(client, field):
+def test_vllms_older_guided_fields_still_constrain(client, field):
+    """vLLM removed these in 0.12 and now ignores them; here they still work."""
     for chat in (False, True):
-        Call(client, chat).refused(field, {"type": "object"} if field == "guided_json" else "a")
+        c = Call(client, chat)
+        if field == "guided_decoding_backend":
+            c.ok(guided_decoding_backend="guidance", guided_regex="[a-c]{4}")
+            c.refused(field, "xgrammar")
+            continue
+        if field == "guided_whitespace_pattern":
+            text = c.text(c.ok(guided_json=SMALL_SCHEMA, guided_whitespace_pattern=" ?",
+                               temperature=1.0, max_tokens=30))
+            assert isinstance(json.loads(text)["a"], int)
+            continue
+        text = c.text(c.ok(**{field: GUIDED_VALUES[field]}, temperature=1.0, max_tokens=30))
+        if field == "guided_json":
+            assert isinstance(json.loads(text)["a"], int)
+        elif field == "guided_regex":
+            assert re.fullmatch("[a-c]{4}", text)
+        elif field == "guided_choice":
+            assert text in ("left", "right")
+        else:
+            assert text in ("ab", "cde")
+        # two structured-output fields at once: a 400 naming one of them
+        resp = c.post(**{field: GUIDED_VALUES[field]}, structured_outputs={"regex": "a"})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == field
 
 
 def test_message_fields_reach_the_chat_template(client):
