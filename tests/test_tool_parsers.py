@@ -1,0 +1,70 @@
+"""Tool-call parsers on crafted model outputs: text only, text and calls, several calls,
+malformed calls left as text; streamed at every split position, the pieces join up to the
+non-streamed answer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxserve.tool_parsers import tool_parser
+
+CASES = {
+    "hermes": [
+        ("Just text, no call.", "Just text, no call.", []),
+        ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+         "</tool_call>", "Let me look.\n", [("get_weather", {"city": "Paris"})]),
+        ('<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>\n<tool_call>{"name": "b",'
+         ' "arguments": {}}</tool_call>', None, [("a", {"x": 1}), ("b", {})]),
+        ('<tool_call>{"name": "a", "arguments": {"x": </tool_call>', None, None),  # malformed
+        ("a < b <tool", "a < b <tool", []),  # a marker's start that never completes
+    ],
+    "llama3_json": [
+        ("The answer is 4.", "The answer is 4.", []),
+        ('{"name": "add", "parameters": {"a": 1, "b": 2}}', None, [("add", {"a": 1, "b": 2})]),
+        ('<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"q": "x"}}',
+         None, [("a", {}), ("b", {"q": "x"})]),
+        ('{"name": "add", "parameters": {"a": 1', None, None),  # malformed
+        ("{not json at all}", None, None),
+    ],
+    "mistral": [
+        ("Plain answer.", "Plain answer.", []),
+        ('Sure. [TOOL_CALLS][{"name": "f", "arguments": {"k": [1, 2]}}]', "Sure. ",
+         [("f", {"k": [1, 2]})]),
+        ('[TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"z": 0}}]',
+         None, [("f", {}), ("g", {"z": 0})]),
+        ('[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{}', None, [("f", {"a": 1}), ("g", {})]),
+        ("[TOOL_CALLS][{broken", None, None),
+    ],
+}
+
+
+def _cases():
+    for name, cases in CASES.items():
+        for i, case in enumerate(cases):
+            yield pytest.param(name, *case, id=f"{name}-{i}")
+
+
+@pytest.mark.parametrize("name, text, content, calls", list(_cases()))
+def test_parse_and_stream_at_every_split(name, text, content, calls):
+    parser = tool_parser(name)
+    got_content, got_calls = parser.parse(text)
+    if calls is None:  # malformed: the whole text stays content, no call
+        assert (got_content, got_calls) == (text, [])
+    else:
+        assert got_content == content
+        assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
+    for split in range(len(text) + 1):
+        streamed = ""
+        for piece in (text[:split], text):  # the text so far, at two moments
+            safe = parser.safe_prefix(piece)
+            assert piece[:safe].startswith(streamed), (split, piece, safe)
+            streamed = piece[:safe]
+        final_content, _ = parser.parse(text)
+        assert (final_content or "").startswith(streamed), (split, streamed)
+
+
+def test_an_unknown_parser_is_refused():
+    with pytest.raises(ValueError, match="tool-call-parser"):
+        tool_parser("nope")
