@@ -173,6 +173,13 @@ def _serve_parser(sub) -> None:
                    "chat_template_kwargs win")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a chat_template sent with a request (refused by default)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice "auto": the model writes calls in its own format, '
+                   "read out by --tool-call-parser")
+    p.add_argument("--tool-call-parser", default=None,
+                   choices=("hermes", "llama3_json", "mistral"),
+                   help="how calls look in the model's text: hermes (Qwen2.5/Qwen3 and many "
+                   "fine-tunes), llama3_json (Llama 3.1+), mistral")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="admission cap: beyond it new requests get 429")
@@ -219,7 +226,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         allowed_origins=_origins(args.allowed_origins),
         chat=ChatSettings(template=_chat_template(args.chat_template),
                           default_kwargs=args.default_chat_template_kwargs or {},
-                          trust_request_template=args.trust_request_chat_template),
+                          trust_request_template=args.trust_request_chat_template,
+                          tool_call_parser=_tool_call_parser(args)),
         max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
         shutdown_timeout=args.shutdown_timeout, request_read_timeout=args.request_read_timeout,
         keep_alive_timeout=args.keep_alive_timeout,
@@ -227,6 +235,14 @@ def _run_serve(args: argparse.Namespace) -> int:
     if _join_hosts(args, args.model, "background"):
         return 0  # a worker host: it ran host 0's steps until host 0 stopped
     return serve(engine_config(args, model, "background"), server_config, args.log_level)
+
+
+def _tool_call_parser(args: argparse.Namespace) -> str | None:
+    """The parser for tool_choice "auto", as vLLM: both flags, or neither."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, "
+                         "llama3_json or mistral).")
+    return args.tool_call_parser if args.enable_auto_tool_choice else None
 
 
 def _json_object(text: str) -> dict:

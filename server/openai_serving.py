@@ -42,7 +42,9 @@ from jaxserve.server.protocol import (
     TokenizeRequest,
 )
 from jaxserve.server.request_body import parse_body
+from jaxserve.server.tool_calls import ChoiceTools
 from jaxserve.tokenizer import apply_chat_template, with_special_tokens
+from jaxserve.tool_parsers import tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,9 @@ class ChatSettings:
     template: str | None = None  # --chat-template: instead of the tokenizer's own
     default_kwargs: dict = dataclasses.field(default_factory=dict)  # --default-chat-template-kwargs
     trust_request_template: bool = False  # --trust-request-chat-template
+    # --enable-auto-tool-choice --tool-call-parser NAME: tool_choice "auto" reads calls out
+    # of the model's text with this parser (jaxserve/tool_parsers.py).
+    tool_call_parser: str | None = None
 
 
 @dataclasses.dataclass
@@ -110,6 +115,13 @@ class OpenAIServing:
         body = parse_body(raw, ChatCompletionRequest)
         model = self.check_model(body.model)
         params = _params(body, self.limits, "messages", self.sampling_defaults)
+        if body.tool_mode == "auto" and self.chat.tool_call_parser is None:
+            raise APIError(400, 'tool_choice "auto" needs the server started with '
+                           "--enable-auto-tool-choice and --tool-call-parser; or use "
+                           '"required" or a named function.', param="tool_choice",
+                           code="invalid_value")
+        if body.tool_mode == "auto" and self.chat.tool_call_parser == "mistral":
+            params = params.clone(skip_special_tokens=False)  # [TOOL_CALLS] is special
         self._compile_grammar(body, params)
         if body.chat_template is not None and not self.chat.trust_request_template:
             raise APIError(400, "chat_template: a chat template sent with the request is "
@@ -137,8 +149,8 @@ class OpenAIServing:
         try:
             self.engine.engine.compile_grammar(params)
         except ValueError as err:
-            raise APIError(400, short(str(err)), param=body.structured_field,
-                           code="invalid_value") from None
+            field = body.structured_field or "tools"
+            raise APIError(400, short(str(err)), param=field, code="invalid_value") from None
 
     def _truncated(self, ids: list[int], params: SamplingParams) -> list[int]:
         try:
@@ -367,6 +379,14 @@ class _View:
         self.as_ids = bool(body.return_tokens_as_token_ids)
         self.interval = body.stream_interval or 1
         total = len(prompts) * self.n
+        mode = body.tool_mode if self.chat else None
+        self.tools = None
+        if mode is not None:
+            parser = (tool_parser(serving.chat.tool_call_parser)
+                      if mode == "auto" else None)
+            self.tools = [ChoiceTools(mode, parser, body.named_tool,
+                                      body.parallel_tool_calls is not False)
+                          for _ in range(total)]
         self.sent_text = [0] * total
         self.sent_tokens = [0] * total
         self.finished = [False] * total
@@ -384,10 +404,13 @@ class _View:
                 generated = [] if self.prompt_only else c.token_ids
                 self.completion_tokens[index] = len(generated)
                 if self.chat:
-                    choice = {"index": index, "message": {"role": "assistant",
-                                                          "content": self.chat_echo + c.text},
+                    message = {"role": "assistant", "content": self.chat_echo + c.text}
+                    finish = c.finish_reason
+                    if self.tools is not None:
+                        message, finish = self.tools[index].message(c.text, c.finish_reason)
+                    choice = {"index": index, "message": message,
                               "logprobs": self._chat_logprobs(c, 0),
-                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                              "finish_reason": finish, "stop_reason": c.stop_reason}
                 else:
                     text = "" if self.prompt_only else c.text
                     if self.echo:
@@ -441,6 +464,9 @@ class _View:
             if not done and len(c.token_ids) - start < self.interval:
                 continue  # stream_interval: wait for more tokens
             first = start == 0 and self.sent_text[index] == 0
+            if self.tools is not None:
+                out += self._tool_chunks(index, c, start)
+                continue
             delta = "" if self.prompt_only else c.text[self.sent_text[index]:]
             if self.echo and first:
                 delta = self._prompt_text(p) + delta
@@ -463,6 +489,28 @@ class _View:
                 chunk["usage"] = self._usage()
             out.append(chunk)
         return out
+
+    def _tool_chunks(self, index: int, c: CompletionOutput, start: int) -> list[dict]:
+        """A tool-mode chat choice: content and tool-call deltas (ChoiceTools)."""
+        deltas, finish = self.tools[index].deltas(c.text, c.finish_reason)
+        logprobs = self._chat_logprobs(c, start)
+        self.sent_text[index] = len(c.text)
+        self.sent_tokens[index] = len(c.token_ids)
+        self.completion_tokens[index] = len(c.token_ids)
+        done = c.finish_reason is not None
+        self.finished[index] = done
+        if done and not deltas:
+            deltas = [{}]
+        chunks = []
+        for i, delta in enumerate(deltas):
+            last = i == len(deltas) - 1
+            chunk = self._chunk(index, delta, logprobs if i == 0 else None,
+                                finish if last and done else None,
+                                c.stop_reason if last and done else None)
+            if self.body.continuous_usage:
+                chunk["usage"] = self._usage()
+            chunks.append(chunk)
+        return chunks
 
     def usage_chunk(self) -> dict | None:
         if not self.body.include_usage:

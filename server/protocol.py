@@ -105,9 +105,6 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "thinking_token_budget": (lambda v: v is not None and v != -1,
                               "thinking_token_budget needs a reasoning parser, which is not "
                               "supported yet"),
-    "tools": (bool, "tools are not supported yet"),
-    "tool_choice": (lambda v: v not in (None, "none"), "tool_choice other than 'none' needs "
-                    "tools, which are not supported yet"),
     "include_reasoning": (lambda v: v is False, "include_reasoning=false needs a reasoning "
                           "parser, which is not supported yet"),
     "mm_processor_kwargs": (_set, "this server takes text only (no multimodal processor)"),
@@ -416,18 +413,39 @@ def _template_tool_call(call: ToolCall, index: int) -> dict:
     return out
 
 
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = False
     top_logprobs: int | None = 0
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = "none"
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | \
         None = None
     include_reasoning: bool = True
-    parallel_tool_calls: bool | None = True  # applies to tool calls, refused until tools land
+    parallel_tool_calls: bool | None = True  # false: at most one call
     echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -456,6 +474,14 @@ class ChatCompletionRequest(_Request):
             raise ParamError("continue_final_message", "continue_final_message needs the last "
                              "message to be the assistant's.")
         logprobs = top if self.logprobs else None
+        values = self._common(limits, defaults)
+        grammar = self.tool_grammar()
+        if grammar is not None:
+            if values["structured_outputs"] is not None:
+                raise ParamError("tool_choice", f"tool_choice {self.tool_mode!r} writes the "
+                                 f"calls with a grammar; it cannot be combined with "
+                                 f"{self.structured_field}.")
+            values["structured_outputs"] = grammar
         max_tokens = self.max_tokens
         if self.max_completion_tokens is not None:
             if not 1 <= self.max_completion_tokens <= INT32_MAX:
@@ -463,7 +489,54 @@ class ChatCompletionRequest(_Request):
                                  f"integer in [1, {INT32_MAX}]")
             max_tokens = self.max_completion_tokens
         return SamplingParams(max_tokens=_capped(max_tokens, defaults), logprobs=logprobs,
-                              **self._common(limits, defaults))
+                              **values)
+
+    @property
+    def tool_mode(self) -> str | None:
+        """None (no tools, or tool_choice "none"), "auto", "required" or "named"; checks
+        tools and tool_choice as vLLM does."""
+        if self.tools is not None and not self.tools:
+            raise ParamError("tools", "tools must not be empty; leave it out instead.")
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none"):
+                raise ParamError("tool_choice", "tool_choice other than 'none' needs tools.")
+            return None
+        if choice is None:
+            return "auto"  # OpenAI's default when tools are given
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in self.tool_names:
+                raise ParamError("tool_choice", f"tool_choice names {choice.function.name!r}, "
+                                 f"which is not among the tools ({', '.join(self.tool_names)}).")
+            return "named"
+        return None if choice == "none" else choice
+
+    @property
+    def tool_names(self) -> list[str]:
+        return [tool.function.name for tool in self.tools or []]
+
+    @property
+    def named_tool(self) -> str | None:
+        choice = self.tool_choice
+        return choice.function.name if isinstance(choice, NamedToolChoice) else None
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as the chat template reads them (OpenAI's shape)."""
+        if not self.tools:
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def tool_grammar(self) -> StructuredOutputsParams | None:
+        from jaxserve.server.tool_calls import tool_grammar
+
+        mode = self.tool_mode
+        if mode not in ("required", "named"):
+            return None
+        try:
+            return tool_grammar(mode, self.template_tools(), self.named_tool,
+                                self.parallel_tool_calls is not False)
+        except ValueError as err:
+            raise ParamError("tools", f"tools: {err}") from None
 
     @property
     def adds_generation_prompt(self) -> bool:
@@ -488,6 +561,8 @@ class ChatCompletionRequest(_Request):
         kwargs["continue_final_message"] = self.continue_final_message
         if self.documents is not None:
             kwargs["documents"] = self.documents
+        if self.tools:
+            kwargs["tools"] = self.template_tools()
         if self.reasoning_effort is not None:
             kwargs["reasoning_effort"] = self.reasoning_effort
             kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")

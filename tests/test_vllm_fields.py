@@ -70,7 +70,8 @@ def client(tiny_checkpoints):
     async_engine.start()
     server = ServerConfig(served_model_name=("tiny", "alias"),
                           chat=ChatSettings(trust_request_template=True,
-                                            default_kwargs={"flag": "server", "other": "x"}))
+                                            default_kwargs={"flag": "server", "other": "x"},
+                                            tool_call_parser="hermes"))
     try:
         with TestClient(create_app(async_engine, server)) as test_client:
             yield test_client
@@ -402,9 +403,47 @@ def _stream_interval(c: Call):
     assert sum(counts) == 7 and all(n >= 2 for n in counts[:-1])
 
 
+TOOL = {"type": "function", "function": {
+    "name": "add", "parameters": {"type": "object", "required": ["a", "b"],
+                                  "additionalProperties": False,
+                                  "properties": {"a": {"type": "integer", "minimum": 0,
+                                                       "maximum": 99},
+                                                 "b": {"type": "integer", "minimum": 0,
+                                                       "maximum": 99}}}}}
+
+
+def _tools(c: Call):
+    answer = c.ok(tools=[TOOL], tool_choice="required", parallel_tool_calls=False,
+                  temperature=1.0, max_tokens=60)
+    call = answer["choices"][0]["message"]["tool_calls"][0]
+    assert call["function"]["name"] == "add" and answer["choices"][0]["finish_reason"] == \
+        "tool_calls"
+    assert set(json.loads(call["function"]["arguments"])) == {"a", "b"}
+    c.refused("tools", [])
+
+
 def _tool_choice(c: Call):
-    c.ok(tool_choice="none")
-    c.refused("tool_choice", "required")
+    assert "tool_calls" not in c.ok(tools=[TOOL], tool_choice="none")["choices"][0]["message"]
+    named = {"type": "function", "function": {"name": "add"}}
+    answer = c.ok(tools=[TOOL], tool_choice=named, temperature=1.0, max_tokens=60)
+    call = answer["choices"][0]["message"]["tool_calls"][0]
+    assert call["function"]["name"] == "add"
+    assert set(json.loads(call["function"]["arguments"])) == {"a", "b"}
+    # auto (the server runs --tool-call-parser hermes): the random model writes no call
+    auto = c.ok(tools=[TOOL], tool_choice="auto")["choices"][0]["message"]
+    assert isinstance(auto["content"], str)
+    c.refused("tool_choice", "required")  # without tools
+    resp = c.post(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "x"}})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "tool_choice"
+
+
+def _parallel_tool_calls(c: Call):
+    one = c.ok(tools=[TOOL], tool_choice="required", parallel_tool_calls=False,
+               temperature=1.0, max_tokens=60, seed=1)
+    assert len(one["choices"][0]["message"]["tool_calls"]) == 1
+    many = c.ok(tools=[TOOL], tool_choice="required", temperature=1.0, max_tokens=400, seed=1)
+    assert many["choices"][0]["finish_reason"] == "tool_calls"
+    assert len(many["choices"][0]["message"]["tool_calls"]) >= 1
 
 
 def _reasoning_effort(c: Call):
@@ -418,8 +457,6 @@ def _include_reasoning(c: Call):
     c.refused("include_reasoning", False)
 
 
-def _parallel_tool_calls(c: Call):
-    c.ok(parallel_tool_calls=False)  # limits tool calls; tools themselves are refused
 
 
 def _add_generation_prompt(c: Call):
@@ -503,7 +540,7 @@ CASES = {
     "routed_experts_prompt_start": _refused(1), "return_token_offsets": _refused(True),
     "kv_transfer_params": _refused({}), "ec_transfer_params": _refused({}),
     "vllm_xargs": _refused({"k": 1}), "repetition_detection": _refused({"min_count": 2}),
-    "tools": _refused([{"type": "function", "function": {"name": "f"}}]),
+    "tools": _tools,
     "media_io_kwargs": _refused({}), "mm_processor_kwargs": _refused({}),
 }
 
