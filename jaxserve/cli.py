@@ -180,6 +180,9 @@ def _serve_parser(sub) -> None:
                    choices=("hermes", "llama3_json", "mistral"),
                    help="how calls look in the model's text: hermes (Qwen2.5/Qwen3 and many "
                    "fine-tunes), llama3_json (Llama 3.1+), mistral")
+    p.add_argument("--reasoning-parser", default=None, choices=("qwen3", "deepseek_r1"),
+                   help="put the model's thinking (<think>...</think>) in reasoning_content "
+                   "and reasoning, and apply structured outputs after it")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="admission cap: beyond it new requests get 429")
@@ -227,7 +230,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         chat=ChatSettings(template=_chat_template(args.chat_template),
                           default_kwargs=args.default_chat_template_kwargs or {},
                           trust_request_template=args.trust_request_chat_template,
-                          tool_call_parser=_tool_call_parser(args)),
+                          tool_call_parser=_tool_call_parser(args),
+                          reasoning_parser=args.reasoning_parser),
         max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
         shutdown_timeout=args.shutdown_timeout, request_read_timeout=args.request_read_timeout,
         keep_alive_timeout=args.keep_alive_timeout,

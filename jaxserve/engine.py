@@ -160,6 +160,9 @@ class LLMEngine:
                              f"{params.stop_token_ids}.")
         if params.structured_outputs is not None:
             self.compile_grammar(params)
+            if params.structured_outputs.starts_after is not None:
+                self._single_token(params.structured_outputs.starts_after,
+                                   "structured_outputs.starts_after")
         constraints = self._constraints(params)
         stops = len(self.eos_token_ids | set(params.stop_token_ids)) if params.min_tokens else 0
         if stops > MAX_BANNED_IDS:
@@ -184,6 +187,28 @@ class LLMEngine:
             return self.grammars.compile(params.structured_outputs)
         except ValueError as err:
             raise ValueError(f"structured_outputs: {err}") from None
+
+    def _grammar_start(self, params: SamplingParams, prompt: list[int]) -> int | None:
+        """The token a constraint waits for (structured_outputs.starts_after), or None when
+        it applies at once: none is set, or the prompt already holds it after the last
+        opening "<think>" (a template that turned thinking off)."""
+        after = params.structured_outputs.starts_after
+        if after is None:
+            return None
+        end = self._single_token(after, "structured_outputs.starts_after")
+        start = self._single_token(after.replace("/", "", 1), None) if "/" in after else None
+        last_end = max((i for i, t in enumerate(prompt) if t == end), default=-1)
+        last_start = max((i for i, t in enumerate(prompt) if t == start), default=-1)
+        return None if last_end > last_start else end
+
+    def _single_token(self, text: str, field: str | None) -> int | None:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) != 1:
+            if field is None:
+                return None
+            raise ValueError(f"{field} must be one token of the vocabulary; {text!r} is "
+                             f"{len(ids)} tokens.")
+        return ids[0]
 
     def check_priority(self, priority: int) -> None:
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -235,6 +260,8 @@ class LLMEngine:
                             max_model_len=self.config.model.max_model_len,
                             eos_token_ids=self.eos_token_ids, priority=priority,
                             constraints=constraints, grammar=grammar)
+            if grammar is not None:
+                child.grammar_waits_for = self._grammar_start(params, prompt_token_ids)
             if cache_salt is not None:
                 child.extra_keys = ("cache_salt", str(cache_salt))
             children.append(child)
@@ -381,7 +408,7 @@ class LLMEngine:
     def _grammar_masks(self, out: SchedulerOutput) -> list[tuple[int, np.ndarray]] | None:
         """The next-token bitmask of each constrained request that samples in this step."""
         rows = [req for req, count in zip(out.requests, out.num_scheduled_tokens)
-                if req.grammar is not None and samples_this_step(req, count)]
+                if req.grammar_active and samples_this_step(req, count)]
         if not rows:
             return None
         masks = self.grammars.fill_masks([req.grammar for req in rows])
@@ -471,6 +498,10 @@ class LLMEngine:
         """Feed a sampled token to the request's grammar; a grammar that has reached its end
         finishes the request ("stop"). False (the request failed) if the grammar refuses
         the token, which the step's mask should have made impossible."""
+        if req.grammar_waits_for is not None:  # free text (reasoning) until its end token
+            if token == req.grammar_waits_for:
+                req.grammar_waits_for = None
+            return True
         if not req.grammar.consume_token(token):
             self._fail(tracked, RuntimeError(f"token {token} broke its grammar: "
                                              f"{req.grammar.get_error()[:200]}"),

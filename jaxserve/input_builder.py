@@ -95,7 +95,7 @@ def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, bloc
         top_k[:n] = ints[:, 0]  # SamplingParams keeps top_k within int32
         seeds[:n], prompt_lens[:n], state_slots[:n] = ints[:, 1], ints[:, 2], ints[:, 3]
         for row, (req, count) in enumerate(zip(reqs, out.num_scheduled_tokens)):
-            if req.grammar is not None and samples_this_step(req, count):
+            if req.grammar_active and samples_this_step(req, count):
                 has_grammar[row] = True  # its mask comes with the step (see the engine)
             if req.needs_state_reset:  # cleared by update_from_output once it ran
                 reset_state[row] = True

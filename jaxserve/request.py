@@ -52,8 +52,10 @@ class Request:
         self.stop_token_ids = frozenset(params.stop_token_ids)
         # logit_bias, allowed_token_ids, bad_words (shared by a request's n children).
         self.constraints = constraints
-        # Structured outputs: this sequence's llguidance matcher (None: unconstrained).
+        # Structured outputs: this sequence's llguidance matcher (None: unconstrained), and
+        # the token it waits for before it applies (None: it applies from the start).
         self.grammar = grammar
+        self.grammar_waits_for: int | None = None
         # i32[max_model_len]: prompt then outputs; the first num_tokens entries are valid.
         self.token_ids = np.zeros(self.num_prompt_tokens + self.max_output_tokens, np.int32)
         self.token_ids[: self.num_prompt_tokens] = prompt_token_ids
@@ -77,6 +79,10 @@ class Request:
         self.state_slot = 0  # row of the device-side penalty state; 0 = none held
         self.needs_state_reset = False  # set when a row is handed out, cleared once it ran
         self.cumulative_logprob = 0.0  # of the output tokens, when logprobs are asked for
+
+    @property
+    def grammar_active(self) -> bool:
+        return self.grammar is not None and self.grammar_waits_for is None
 
     @property
     def prompt_token_ids(self) -> list[int]:

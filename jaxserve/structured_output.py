@@ -42,6 +42,9 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    # A token (its text, e.g. "</think>") after which the constraint starts: what comes
+    # before it is free (a reasoning model's thinking). None: from the first token.
+    starts_after: str | None = None
 
     def __post_init__(self) -> None:
         kinds = self.kinds()
@@ -66,8 +69,10 @@ class StructuredOutputsParams:
         return self.kinds()[0]
 
     def key(self) -> str:
-        """A cache key: the whole request, canonical JSON."""
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
+        """A cache key: the grammar part of the request, canonical JSON."""
+        fields = dataclasses.asdict(self)
+        fields.pop("starts_after")
+        return json.dumps(fields, sort_keys=True, default=str)
 
     @classmethod
     def from_dict(cls, value: dict[str, Any], field: str = "structured_outputs"

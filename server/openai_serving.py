@@ -26,6 +26,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.reasoning_parsers import END as REASONING_END
+from jaxserve.reasoning_parsers import reasoning_parser
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.async_engine import (
     AsyncLLMEngine,
@@ -62,6 +64,9 @@ class ChatSettings:
     # --enable-auto-tool-choice --tool-call-parser NAME: tool_choice "auto" reads calls out
     # of the model's text with this parser (jaxserve/tool_parsers.py).
     tool_call_parser: str | None = None
+    # --reasoning-parser NAME: the thinking goes to reasoning_content (and reasoning), and
+    # a structured output applies after it (jaxserve/reasoning_parsers.py).
+    reasoning_parser: str | None = None
 
 
 @dataclasses.dataclass
@@ -122,6 +127,14 @@ class OpenAIServing:
                            code="invalid_value")
         if body.tool_mode == "auto" and self.chat.tool_call_parser == "mistral":
             params = params.clone(skip_special_tokens=False)  # [TOOL_CALLS] is special
+        if body.include_reasoning is False and self.chat.reasoning_parser is None:
+            raise APIError(400, "include_reasoning=false needs the server started with "
+                           "--reasoning-parser.", param="include_reasoning",
+                           code="invalid_value")
+        if self.chat.reasoning_parser is not None and params.structured_outputs is not None \
+                and self._end_of_thinking_is_one_token():
+            params = params.clone(structured_outputs=dataclasses.replace(
+                params.structured_outputs, starts_after=REASONING_END))
         self._compile_grammar(body, params)
         if body.chat_template is not None and not self.chat.trust_request_template:
             raise APIError(400, "chat_template: a chat template sent with the request is "
@@ -139,6 +152,11 @@ class OpenAIServing:
         ids = self._truncated(ids, params)
         self._check_context([(None, ids)], params, "messages")
         return Prepared("chat.completion", body, params, [(None, ids)], "messages", model)
+
+    def _end_of_thinking_is_one_token(self) -> bool:
+        """Whether the grammar can wait for the end of the reasoning: its marker is one
+        token (Qwen3, DeepSeek-R1); otherwise it applies from the start."""
+        return len(self.tokenizer.encode(REASONING_END, add_special_tokens=False)) == 1
 
     def _compile_grammar(self, body, params: SamplingParams) -> None:
         """Compile (and check) a structured-output grammar here, in the worker thread: the
@@ -379,6 +397,12 @@ class _View:
         self.as_ids = bool(body.return_tokens_as_token_ids)
         self.interval = body.stream_interval or 1
         total = len(prompts) * self.n
+        self.reasoning = None
+        if self.chat and serving.chat.reasoning_parser is not None:
+            self.reasoning = reasoning_parser(serving.chat.reasoning_parser)
+        self.include_reasoning = bool(getattr(body, "include_reasoning", True))
+        self.sent_reasoning = [0] * total
+        self.sent_answer = [0] * total
         mode = body.tool_mode if self.chat else None
         self.tools = None
         if mode is not None:
@@ -404,10 +428,17 @@ class _View:
                 generated = [] if self.prompt_only else c.token_ids
                 self.completion_tokens[index] = len(generated)
                 if self.chat:
-                    message = {"role": "assistant", "content": self.chat_echo + c.text}
+                    text, reasoning = c.text, None
+                    if self.reasoning is not None:
+                        reasoning, text = self.reasoning.split(c.text, final=True)
+                    message = {"role": "assistant", "content": (
+                        self.chat_echo + text if text is not None or self.chat_echo else None)}
                     finish = c.finish_reason
                     if self.tools is not None:
-                        message, finish = self.tools[index].message(c.text, c.finish_reason)
+                        message, finish = self.tools[index].message(text or "",
+                                                                    c.finish_reason)
+                    if self.reasoning is not None and self.include_reasoning:
+                        message["reasoning_content"] = message["reasoning"] = reasoning
                     choice = {"index": index, "message": message,
                               "logprobs": self._chat_logprobs(c, 0),
                               "finish_reason": finish, "stop_reason": c.stop_reason}
@@ -464,8 +495,8 @@ class _View:
             if not done and len(c.token_ids) - start < self.interval:
                 continue  # stream_interval: wait for more tokens
             first = start == 0 and self.sent_text[index] == 0
-            if self.tools is not None:
-                out += self._tool_chunks(index, c, start)
+            if self.tools is not None or self.reasoning is not None:
+                out += self._parsed_chunks(index, c, start)
                 continue
             delta = "" if self.prompt_only else c.text[self.sent_text[index]:]
             if self.echo and first:
@@ -490,9 +521,25 @@ class _View:
             out.append(chunk)
         return out
 
-    def _tool_chunks(self, index: int, c: CompletionOutput, start: int) -> list[dict]:
-        """A tool-mode chat choice: content and tool-call deltas (ChoiceTools)."""
-        deltas, finish = self.tools[index].deltas(c.text, c.finish_reason)
+    def _parsed_chunks(self, index: int, c: CompletionOutput, start: int) -> list[dict]:
+        """A chat choice read by a reasoning parser and/or in a tool mode: reasoning,
+        content and tool-call deltas."""
+        done = c.finish_reason is not None
+        text, deltas, finish = c.text, [], c.finish_reason
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(c.text, final=done)
+            reasoning, text = reasoning or "", text or ""
+            if len(reasoning) > self.sent_reasoning[index]:
+                piece = reasoning[self.sent_reasoning[index]:]
+                self.sent_reasoning[index] = len(reasoning)
+                if self.include_reasoning:
+                    deltas.append({"reasoning_content": piece, "reasoning": piece})
+        if self.tools is not None:
+            more, finish = self.tools[index].deltas(text, c.finish_reason)
+            deltas += more
+        elif len(text) > self.sent_answer[index]:
+            deltas.append({"content": text[self.sent_answer[index]:]})
+            self.sent_answer[index] = len(text)
         logprobs = self._chat_logprobs(c, start)
         self.sent_text[index] = len(c.text)
         self.sent_tokens[index] = len(c.token_ids)

@@ -105,8 +105,6 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "thinking_token_budget": (lambda v: v is not None and v != -1,
                               "thinking_token_budget needs a reasoning parser, which is not "
                               "supported yet"),
-    "include_reasoning": (lambda v: v is False, "include_reasoning=false needs a reasoning "
-                          "parser, which is not supported yet"),
     "mm_processor_kwargs": (_set, "this server takes text only (no multimodal processor)"),
     "media_io_kwargs": (_set, "this server takes text only (no media loading)"),
 }

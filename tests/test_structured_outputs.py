@@ -147,3 +147,22 @@ def test_a_bad_constraint_is_refused_naming_the_field(llm):
             llm.generate(["x"], SamplingParams(structured_outputs=bad), use_tqdm=False)
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["b"])
+
+
+def test_a_constraint_can_start_after_a_token(llm):
+    """What a reasoning model writes before its end-of-thinking token is free; the
+    constraint applies after it (structured_outputs.starts_after)."""
+    tokenizer = llm.get_tokenizer()
+    marker = next(t for t in ("def", "import", "class")
+                  if len(tokenizer.encode(t, add_special_tokens=False)) == 1)
+    token = tokenizer.encode(marker, add_special_tokens=False)[0]
+    params = SamplingParams(temperature=1.0, max_tokens=30, seed=2, logit_bias={token: 100.0},
+                            structured_outputs=StructuredOutputsParams(regex="[0-9]{3}",
+                                                                       starts_after=marker))
+    out = llm.generate(["x"], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[0] == token and out.finish_reason == "stop"
+    assert re.fullmatch("[0-9]{3}", tokenizer.decode(out.token_ids[1:]))
+    # already in the prompt after the last opening: the constraint applies at once
+    prompt = tokenizer.encode("x = 1\n", add_special_tokens=False) + [token]
+    out = llm.generate([prompt], params.clone(logit_bias=None), use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch("[0-9]{3}", out.text)

@@ -129,3 +129,25 @@ def test_auto_tool_choice_reads_calls_with_the_servers_parser(client):
     assert resp.choices[0].message.tool_calls in (None, [])
     assert isinstance(resp.choices[0].message.content, str)
     assert resp.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_reasoning_parser_moves_the_thinking_out_of_the_answer(client):
+    """deepseek_r1: the template opens <think>, so what the model writes before </think>
+    is reasoning (the random model never closes it: all of it), streamed the same."""
+    engine = client._client._transport.app.state.jaxserve.engine  # the module's engine
+    app = create_app(engine, ServerConfig(served_model_name="tiny",
+                                          chat=ChatSettings(reasoning_parser="deepseek_r1")))
+    with TestClient(app) as http:
+        reasoning = openai.OpenAI(base_url="http://testserver/v1", api_key="x",
+                                  http_client=http, max_retries=0)
+        args = dict(model="tiny", messages=MESSAGES, max_tokens=12, seed=3, temperature=1.0,
+                    extra_body={"ignore_eos": True})
+        message = reasoning.chat.completions.create(**args).choices[0].message
+        text = message.model_extra["reasoning_content"]
+        assert message.content is None and text and message.model_extra["reasoning"] == text
+        pieces = [c.choices[0].delta.model_extra.get("reasoning_content") or ""
+                  for c in reasoning.chat.completions.create(stream=True, **args) if c.choices]
+        assert "".join(pieces) == text
+        hidden = reasoning.chat.completions.create(
+            **{**args, "extra_body": {"ignore_eos": True, "include_reasoning": False}})
+        assert "reasoning_content" not in (hidden.choices[0].message.model_extra or {})
