@@ -57,3 +57,16 @@ def test_bench_offline_with_hf_baseline(tiny_checkpoints, tmp_path):
     assert data["hf"]["output_tokens"] == data["output_tokens"]
     assert data["hf"]["generated_tokens"] >= data["output_tokens"]
     assert sum(len(o) for o in data["jaxserve"]["outputs"]) == data["output_tokens"]
+
+
+def test_bench_structured_compares_constrained_and_free_batches(tiny_checkpoints, tmp_path):
+    report = tmp_path / "report.json"
+    out = run_script("bench_structured.py", "--model", str(tiny_checkpoints["llama"]),
+                     "--num-requests", "8", "--output-len", "12", "--json", str(report),
+                     *ENGINE)
+    assert "throughput ratio" in out.stdout
+    data = json.loads(report.read_text())
+    free, half = data["unconstrained"], data["half_constrained"]
+    assert free["output_tokens"] == half["output_tokens"] == 8 * 12
+    assert half["mask_ms_per_step"] > 0 and free["mask_ms_per_step"] == 0
+    assert data["recompilations_after_warm_up"] == 0
