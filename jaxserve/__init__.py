@@ -16,6 +16,7 @@ import sys
 from jaxserve.model_path import default_model_path, resolve_model
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured_output import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -36,7 +37,8 @@ def _default_logging() -> None:
 
 
 _default_logging()
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput",
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams",
+           "RequestOutput",
            "CompletionOutput", "Logprob", "default_model_path", "resolve_model"]
 
 
