@@ -118,3 +118,8 @@ def test_bf16_generation_matches_across_backends(tiny_checkpoint):
                                                        allowed_token_ids=[7, 9]),
                            use_tqdm=False)
     assert set(allowed[0].outputs[0].token_ids) <= {7, 9}
+    # and a grammar's bitmask (structured outputs) in the same bf16 model
+    regex = SamplingParams(max_tokens=20, temperature=1.0, seed=4,
+                           structured_outputs={"regex": "[a-d]{3}-[0-9]{2}"})
+    out = llm.generate(prompts[:1], regex, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and re.fullmatch("[a-d]{3}-[0-9]{2}", out.text)

@@ -666,3 +666,24 @@ def test_the_server_logs_have_no_error_lines(which, request):
     errors = [line for line in log.splitlines()
               if line.startswith(("ERROR", "CRITICAL")) or "Traceback" in line]
     assert not errors, "\n".join(errors[:20])
+
+
+def test_the_openai_clients_parse_helpers_against_the_server(client):
+    """client.chat.completions.parse(response_format=PydanticModel) and a pydantic function
+    tool, unchanged, against `jaxserve serve` (temperature 1.0: the grammar does the work)."""
+    from pydantic import BaseModel, Field
+
+    class Point(BaseModel):
+        x: int = Field(ge=0, le=9)
+        label: str = Field(max_length=5)
+
+    parsed = client.chat.completions.parse(model="tiny", messages=CHAT, response_format=Point,
+                                           temperature=1.0, max_tokens=40, seed=1)
+    assert isinstance(parsed.choices[0].message.parsed, Point)
+    tool = openai.pydantic_function_tool(Point, name="plot")
+    resp = client.chat.completions.parse(model="tiny", messages=CHAT, tools=[tool],
+                                         tool_choice="required", parallel_tool_calls=False,
+                                         temperature=1.0, max_tokens=40, seed=2)
+    call = resp.choices[0].message.tool_calls[0]
+    assert call.function.name == "plot" and isinstance(call.function.parsed_arguments, Point)
+    assert resp.choices[0].finish_reason == "tool_calls"

@@ -95,6 +95,8 @@ def test_streamed_tool_calls_join_up_to_the_non_streamed_answer(client, choice):
                     call["arguments"] += delta.function.arguments
     streamed = [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
     assert streamed and streamed == _calls(whole.message) and finish == whole.finish_reason
+    for name, arguments in streamed:
+        jsonschema.validate(arguments, SCHEMAS[name])
     assert all(c["id"] for c in calls.values())
 
 
