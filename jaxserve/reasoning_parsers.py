@@ -13,14 +13,9 @@ marker, so the streamed pieces join up to the non-streamed answer.
 
 from __future__ import annotations
 
+from jaxserve.tool_parsers import held_tail
+
 START, END = "<think>", "</think>"
-
-
-def _held(text: str, marker: str) -> int:
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
 
 
 class ReasoningParser:
@@ -43,7 +38,7 @@ class ReasoningParser:
         if at >= 0:
             return body[:at], body[at + len(END):]
         if not final:
-            keep = len(body) - _held(body, END)
+            keep = len(body) - held_tail(body, END)
             return (body[:keep], None) if inside or self.opens_inside else (None, body)
         if inside or self.opens_inside:
             return (body, None) if self.opens_inside else (None, text)

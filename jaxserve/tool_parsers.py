@@ -46,8 +46,9 @@ def _call(obj, args_key: str) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def _unclosed_marker(text: str, marker: str) -> int:
-    """Length of the longest tail of text that is a proper prefix of marker."""
+def held_tail(text: str, marker: str) -> int:
+    """Length of the longest tail of text that is a proper prefix of marker (text a stream
+    must hold back: it may still become the marker)."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-size:]):
             return size
@@ -73,7 +74,7 @@ class _MarkerParser(ToolParser):
         at = text.find(self.marker)
         if at >= 0:
             return at
-        return len(text) - _unclosed_marker(text, self.marker)
+        return len(text) - held_tail(text, self.marker)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         at = text.find(self.marker)
