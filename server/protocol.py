@@ -4,7 +4,7 @@ SamplingParams.
 Every field of vLLM 0.33.0's CompletionRequest and ChatCompletionRequest is declared here
 (tests/test_vllm_fields.py holds the two lists). Each either works as in vLLM or, when set to
 anything but its default, gets a 400 naming it (`_REFUSED`: features jaxserve does not have,
-or not yet). A field outside vLLM's schema is accepted, as OpenAI clients send some, and
+or not yet). Messages and tools: chat_messages.py; the shared base: schema_base.py. A field outside vLLM's schema is accepted, as OpenAI clients send some, and
 logged once per name. Structured outputs come from structured_outputs, response_format
 (json_object, json_schema) or the guided_* fields vLLM had before 0.12 (it now ignores them;
 here they still constrain). Wrong types and out-of-range values are 400s.
@@ -12,17 +12,14 @@ here they still constrain). Wrong types and out-of-range values are 400s.
 
 from __future__ import annotations
 
-import json
-import logging
-import threading
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
+from jaxserve.server.chat_messages import ChatMessage, ChatTool, NamedToolChoice
+from jaxserve.server.schema_base import Body, ParamError
 from jaxserve.structured_output import StructuredOutputsParams
-
-logger = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
@@ -39,44 +36,7 @@ class RequestLimits(BaseModel):
     max_stop_length: int = MAX_STOP_LENGTH
 
 
-class ParamError(ValueError):
-    """A request field with an unacceptable value; `param` names the field."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-# ---- unknown fields: logged once per name ------------------------------------------------
-_logged_unknown: set[str] = set()
-_logged_lock = threading.Lock()
-
-
-def _log_unknown(where: str, names) -> None:
-    for name in names:
-        key = f"{where}.{name}"
-        with _logged_lock:
-            if key in _logged_unknown:
-                continue
-            _logged_unknown.add(key)
-        logger.warning("Requests carry the field %r, which is not part of vLLM's %s schema: "
-                       "it is ignored (logged once).", name[:64], where)
-
-
-class _Body(BaseModel):
-    """Extra fields are kept (and logged once per name), as vLLM's OpenAIBaseModel does."""
-
-    model_config = ConfigDict(extra="allow")
-
-    @model_validator(mode="after")
-    def _note_unknown(self):
-        extra = set(self.model_extra or ())
-        if extra:
-            _log_unknown(type(self).__name__, sorted(extra))
-        return self
-
-
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
@@ -114,7 +74,7 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 _BACKENDS = ("auto", "guidance", "llguidance")  # guided_decoding_backend values served
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(Body):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     name: str | None = None
@@ -123,12 +83,12 @@ class JsonSchemaFormat(_Body):
     strict: bool | None = None
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(Body):
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class _Request(_Body):
+class _Request(Body):
     """The fields completions and chat share (vLLM's names, types and defaults)."""
 
     model: str | None = None
@@ -347,91 +307,6 @@ def _capped(max_tokens: int | None, defaults: dict) -> int | None:
     return limit if max_tokens is None else min(max_tokens, limit)
 
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
-
-
-class ToolCallFunction(_Body):
-    name: str
-    arguments: str | dict = "{}"
-
-
-class ToolCall(_Body):
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: ToolCallFunction
-
-
-class ChatMessage(_Body):
-    """A message as OpenAI and vLLM take it; what a chat template may read is passed on
-    (name, tool_call_id, tool_calls with their arguments as objects, reasoning)."""
-
-    role: str = Field(min_length=1, max_length=64)
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_call_id: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    reasoning: str | None = None
-    reasoning_content: str | None = None  # vLLM's older name for reasoning
-    tools: list[dict] | None = None  # a developer message's tools
-
-    @property
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "\n".join(part.text for part in self.content)
-        return self.content or ""
-
-    def as_template_message(self) -> dict:
-        message: dict[str, Any] = {"role": self.role, "content": self.text}
-        for name in ("name", "tool_call_id", "tools"):
-            if getattr(self, name) is not None:
-                message[name] = getattr(self, name)
-        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
-        if reasoning is not None:
-            message["reasoning"] = message["reasoning_content"] = reasoning
-        if self.tool_calls is not None:
-            message["tool_calls"] = [_template_tool_call(call, i)
-                                     for i, call in enumerate(self.tool_calls)]
-        return message
-
-
-def _template_tool_call(call: ToolCall, index: int) -> dict:
-    """Chat templates read a call's arguments as an object (vLLM parses the JSON string)."""
-    arguments = call.function.arguments
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError:
-            raise ParamError("messages", f"tool_calls[{index}].function.arguments is not valid "
-                             "JSON.") from None
-    out = {"type": "function", "function": {"name": call.function.name, "arguments": arguments}}
-    if call.id is not None:
-        out["id"] = call.id
-    return out
-
-
-class FunctionDefinition(_Body):
-    name: str = Field(min_length=1, max_length=128)
-    description: str | None = None
-    parameters: dict | None = None
-    strict: bool | None = None
-
-
-class ChatTool(_Body):
-    type: Literal["function"] = "function"
-    function: FunctionDefinition
-
-
-class NamedFunction(_Body):
-    name: str
-
-
-class NamedToolChoice(_Body):
-    type: Literal["function"] = "function"
-    function: NamedFunction
-
-
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = False
@@ -575,7 +450,7 @@ class ChatCompletionRequest(_Request):
         return last.text if self.echo and last.role == role else ""
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -583,6 +458,6 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(Body):
     model: str | None = None
     tokens: list[int]

@@ -57,6 +57,8 @@ HOST_MODULES = [
     "jaxserve.data_parallel",
     "jaxserve.llm",
     "jaxserve.server.protocol",
+    "jaxserve.server.chat_messages",
+    "jaxserve.server.schema_base",
     "jaxserve.server.async_engine",
 ]
 

@@ -618,7 +618,7 @@ def test_message_fields_reach_the_chat_template(client):
 
 
 def test_unknown_fields_are_served_and_logged_once_per_name(client, caplog):
-    with caplog.at_level(logging.WARNING, logger="jaxserve.server.protocol"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.server.schema_base"):
         for _ in range(2):
             Call(client, False).ok(not_a_vllm_field=1, store=True)
     names = [r.getMessage() for r in caplog.records if "not part of vLLM" in r.getMessage()]
