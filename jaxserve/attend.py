@@ -17,7 +17,7 @@ from collections.abc import Callable
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxserve.config import ATTENTION_BACKENDS
+from jaxserve.config import JAX_ATTENTION_BACKENDS
 from jaxserve.kernels_pallas import cpu_attention, ref
 from jaxserve.kernels_pallas.ref import write_kv
 from jaxserve.mesh import KV_CACHE_SPEC, MODEL
@@ -60,8 +60,8 @@ def attention_for(backend: str, platform: str, head_dim: int | None = None) -> C
     kernel tests check them against it). Raises ValueError for pallas on a platform (or
     head_dim) without a kernel.
     """
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+    if backend not in JAX_ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(JAX_ATTENTION_BACKENDS)}, "
                          f"got {backend!r}.")
     kernel = "tpu" if platform == "tpu" else "gpu" if platform in _GPU_PLATFORMS else None
     if backend == "pallas" and kernel is None:

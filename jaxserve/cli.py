@@ -57,11 +57,12 @@ def engine_config(args: argparse.Namespace, model: str, precompile: bool | str =
                   on_accelerator: bool | None = None):
     """The EngineConfig of the parsed flags for a resolved model folder; precompile: the
     command's default (generate: on first use, serve: background)."""
+    engine_args = EngineArgs.from_cli(args)
     if on_accelerator is None:
-        import jax
+        from jaxserve.runners import on_accelerator as accelerated
 
-        on_accelerator = jax.default_backend() != "cpu"
-    return EngineArgs.from_cli(args).engine_config(model, on_accelerator=on_accelerator,
+        on_accelerator = accelerated(engine_args.backend)
+    return engine_args.engine_config(model, on_accelerator=on_accelerator,
                                                    default_precompile=precompile)
 
 

@@ -19,7 +19,13 @@ from jaxserve.models import resolve_architecture
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names
 DTYPE_CHOICES = SUPPORTED_DTYPES + tuple(DTYPE_ALIASES)
-ATTENTION_BACKENDS = ("auto", "pallas", "reference", "interpret", "interpret-gpu")
+# The JAX backend's attention implementations (attend.py) and the torch backend's
+# (torch_runner.py); "auto" and "reference" exist on both.
+JAX_ATTENTION_BACKENDS = ("auto", "pallas", "reference", "interpret", "interpret-gpu")
+TORCH_ATTENTION_BACKENDS = ("auto", "reference", "triton", "triton-interpret")
+ATTENTION_BACKENDS = tuple(dict.fromkeys(JAX_ATTENTION_BACKENDS + TORCH_ATTENTION_BACKENDS))
+# Which framework runs the model: JAX (every mesh) or PyTorch/Triton (one device).
+BACKENDS = ("auto", "jax", "torch")
 LOAD_FORMATS = ("auto", "dummy")
 PRECOMPILE = (True, False, "background")
 
@@ -149,12 +155,16 @@ class ParallelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-    """Which ragged paged attention the step runs (attend.attention_for resolves it).
+    """Which ragged paged attention the step runs (attend.attention_for resolves it on the
+    JAX backend, torch_runner.make_attend on the torch backend).
 
-    auto: the Pallas kernel on TPU and GPU, the XLA:CPU-tuned pure-JAX version on the CPU;
-    pallas: the platform's Pallas kernel (TPU or GPU only); reference: the pure-JAX reference;
-    interpret / interpret-gpu: the TPU / GPU kernel in Pallas interpret mode (any platform,
-    slow: for testing a kernel end to end).
+    JAX backend: auto: the Pallas kernel on TPU and GPU, the XLA:CPU-tuned pure-JAX version
+    on the CPU; pallas: the platform's Pallas kernel (TPU or GPU only); reference: the
+    pure-JAX reference; interpret / interpret-gpu: the TPU / GPU kernel in Pallas interpret
+    mode (any platform, slow: for testing a kernel end to end).
+    Torch backend: auto: the Triton kernels on a GPU, the PyTorch reference on the CPU;
+    triton (GPU only); reference; triton-interpret: the Triton kernels in interpret mode
+    (the CPU, slow).
     """
 
     backend: str = "auto"
@@ -172,6 +182,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     attention: AttentionConfig = AttentionConfig()
+    backend: str = "jax"  # resolved: jax | torch
     compilation_cache_dir: str | None = None
     # True: compile every bucket at start-up; False: each on first use; "background": the
     # first bucket at start-up, the others in a thread while steps run on compiled ones
@@ -181,6 +192,7 @@ class EngineConfig:
         if self.precompile not in PRECOMPILE:
             raise ValueError(f"precompile must be True, False or 'background', got "
                              f"{self.precompile!r}.")
+        _check_backend(self.backend, self.attention.backend, self.parallel.mesh)
 
     @classmethod
     def create(
@@ -204,6 +216,7 @@ class EngineConfig:
         data_parallel_size: int = 1,
         expert_parallel: bool = False,
         attention_backend: str = "auto",
+        backend: str = "auto",
         compilation_cache_dir: str | None = "default",
         precompile: bool | str = True,
         generation_config: str = "auto",
@@ -245,9 +258,33 @@ class EngineConfig:
             parallel=_parallel_config(hf_config, mesh, data_parallel_size,
                                       tensor_parallel_size, expert_parallel),
             attention=AttentionConfig(backend=attention_backend),
+            backend=resolve_backend(backend),
             compilation_cache_dir=compilation_cache_dir,
             precompile=precompile,
         )
+
+
+def resolve_backend(backend: str) -> str:
+    """auto -> jax (the torch backend is chosen, never picked for the user)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}.")
+    return "jax" if backend == "auto" else backend
+
+
+def _check_backend(backend: str, attention: str, mesh: MeshShape) -> None:
+    """The attention implementation exists on the backend; the torch backend runs on one
+    device."""
+    if backend not in BACKENDS[1:]:
+        raise ValueError(f"backend must be jax or torch once resolved, got {backend!r}.")
+    own = JAX_ATTENTION_BACKENDS if backend == "jax" else TORCH_ATTENTION_BACKENDS
+    if attention not in own:
+        other = "torch" if backend == "jax" else "jax"
+        raise ValueError(f"attention_backend={attention!r} belongs to the {other} backend; "
+                         f"the {backend} backend takes {', '.join(own)}.")
+    if backend == "torch" and mesh != MeshShape():
+        raise ValueError(f"The torch backend runs on one device; got mesh {mesh}. Use the "
+                         "JAX backend for tensor, data and expert parallelism (tensor "
+                         "parallelism for the torch backend is later work).")
 
 
 def _parallel_config(hf_config: dict, mesh, data_parallel_size: int, tensor_parallel_size: int,

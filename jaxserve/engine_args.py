@@ -14,7 +14,13 @@ import argparse
 import dataclasses
 from typing import Any
 
-from jaxserve.config import ATTENTION_BACKENDS, DTYPE_CHOICES, LOAD_FORMATS, SCHEDULING_POLICIES
+from jaxserve.config import (
+    ATTENTION_BACKENDS,
+    BACKENDS,
+    DTYPE_CHOICES,
+    LOAD_FORMATS,
+    SCHEDULING_POLICIES,
+)
 
 _PRECOMPILE = {"all": True, "background": "background", "lazy": False}
 
@@ -95,10 +101,16 @@ class EngineArgs:
     enable_expert_parallel: bool = _arg(
         False, "MoE models: split whole experts over the model axis instead of splitting "
         "every expert", aliases=("expert_parallel",))
+    backend: str = _arg(
+        "auto", "which framework runs the model: jax (auto; every mesh) or torch (PyTorch "
+        "with Triton kernels on one NVIDIA/AMD GPU, or the CPU; needs the torch extra)",
+        choices=BACKENDS)
     attention_backend: str = _arg(
-        "auto", "auto: the Pallas kernel on TPU/GPU, XLA:CPU-tuned JAX on the CPU; pallas; "
-        "reference (pure JAX); interpret / interpret-gpu (the TPU / GPU kernel in Pallas "
-        "interpret mode, slow)", choices=ATTENTION_BACKENDS)
+        "auto", "auto: the Pallas kernel on TPU/GPU, XLA:CPU-tuned JAX on the CPU (torch "
+        "backend: the Triton kernels on a GPU, the PyTorch reference on the CPU); pallas; "
+        "reference; interpret / interpret-gpu (the TPU / GPU Pallas kernel in interpret "
+        "mode, slow); torch backend: triton, triton-interpret (the Triton kernels in "
+        "interpret mode on the CPU, slow)", choices=ATTENTION_BACKENDS)
     compilation_cache_dir: str | None = _arg(
         "default", "folder of the compiled-function caches (default "
         "$XDG_CACHE_HOME/jaxserve/xla or ~/.cache/jaxserve/xla; None / 'none' turns them "
@@ -182,7 +194,7 @@ class EngineArgs:
             tensor_parallel_size=self.tensor_parallel_size,
             data_parallel_size=self.data_parallel_size,
             expert_parallel=self.enable_expert_parallel,
-            attention_backend=self.attention_backend,
+            attention_backend=self.attention_backend, backend=self.backend,
             compilation_cache_dir=self.compilation_cache_dir, precompile=precompile,
             generation_config=self.generation_config,
             scheduling_policy=self.scheduling_policy, on_accelerator=on_accelerator)

@@ -13,6 +13,7 @@ from jaxserve.data_parallel import create_engine
 from jaxserve.engine_args import EngineArgs
 from jaxserve.model_path import resolve_model
 from jaxserve.outputs import RequestOutput
+from jaxserve.runners import on_accelerator
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import apply_chat_template
 
@@ -43,10 +44,8 @@ class LLM:
         return llm
 
     def _start(self, args: EngineArgs) -> None:
-        import jax
-
         model = resolve_model(args.model, logger)
-        config = args.engine_config(model, on_accelerator=jax.default_backend() != "cpu",
+        config = args.engine_config(model, on_accelerator=on_accelerator(args.backend),
                                     default_precompile=False)
         self.engine = create_engine(config)
         self._ids = itertools.count()

@@ -60,7 +60,7 @@ from jaxserve.mesh import (
 from jaxserve.models import model_family
 from jaxserve.models.mixtral import expert_parallel
 from jaxserve.packing import Layout, layout_of, pack, pack_device, unpack, unpack_host
-from jaxserve.runner_api import RunnerStats, StepResult
+from jaxserve.runner_api import PaddingStats, RunnerStats, StepResult
 from jaxserve.sampler import (
     MASK_ROWS_PER_CALL,
     PenaltyState,
@@ -81,33 +81,6 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": (jnp.float32, np.float32), "bfloat16": (jnp.bfloat16, ml_dtypes.bfloat16),
            "float16": (jnp.float16, np.float16)}
 _BATCH_FIELDS = tuple(f.name for f in dataclasses.fields(Batch))
-
-
-@dataclasses.dataclass
-class PaddingStats:
-    """How much of the compiled bucket shapes held real work, summed over steps."""
-
-    steps: int = 0
-    tokens: int = 0  # scheduled tokens
-    token_slots: int = 0  # the T of each step's bucket
-    rows: int = 0
-    row_slots: int = 0
-
-    def record(self, tokens: int, token_slots: int, rows: int, row_slots: int) -> None:
-        self.steps += 1
-        self.tokens += tokens
-        self.token_slots += token_slots
-        self.rows += rows
-        self.row_slots += row_slots
-
-    @property
-    def token_padding(self) -> float:
-        """Fraction of token slots that were padding."""
-        return 1.0 - self.tokens / self.token_slots if self.token_slots else 0.0
-
-    @property
-    def row_padding(self) -> float:
-        return 1.0 - self.rows / self.row_slots if self.row_slots else 0.0
 
 
 @dataclasses.dataclass

@@ -47,6 +47,33 @@ class RunnerStats:
     row_padding: float = 0.0
 
 
+@dataclasses.dataclass
+class PaddingStats:
+    """How much of the compiled bucket shapes held real work, summed over steps."""
+
+    steps: int = 0
+    tokens: int = 0  # scheduled tokens
+    token_slots: int = 0  # the T of each step's bucket
+    rows: int = 0
+    row_slots: int = 0
+
+    def record(self, tokens: int, token_slots: int, rows: int, row_slots: int) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        self.token_slots += token_slots
+        self.rows += rows
+        self.row_slots += row_slots
+
+    @property
+    def token_padding(self) -> float:
+        """Fraction of token slots that were padding."""
+        return 1.0 - self.tokens / self.token_slots if self.token_slots else 0.0
+
+    @property
+    def row_padding(self) -> float:
+        return 1.0 - self.rows / self.row_slots if self.row_slots else 0.0
+
+
 class Runner(Protocol):
     """A device backend: the weights, the paged KV cache and the compiled step per bucket."""
 

@@ -1,68 +1,19 @@
-"""Weight loading: Hugging Face safetensors, shard by shard, straight into placed device arrays.
-
-The safetensors format is read directly (a JSON header, then raw little-endian tensors,
-memory-mapped), so no code from the model folder runs and nothing is unpickled; bfloat16
-comes through ml_dtypes without torch.
+"""Weight loading for the JAX backend: checkpoint parameters (checkpoint.py) placed straight
+into device arrays on their shardings, one parameter at a time; or random weights made on the
+devices.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import struct
 from pathlib import Path
 
 import jax
-import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-logger = logging.getLogger(__name__)
-
-_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-    "BOOL": np.bool_,
-}
-
-
-def safetensors_files(folder: str | Path) -> list[Path]:
-    """The checkpoint's shard files, in index order; a clear error when there are none."""
-    folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [folder / name for name in sorted(set(weight_map.values()))]
-    files = sorted(folder.glob("*.safetensors"))
-    if files:
-        return files
-    found = [p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
-    hint = (f" It has {', '.join(sorted(found))}: PyTorch pickles are never loaded (they can run "
-            "code); convert them to safetensors first." if found else "")
-    raise ValueError(f"No *.safetensors weights in {folder}.{hint}")
-
-
-def _read_header(path: Path) -> tuple[int, dict]:
-    """(header length, {tensor name: info}) of a safetensors file, metadata dropped."""
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-    header.pop("__metadata__", None)
-    return header_len, header
-
-
-def read_safetensors(path: Path):
-    """Yield (name, numpy array view) for every tensor of one file, memory-mapped."""
-    header_len, header = _read_header(path)
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
-    for name, info in header.items():
-        if info["dtype"] not in _DTYPES:
-            raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}.")
-        start, end = info["data_offsets"]
-        dtype = np.dtype(_DTYPES[info["dtype"]])
-        yield name, data[start:end].view(dtype).reshape(info["shape"])
+from jaxserve.checkpoint import parameter_values
 
 
 def place(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -71,65 +22,16 @@ def place(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
-def _targets(target) -> list[tuple]:
-    """path_of's answer as a list of (path, transform, expert index or None)."""
-    if target is None:
-        return []
-    if isinstance(target, list):
-        return [t for one in target for t in _targets(one)]
-    path, transform, *index = target
-    return [(path, transform, index[0] if index else None)]
-
-
 def load_params(abstract_model: nnx.Module, folder: str | Path, path_of, dtype, mesh: Mesh,
                 spec_of=lambda path: PartitionSpec()) -> nnx.Module:
-    """Fill an abstract (eval_shape'd) model with the checkpoint's tensors.
-
-    path_of(name) -> None (skip), (param path, transform), (param path, transform, index) for
-    slice `index` of the parameter's first axis (per-expert tensors stacked into one [E, ...]
-    parameter), or a list of such targets (one fused tensor feeding several parameters);
-    raises KeyError for unknown names. A stacked parameter is staged in one host array and
-    placed once all its slices have arrived.
-    spec_of(path) -> PartitionSpec for that parameter on `mesh`.
-    """
+    """Fill an abstract (eval_shape'd) model with the checkpoint's tensors (path_of as
+    checkpoint.parameter_values), each placed on its sharding as soon as it is read.
+    spec_of(path) -> PartitionSpec for that parameter on `mesh`."""
     graphdef, state = nnx.split(abstract_model)
     expected = {tuple(path): var for path, var in nnx.to_flat_state(state)}
-    loaded: dict[tuple, jax.Array] = {}
-    staged: dict[tuple, tuple[np.ndarray, set]] = {}  # path -> (stack, slices filled)
-    files = safetensors_files(folder)
-    total = sum(len(_read_header(f)[1]) for f in files)
-    with tqdm(total=total, desc="Loading weights", unit="tensor") as bar:
-        for file in files:
-            for name, array in read_safetensors(file):
-                bar.update(1)
-                try:
-                    targets = _targets(path_of(name))
-                except KeyError:
-                    raise ValueError(f"{file.name}: unexpected tensor {name!r} for this "
-                                     "architecture; the checkpoint does not match its "
-                                     "config.json.") from None
-                for path, transform, index in targets:
-                    if path not in expected:
-                        raise ValueError(f"{file.name}: tensor {name!r} has no place in the "
-                                         "model built from config.json.")
-                    value = np.asarray(transform(array) if transform else array).astype(dtype)
-                    want = expected[path].get_value().shape
-                    if index is not None:
-                        want = want[1:]
-                    if value.shape != want:
-                        raise ValueError(f"{file.name}: tensor {name!r} has shape {array.shape}, "
-                                         f"which does not fit {want} from config.json.")
-                    if index is not None:
-                        value = _stage(staged, path, value, index, expected[path].get_value().shape,
-                                       f"{file.name}: tensor {name!r}")
-                        if value is None:
-                            continue
-                    loaded[path] = place(value, NamedSharding(mesh, spec_of(path)))
-    missing = sorted(set(expected) - set(loaded))
-    if missing:
-        names = ", ".join(".".join(map(str, p)) for p in missing[:5])
-        raise ValueError(f"The checkpoint in {folder} lacks {len(missing)} weights the model "
-                         f"needs, e.g. {names}.")
+    shapes = {path: var.get_value().shape for path, var in expected.items()}
+    loaded = {path: place(value, NamedSharding(mesh, spec_of(path)))
+              for path, value in parameter_values(folder, path_of, shapes, dtype)}
     flat = [(path, var.replace(loaded[path])) for path, var in nnx.to_flat_state(state)]
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
@@ -154,18 +56,3 @@ def random_params(abstract_model: nnx.Module, mesh: Mesh, seed: int,
                     k, shape, dtype, -1e-3, 1e-3), out_shardings=sharding)
         flat.append((path, var.replace(makers[signature](jax.random.fold_in(key, i)))))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
-
-
-def _stage(staged: dict, path: tuple, value: np.ndarray, index: int, shape: tuple, where: str):
-    """Put one slice of a stacked parameter into its host staging array; the whole stack
-    (and the staging array released) once every slice has arrived, else None."""
-    if not 0 <= index < shape[0]:
-        raise ValueError(f"{where} is slice (expert) {index} of a parameter that has "
-                         f"{shape[0]} from config.json.")
-    stack, filled = staged.setdefault(path, (np.empty(shape, value.dtype), set()))
-    stack[index] = value
-    filled.add(index)
-    if len(filled) < shape[0]:
-        return None
-    del staged[path]
-    return stack

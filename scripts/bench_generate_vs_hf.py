@@ -1,9 +1,11 @@
-"""Side-by-side: `jaxserve generate` vs HF transformers `generate` on the same prompts.
+"""Side-by-side: `jaxserve generate` on both backends vs HF transformers `generate`.
 
     python scripts/bench_generate_vs_hf.py --model DIR [--num-prompts 64] [--max-tokens 64]
+                                           [--backends jax,torch]
 
-jaxserve runs twice: as a user runs it (the CLI in a subprocess, start-up and compilation
-included), and in this process with the engine already built (the generation phase alone).
+jaxserve runs twice per backend (JAX; torch, the PyTorch/Triton backend): as a user runs it
+(the CLI in a subprocess, start-up and compilation included), and in this process with the
+engine already built (the generation phase alone).
 HF runs in this process with static batches of --hf-batch-size, left padding, greedy, on 1
 and on 2 torch threads (the best is compared). Every run generates exactly --max-tokens per
 prompt (EOS ignored). Prints one table and the ratios.
@@ -48,10 +50,11 @@ def run_jaxserve(model: str, prompts: list[str], max_tokens: int, extra: list[st
     return {"wall_s": wall, "output_tokens": tokens, "output_tok_s": tokens / wall}
 
 
-def run_jaxserve_in_process(model: str, prompts: list[str], max_tokens: int) -> dict:
+def run_jaxserve_in_process(model: str, prompts: list[str], max_tokens: int,
+                            backend: str) -> dict:
     from jaxserve import LLM, SamplingParams
 
-    llm = LLM(model, dtype="float32")
+    llm = LLM(model, dtype="float32", backend=backend)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[:4], params, use_tqdm=False)  # first-call overheads out of the way
     start = time.perf_counter()
@@ -91,12 +94,17 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--jaxserve-args", default="", help="extra CLI flags, one string")
+    parser.add_argument("--backends", default="jax,torch", help="jaxserve backends to run")
     args = parser.parse_args()
     prompts = make_prompts(args.num_prompts)
-    rows = [("jaxserve generate (CLI, wall)",
-             run_jaxserve(args.model, prompts, args.max_tokens, args.jaxserve_args.split())),
-            ("jaxserve LLM.generate (warm)",
-             run_jaxserve_in_process(args.model, prompts, args.max_tokens))]
+    backends = args.backends.split(",")
+    rows = [(f"jaxserve {backend} (CLI, wall)",
+             run_jaxserve(args.model, prompts, args.max_tokens,
+                          args.jaxserve_args.split() + ["--backend", backend]))
+            for backend in backends]
+    rows += [(f"jaxserve {backend} LLM (warm)",
+              run_jaxserve_in_process(args.model, prompts, args.max_tokens, backend))
+             for backend in backends]
     for threads in (1, 2):
         rows.append((f"HF generate b={args.hf_batch_size} t={threads}",
                      run_hf(args.model, prompts, args.max_tokens, args.hf_batch_size, threads)))

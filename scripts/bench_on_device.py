@@ -2,7 +2,7 @@
 
 On a GPU machine (one NVIDIA H200 in mind), from the repository root:
 
-    pip install -e ".[cuda,torch]"    # jax with CUDA; torch (CUDA build) for the HF baseline
+    pip install -e ".[cuda,torch]"    # jax with CUDA; torch (CUDA build): HF, torch backend
     python scripts/bench_on_device.py [--quick] [--json out.json]
 
 One command, at most 8 minutes (--quick: about 2; --max-seconds changes the budget). The
@@ -43,6 +43,18 @@ What it measures, each printed and (with --json) written out:
    batch generating its longest request's length, on the first 64 requests (--quick 32).
    jaxserve runs the same 64 requests again, and the ratio of output tok/s (requested tokens
    / wall time) is reported. Skipped, with a line saying why, when torch cannot use the GPU.
+4. the torch backend (LLM(..., backend="torch"): the Triton kernels and CUDA graphs on a GPU,
+   the PyTorch reference attention on the CPU) on the same model folder, engine arguments,
+   workload and decode batches (the same prompts: the same seeds), last, after the JAX and HF
+   numbers are in (the --json report is written once before it starts, so a crash there
+   cannot lose them). Its KV cache gets the JAX engine's block count, or on a GPU fewer when
+   that would not fit beside JAX's memory pool (num_gpu_blocks_override; the report says
+   which). Reported beside the JAX numbers, with torch / JAX speed ratios (vs_jax: > 1 means
+   the torch backend is faster): output and total tok/s, and per decode batch JAX step time /
+   torch step time. When torch or triton is not installed the section is skipped; when the
+   torch backend cannot start (a CPU-only torch on a GPU machine, a build error) the error is
+   reported (exit status 1) and the JAX numbers stand. The HF section leaves the torch
+   section the time it needs.
 
 The JAX GPU allocator is capped at XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 unless set (the HF
 baseline needs room on the same GPU). Compiling every shape bucket of the 8B model is most
@@ -54,6 +66,7 @@ section failed (the JSON says which and why).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -111,9 +124,9 @@ class Plan:
         self.hf_batch = args.hf_batch_size or self.hf_batch
         self.budget_s = args.max_seconds or (120.0 if quick else 480.0)
         # Seconds a section needs at least to be worth starting.
-        self.need = ({"throughput": 5, "decode": 5, "hf": 10} if tiny else
+        self.need = ({"throughput": 5, "decode": 5, "hf": 10, "torch": 10} if tiny else
                      {"throughput": 20, "decode": 15 if quick else 30,
-                      "hf": 30 if quick else 60})
+                      "hf": 30 if quick else 60, "torch": 45 if quick else 90})
 
 
 class Clock:
@@ -319,10 +332,11 @@ def kv_bytes_per_token(config: dict, itemsize: int = 2) -> int:
 # ----------------------------------------------------------------------------- 3. HF baseline
 
 def run_hf(config: dict, workload: Workload, batch_size: int, on_gpu: bool,
-           clock: Clock) -> dict:
+           clock: Clock, deadline: float | None = None) -> dict:
     """HF generate on the workload in static batches (left padding, greedy), random weights
-    on the same device (bf16 on the GPU); stops between batches when the budget would run
-    out."""
+    on the same device (bf16 on the GPU); stops between batches when the budget (deadline,
+    default the clock's) would run out."""
+    deadline = clock.deadline if deadline is None else deadline
     try:
         import torch
         import transformers
@@ -372,7 +386,7 @@ def run_hf(config: dict, workload: Workload, batch_size: int, on_gpu: bool,
         batch_times = []
         start = time.perf_counter()
         for i in range(0, len(workload.prompts), batch_size):
-            if batch_times and time.perf_counter() + max(batch_times) > clock.deadline:
+            if batch_times and time.perf_counter() + max(batch_times) > deadline:
                 break
             t0 = time.perf_counter()
             prompts = workload.prompts[i:i + batch_size]
@@ -405,12 +419,14 @@ class Report:
         self.data.setdefault(section, {})["skipped"] = why
         self.clock.say(f"SKIPPED {section}: {why}")
 
-    def fits(self, section: str) -> bool:
-        """Whether the budget leaves the time the section needs; if not, skip it."""
-        need, left = self.plan.need[section], self.clock.left
+    def fits(self, section: str, reserve: float = 0.0) -> bool:
+        """Whether the budget leaves the time the section needs (beyond `reserve` seconds
+        kept for a later section); if not, skip it."""
+        need, left = self.plan.need[section], self.clock.left - reserve
         if left < need:
-            self.skip(section, f"{left:.0f} s of the {self.plan.budget_s:.0f} s budget left, "
-                               f"the section needs about {need} s")
+            kept = f" ({reserve:.0f} s kept for the torch backend)" if reserve else ""
+            self.skip(section, f"{left:.0f} s of the {self.plan.budget_s:.0f} s budget left"
+                               f"{kept}, the section needs about {need} s")
             return False
         return True
 
@@ -448,15 +464,20 @@ def main() -> int:
     clock.say(f"copy bandwidth: {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s (x + 1 over "
               f"{plan.copy_bytes / 2**30:.2f} GiB, best of {bandwidth['reps']}: "
               f"{1e3 * bandwidth['best_s']:.2f} ms)")
+    def save() -> None:
+        if args.json:
+            report.data["total_s"] = clock.elapsed
+            pathlib.Path(args.json).write_text(json.dumps(report.data, indent=1))
+
     try:
         with tempfile.TemporaryDirectory(prefix="bench-on-device-") as tmp:
-            run_engine_sections(report, pathlib.Path(tmp), args.seed)
+            run_engine_sections(report, pathlib.Path(tmp), args.seed, save)
     except Exception as err:  # noqa: BLE001 - the engine could not be built: say why
         report.failed("engine", err)
     report.data["total_s"] = clock.elapsed
     print_summary(report.data)
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(report.data, indent=1))
+        save()
         clock.say(f"wrote {args.json}")
     return 1 if report.data["errors"] else 0
 
@@ -470,8 +491,10 @@ def _unused_accelerator() -> tuple[str, str] | None:
     return unused_accelerator()
 
 
-def run_engine_sections(report: Report, folder: pathlib.Path, seed: int) -> None:
-    """Build the engine on random weights, then run the three sections the budget allows."""
+def run_engine_sections(report: Report, folder: pathlib.Path, seed: int,
+                        save=lambda: None) -> None:
+    """Build the engine on random weights, run the three sections the budget allows, then
+    the torch backend's (save() first writes what is in)."""
     import jax
 
     from jaxserve import LLM
@@ -506,10 +529,15 @@ def run_engine_sections(report: Report, folder: pathlib.Path, seed: int) -> None
               f"{workload.prompt_tokens} prompt + {workload.output_tokens} output tokens "
               f"(ids in [{FIRST_REGULAR_ID}, {id_limit}))")
 
+    # The JAX and HF sections leave the torch backend's section (4.) the time it needs.
+    torch_why = torch_unavailable(data["backend"])
+    reserve = plan.need["torch"] if torch_why is None else 0.0
+    deadline = clock.deadline - reserve
+
     # 1. throughput, TTFT, ITL
-    if report.fits("throughput"):
+    if report.fits("throughput", reserve):
         try:
-            data["throughput"] = run_stream(engine, workload, "r", clock.deadline)
+            data["throughput"] = run_stream(engine, workload, "r", deadline)
             clock.say(_throughput_line("throughput", data["throughput"]))
         except Exception as err:  # noqa: BLE001 - report it, run the other sections
             report.failed("throughput", err)
@@ -518,44 +546,208 @@ def run_engine_sections(report: Report, folder: pathlib.Path, seed: int) -> None
     rng = np.random.default_rng(seed + 1)
     data["decode"] = {"batches": []}
     for batch in plan.decode_batches:
-        if not report.fits("decode"):
+        if not report.fits("decode", reserve):
             break
         try:
             r = measure_decode(engine, batch, plan.decode_prompt, plan.decode_steps, rng,
-                               id_limit, clock.deadline)
+                               id_limit, deadline)
         except TimeoutError as err:
             report.skip("decode", f"batch {batch}: {err}")
             break
         except Exception as err:  # noqa: BLE001
             report.failed("decode", err)
             break
-        kv_s = batch * r["mean_context"] * kv_bytes_per_token(plan.model_config) / \
-            data["bandwidth"]["bytes_per_s"]
-        r.update(floor_s=floor_s, ratio=r["step_s"] / floor_s, floor_with_kv_s=floor_s + kv_s,
-                 ratio_with_kv=r["step_s"] / (floor_s + kv_s),
-                 output_tok_s=r["tokens_per_step"] / r["step_s"])
         data["decode"]["batches"].append(r)
-        clock.say(f"decode batch {batch:3d}: step {1e3 * r['step_s']:.3f} ms (median of "
-                  f"{r['steps']}), weight floor {1e3 * floor_s:.3f} ms -> {r['ratio']:.2f}x; "
-                  f"with KV reads (context ~{r['mean_context']:.0f}) "
-                  f"{1e3 * (floor_s + kv_s):.3f} ms -> {r['ratio_with_kv']:.2f}x; "
-                  f"{r['output_tok_s']:.0f} tok/s")
+        clock.say(f"decode batch {batch:3d}: " + add_floor(r, plan, data["bandwidth"], floor_s))
 
     # 3. HF transformers generate on the same device, same requests
-    if report.fits("hf"):
+    if report.fits("hf", reserve):
         try:
-            data["hf"] = run_hf_section(engine, plan, workload, data["backend"], clock)
+            data["hf"] = run_hf_section(engine, plan, workload, data["backend"], clock,
+                                        deadline)
             if "skipped" in data["hf"]:
                 data["skipped"]["hf"] = data["hf"]["skipped"]
         except Exception as err:  # noqa: BLE001
             report.failed("hf", err)
 
+    # 4. the torch backend on the same model, workload and decode batches
+    if torch_why is not None:
+        report.skip("torch", torch_why)
+    elif report.fits("torch"):
+        save()
+        run_torch_section(report, folder, workload, jax_runner=engine.runner,
+                          id_limit=id_limit, seed=seed)
 
-def run_hf_section(engine, plan: Plan, workload: Workload, backend: str, clock: Clock) -> dict:
+
+def add_floor(r: dict, plan: Plan, bandwidth: dict, floor_s: float) -> str:
+    """Add the weight-bandwidth floor and the ratios to a decode batch's result; its line."""
+    kv_s = r["batch"] * r["mean_context"] * kv_bytes_per_token(plan.model_config) / \
+        bandwidth["bytes_per_s"]
+    r.update(floor_s=floor_s, ratio=r["step_s"] / floor_s, floor_with_kv_s=floor_s + kv_s,
+             ratio_with_kv=r["step_s"] / (floor_s + kv_s),
+             output_tok_s=r["tokens_per_step"] / r["step_s"])
+    return (f"step {1e3 * r['step_s']:.3f} ms (median of {r['steps']}), weight floor "
+            f"{1e3 * floor_s:.3f} ms -> {r['ratio']:.2f}x; with KV reads (context "
+            f"~{r['mean_context']:.0f}) {1e3 * (floor_s + kv_s):.3f} ms -> "
+            f"{r['ratio_with_kv']:.2f}x; {r['output_tok_s']:.0f} tok/s")
+
+
+# ----------------------------------------------------------------------------- 4. torch backend
+
+TORCH_HEADROOM = 4 << 30  # bytes the torch engine needs beside weights and KV (activations,
+# logits, sampler state, CUDA graph pools)
+
+
+def torch_unavailable(backend: str) -> str | None:
+    """Why the torch backend's section cannot run here (torch or triton not installed), or
+    None."""
+    try:
+        import torch  # noqa: F401
+        import triton  # noqa: F401
+    except ImportError as err:
+        return (f"torch / triton not importable ({err}); pip install -e '.[torch]' brings "
+                "both")
+    return None
+
+
+def torch_kv_blocks(jax_blocks: int, bytes_per_block: int, weight_bytes: int,
+                    free_bytes: int | None) -> int:
+    """KV blocks for the torch engine: the JAX engine's count, or on a GPU (free_bytes: what
+    torch can still allocate, beside JAX's pool) fewer when that would not fit; at least 2
+    (the engine then says what one sequence needs)."""
+    if free_bytes is None:
+        return jax_blocks
+    fit = int((0.9 * free_bytes - weight_bytes - TORCH_HEADROOM) // bytes_per_block)
+    return min(jax_blocks, max(fit, 2))
+
+
+def torch_free_bytes() -> int | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    free, _ = torch.cuda.mem_get_info()
+    return free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+
+
+def compare_backends(data: dict, section: dict) -> dict:
+    """torch / JAX speed ratios (> 1: the torch backend is faster): output and total tok/s
+    of the throughput run, and per decode batch JAX step time / torch step time."""
+    ratios: dict = {}
+    jax_run, torch_run = data.get("throughput", {}), section.get("throughput", {})
+    if "output_tok_s" in jax_run and "output_tok_s" in torch_run:
+        ratios["output_tok_s"] = torch_run["output_tok_s"] / jax_run["output_tok_s"]
+        ratios["total_tok_s"] = torch_run["total_tok_s"] / jax_run["total_tok_s"]
+        ratios["truncated"] = jax_run["truncated"] or torch_run["truncated"]
+    jax_steps = {r["batch"]: r["step_s"] for r in data.get("decode", {}).get("batches", [])}
+    decode = {str(r["batch"]): jax_steps[r["batch"]] / r["step_s"]
+              for r in section.get("decode", {}).get("batches", []) if r["batch"] in jax_steps}
+    if decode:
+        ratios["decode_step"] = decode
+    return ratios
+
+
+def run_torch_section(report: Report, folder: pathlib.Path, workload: Workload, *,
+                      jax_runner, id_limit: int, seed: int,
+                      deadline: float | None = None) -> None:
+    """The torch backend on the JAX engine's model folder, engine arguments (backend="torch",
+    the KV blocks of torch_kv_blocks), workload and decode batches (the same prompts); the
+    results and the torch / JAX ratios go to data["torch"]. An engine that cannot start or a
+    run that fails is reported (errors["torch"]), never raised; the engine is freed after."""
+    import torch
+
+    from jaxserve import LLM
+
+    plan, clock, data = report.plan, report.clock, report.data
+    deadline = clock.deadline if deadline is None else deadline
+    section = data.setdefault("torch", {})
+    threads, grad = torch.get_num_threads(), torch.is_grad_enabled()
+    llm = None
+    gc.collect()  # what the HF section left is free for the torch engine
+    try:
+        if data["backend"] == "gpu" and not torch.cuda.is_available():
+            raise RuntimeError(f"torch {torch.__version__} cannot use the GPU "
+                               "(torch.cuda.is_available() is False: a CPU-only build?)")
+        blocks = torch_kv_blocks(jax_runner.num_blocks, jax_runner.bytes_per_block,
+                                 data["weights"]["bytes"], torch_free_bytes())
+        engine_args = dict(data["engine_args"], backend="torch", num_gpu_blocks_override=blocks)
+        section.update(engine_args=engine_args, jax_kv_blocks=jax_runner.num_blocks)
+        clock.say(f"building the torch backend's engine (random weights, "
+                  f"{'capturing every bucket' if torch.cuda.is_available() else 'eager'}): "
+                  f"{blocks} KV blocks (JAX: {jax_runner.num_blocks})")
+        start = time.perf_counter()
+        llm = LLM(str(folder), **engine_args)
+        engine = llm.engine
+        section["warm_up_s"] = time.perf_counter() - start
+        params = list(engine.runner.model.parameters())
+        weight_bytes = sum(p.numel() * p.element_size() for p in params)
+        floor_s = weight_bytes / data["bandwidth"]["bytes_per_s"]
+        section["weights"] = {"bytes": weight_bytes, "params": sum(p.numel() for p in params),
+                              "floor_s": floor_s}
+        section["device"] = str(getattr(engine.runner, "device", "?"))
+        section["cuda_graphs"] = getattr(engine.runner, "graphs", None) is not None
+        clock.say(f"torch engine ready in {section['warm_up_s']:.1f} s on {section['device']} "
+                  f"(CUDA graphs: {'yes' if section['cuda_graphs'] else 'no'}): "
+                  f"{weight_bytes / 1e9:.3f} GB of weights")
+
+        section["throughput"] = run_stream(engine, workload, "t", deadline)
+        clock.say(_throughput_line("torch throughput", section["throughput"]))
+
+        rng = np.random.default_rng(seed + 1)  # the JAX decode section's prompts
+        section["decode"] = {"batches": []}
+        for batch in plan.decode_batches:
+            left = deadline - time.perf_counter()
+            why = None
+            if left < plan.need["decode"]:
+                why = f"{left:.0f} s left, a decode batch needs about {plan.need['decode']} s"
+            else:
+                try:
+                    r = measure_decode(engine, batch, plan.decode_prompt, plan.decode_steps,
+                                       rng, id_limit, deadline)
+                except TimeoutError as err:
+                    why = str(err)
+            if why is not None:
+                section["decode"]["skipped"] = f"batch {batch} and up: {why}"
+                data["skipped"]["torch decode"] = section["decode"]["skipped"]
+                clock.say(f"SKIPPED torch decode: {section['decode']['skipped']}")
+                break
+            section["decode"]["batches"].append(r)
+            clock.say(f"torch decode batch {batch:3d}: " +
+                      add_floor(r, plan, data["bandwidth"], floor_s))
+    except Exception as err:  # noqa: BLE001 - the JAX numbers stand
+        report.failed("torch", err)
+    finally:
+        section["vs_jax"] = compare_backends(data, section)
+        if llm is not None:
+            llm.engine.close()
+        llm = engine = None
+        gc.collect()  # the runner and its graph cache refer to each other
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        torch.set_num_threads(threads)
+        torch.set_grad_enabled(grad)
+    if section["vs_jax"]:
+        clock.say("torch / JAX speed: " + _ratios_line(section["vs_jax"]))
+
+
+def _ratios_line(ratios: dict) -> str:
+    parts = []
+    if "output_tok_s" in ratios:
+        parts.append(f"throughput {ratios['output_tok_s']:.2f}x output tok/s, "
+                     f"{ratios['total_tok_s']:.2f}x total tok/s"
+                     + (" (a run was truncated)" if ratios["truncated"] else ""))
+    parts += [f"decode batch {b} {ratio:.2f}x"
+              for b, ratio in ratios.get("decode_step", {}).items()]
+    return "; ".join(parts)
+
+
+def run_hf_section(engine, plan: Plan, workload: Workload, backend: str, clock: Clock,
+                   deadline: float | None = None) -> dict:
+    deadline = clock.deadline if deadline is None else deadline
     subset = Workload(f"{workload.name} (first {plan.hf_requests})",
                       workload.prompts[:plan.hf_requests],
                       workload.output_lens[:plan.hf_requests])
-    ours = run_stream(engine, subset, "hf", clock.deadline)
+    ours = run_stream(engine, subset, "hf", deadline)
     clock.say(_throughput_line(f"jaxserve on the first {plan.hf_requests} requests", ours))
     if ours["truncated"]:
         why = "the time budget ran out while jaxserve ran the same requests"
@@ -563,7 +755,7 @@ def run_hf_section(engine, plan: Plan, workload: Workload, backend: str, clock: 
         return {"requests": plan.hf_requests, "jaxserve": ours, "skipped": why}
     clock.say(f"HF transformers generate: static batches of {plan.hf_batch}, left padding, "
               f"greedy, random {'bf16' if backend == 'gpu' else 'float32'} weights")
-    hf = run_hf(plan.model_config, subset, plan.hf_batch, backend == "gpu", clock)
+    hf = run_hf(plan.model_config, subset, plan.hf_batch, backend == "gpu", clock, deadline)
     section = {"requests": plan.hf_requests, "jaxserve": ours, "transformers": hf}
     if "skipped" in hf:
         section["skipped"] = hf["skipped"]
@@ -601,6 +793,15 @@ def print_summary(report: dict) -> None:
         print(f"decode batch {r['batch']:3d}: {1e3 * r['step_s']:.3f} ms/step, floor "
               f"{1e3 * r['floor_s']:.3f} ms ({r['ratio']:.2f}x), with KV "
               f"{1e3 * r['floor_with_kv_s']:.3f} ms ({r['ratio_with_kv']:.2f}x)")
+    t = report.get("torch", {})
+    if "output_tok_s" in t.get("throughput", {}):
+        print(_throughput_line("torch backend throughput", t["throughput"]))
+    for r in t.get("decode", {}).get("batches", []):
+        print(f"torch decode batch {r['batch']:3d}: {1e3 * r['step_s']:.3f} ms/step, floor "
+              f"{1e3 * r['floor_s']:.3f} ms ({r['ratio']:.2f}x), with KV "
+              f"{1e3 * r['floor_with_kv_s']:.3f} ms ({r['ratio_with_kv']:.2f}x)")
+    if t.get("vs_jax"):
+        print("torch / JAX speed: " + _ratios_line(t["vs_jax"]))
     hf = report.get("hf", {})
     if "ratio" in hf:
         print(f"HF baseline: jaxserve {hf['jaxserve']['output_tok_s']:.1f} vs HF "

@@ -20,8 +20,13 @@ hand, and prints the versions it ran with (Pallas moves between JAX releases):
   pages at a fixed T: a flat time, the output in the input's buffer, and aliased bytes in
   the compiled memory analysis mean in place; the undonated call is timed beside it to
   show what a copy of the cache costs.
+* the torch backend's Triton kernels (kernels_triton/), after all of the above and only when
+  torch and triton import: scripts/check_triton_kernels.py's checks and GPU timing, in this
+  process (--triton-max-seconds budget; --skip-triton leaves them out). Their section is
+  "triton" in the --json report; its "status" says "ran", "skipped: ..." or "error: ...".
+  The report is written once before they start, so a crash there cannot lose the JAX part.
 
-Exits non-zero if any kernel check fails.
+Exits non-zero if any kernel check fails (the Triton ones included).
 """
 
 from __future__ import annotations
@@ -33,8 +38,11 @@ import importlib
 import importlib.metadata
 import json
 import math
+import pathlib
 import platform
+import sys
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -464,6 +472,47 @@ def check_write_kv(*, base_pages: int, num_tokens: int, dims, dtype, repeats: in
     return rows
 
 
+# ----------------------------------------------------------------------------- Triton
+
+
+def load_triton_checks():
+    """scripts/check_triton_kernels.py as a module (it imports torch and triton)."""
+    here = str(pathlib.Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module("check_triton_kernels")
+
+
+def run_triton_section(args) -> tuple[dict, list]:
+    """(section, failures) of the torch backend's Triton kernels; never raises: torch or
+    triton missing is a skip, anything going wrong inside is one failure."""
+    if args.skip_triton:
+        print("\ntriton kernels skipped: --skip-triton")
+        return {"status": "skipped: --skip-triton"}, []
+    try:
+        import torch  # noqa: F401
+        import triton  # noqa: F401
+    except ImportError as exc:
+        status = f"skipped: torch/triton not installed ({exc})"
+        print(f"\ntriton kernels {status}")
+        return {"status": status}, []
+    try:
+        section, failures = load_triton_checks().run(
+            quick=args.quick, max_seconds=args.triton_max_seconds, repeats=args.repeats,
+            max_kv_gib=args.max_kv_gib, copy_gib=args.copy_gib)
+    except Exception as exc:
+        traceback.print_exc()
+        error = f"{type(exc).__name__}: {exc}"[:400]
+        print(f"triton kernels FAILED: {error}", flush=True)
+        return {"status": f"error: {error}"}, [f"triton kernels: {error}"]
+    return {"status": "ran", **section}, list(failures)
+
+
+def write_report(path: str, report: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -480,7 +529,7 @@ def load_kernels(names, interpret: bool, report: dict) -> dict:
     return kernels
 
 
-def main() -> int:
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer timing shapes")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (median)")
@@ -491,7 +540,15 @@ def main() -> int:
     parser.add_argument("--kernels", nargs="*", choices=list(KERNELS),
                         help="kernels to check (default: the platform's; CPU: all)")
     parser.add_argument("--json", metavar="OUT", help="write every result here")
-    args = parser.parse_args()
+    parser.add_argument("--triton-max-seconds", type=float,
+                        help="budget of the Triton part (default 150, --quick 60)")
+    parser.add_argument("--skip-triton", action="store_true",
+                        help="leave out the torch backend's Triton kernels")
+    return parser.parse_args(argv)
+
+
+def main() -> int:
+    args = parse_args()
     deadline = time.monotonic() + args.max_seconds
     info = versions()
     print(" ".join(f"{k}={v}" for k, v in info.items()), flush=True)
@@ -516,11 +573,14 @@ def main() -> int:
     failed = [c for c in report["checks"] if not c["ok"] and not c["informational"]]
     failed += [w for w in report["write_kv"] if not w["ok"]]
     failed += [a for a in report["attention"] if "error" in a]
+    if args.json:  # the JAX part, in case the torch part takes the process down
+        write_report(args.json, {**report, "triton": {"status": "running"}})
+    report["triton"], triton_failed = run_triton_section(args)
+    failed += triton_failed
     print(f"\n{'FAILED: ' + str(len(failed)) if failed else 'all checks passed'} "
           f"({time.monotonic() - deadline + args.max_seconds:.0f}s)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1, default=str)
+        write_report(args.json, report)
     return 1 if failed else 0
 
 

@@ -14,7 +14,12 @@ from test_parity import hf_greedy, run_jaxserve
 
 from jaxserve.attend import attention_for
 from jaxserve.cli import build_parser
-from jaxserve.config import ATTENTION_BACKENDS, AttentionConfig, EngineConfig
+from jaxserve.config import (
+    ATTENTION_BACKENDS,
+    JAX_ATTENTION_BACKENDS,
+    AttentionConfig,
+    EngineConfig,
+)
 from jaxserve.engine_args import EngineArgs
 from jaxserve.kernels_pallas import cpu_attention, ref
 
@@ -25,9 +30,13 @@ GPU_KERNEL = f"{KERNELS}.gpu_ragged_paged_attention"
 
 def test_unknown_backend_is_refused_with_the_accepted_values(tiny_checkpoint):
     with pytest.raises(ValueError, match="attention_backend") as err:
-        EngineConfig.create(str(tiny_checkpoint), attention_backend="triton")
+        EngineConfig.create(str(tiny_checkpoint), attention_backend="cudnn")
     assert all(name in str(err.value) for name in ATTENTION_BACKENDS)
-    assert "'triton'" in str(err.value)
+    assert "'cudnn'" in str(err.value)
+    # the torch backend's kernels, on the JAX backend: what the JAX backend takes instead
+    with pytest.raises(ValueError, match="belongs to the torch backend") as err:
+        EngineConfig.create(str(tiny_checkpoint), attention_backend="triton")
+    assert all(name in str(err.value) for name in JAX_ATTENTION_BACKENDS)
     assert EngineConfig.create(str(tiny_checkpoint)).attention == AttentionConfig("auto")
 
 
@@ -51,7 +60,7 @@ def test_cli_flag_reaches_the_engine_arguments():
     assert EngineArgs.from_cli(build_parser().parse_args(["generate", "hi"])) \
         .attention_backend == "auto"
     with pytest.raises(SystemExit):  # argparse lists the choices on stderr
-        build_parser().parse_args(["generate", "--attention-backend", "triton", "hi"])
+        build_parser().parse_args(["generate", "--attention-backend", "cudnn", "hi"])
 
 
 # (backend, platform) -> (module, interpret): interpret None means the plain function.

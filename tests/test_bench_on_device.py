@@ -2,18 +2,23 @@
 
 The numbers themselves are not checked (timing belongs to the script); what is checked is
 that every section runs and reports what it claims: throughput, ordered TTFT / ITL
-percentiles, decode step times against the weight-bandwidth floor, and the HF baseline (or
-why it was skipped). The fast tests check the GPU plan without a GPU: the Llama-3-8B folder
-the script writes is one jaxserve accepts with the engine arguments it will run with.
+percentiles, decode step times against the weight-bandwidth floor, the HF baseline (or
+why it was skipped) and the torch backend beside the JAX one. The fast tests check the GPU
+plan without a GPU: the Llama-3-8B folder the script writes is one jaxserve accepts with the
+engine arguments it will run with; the torch backend's section runs on the tiny model
+(against made-up JAX numbers), a torch engine that cannot start is reported without losing
+the JAX numbers, and the KV-block sizing beside JAX's memory pool is checked on numbers.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import pathlib
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -78,6 +83,17 @@ def test_cpu_run_reports_every_section(tmp_path):
         assert hf["transformers"]["generated_tokens"] >= hf["transformers"]["output_tokens"]
         assert hf["jaxserve"]["requests"] == hf["requests"] == 4
 
+    torch = data["torch"]  # the torch backend, same model, workload and decode batches
+    assert torch["engine_args"]["backend"] == "torch"
+    assert torch["engine_args"]["num_gpu_blocks_override"] == torch["jax_kv_blocks"]
+    assert torch["weights"]["params"] == data["weights"]["params"]
+    assert torch["throughput"]["output_tokens"] == workload["output_tokens"]
+    assert [b["batch"] for b in torch["decode"]["batches"]] == [1, 4, 8]
+    assert all(b["tokens_per_step"] == b["batch"] for b in torch["decode"]["batches"])
+    assert torch["vs_jax"]["output_tok_s"] > 0 and set(torch["vs_jax"]["decode_step"]) == \
+        {"1", "4", "8"}
+    assert "torch / JAX speed" in out.stdout
+
 
 def test_gpu_plan_is_llama3_8b_with_accelerator_engine_defaults(tmp_path):
     from jaxserve.config import EngineConfig
@@ -108,6 +124,9 @@ def test_gpu_plan_is_llama3_8b_with_accelerator_engine_defaults(tmp_path):
         (4096, 32, 32, 8, 14336, 128256)
     # Llama-3-8B holds 128 KiB of bf16 K and V per token.
     assert script.kv_bytes_per_token(plan.model_config) == 128 * 1024
+    # The torch backend's section keeps its time within the same budgets.
+    assert quick.need["torch"] + quick.need["hf"] < quick.budget_s
+    assert plan.need["torch"] + plan.need["hf"] < plan.budget_s
 
 
 def test_percentiles():
@@ -116,3 +135,107 @@ def test_percentiles():
     assert stats["count"] == 4 and stats["p50"] == pytest.approx(0.25)
     assert stats["p50"] <= stats["p90"] <= stats["p99"] <= 0.4
     assert script.percentiles([]) == {"count": 0}
+
+
+# ----------------------------------------------------------------------------- torch backend
+
+
+def tiny_report(script, tmp_path, **engine_overrides):
+    """(report, folder, workload, jax runner) as run_engine_sections has them when the torch
+    section starts: the tiny plan, made-up JAX numbers, the script's own engine arguments."""
+    args = argparse.Namespace(requests=4, hf_requests=None, hf_batch_size=None,
+                              max_seconds=600)
+    plan = script.Plan(tiny=True, quick=False, args=args)
+    plan.decode_batches, plan.decode_steps = (1, 2), 2
+    clock = script.Clock(plan.budget_s)
+    report = script.Report(plan, clock, backend="cpu", model=plan.model_name)
+    engine_args = dict(load_format="dummy", dtype="bfloat16", seed=0, precompile=True,
+                       **plan.engine_args, **engine_overrides)
+    report.data.update(
+        engine_args=engine_args, bandwidth={"bytes_per_s": 1e10},
+        weights={"bytes": 1 << 20},
+        throughput={"output_tok_s": 100.0, "total_tok_s": 300.0, "truncated": False},
+        decode={"batches": [{"batch": 1, "step_s": 0.01}, {"batch": 2, "step_s": 0.02}]})
+    folder = script.write_model_folder(tmp_path, plan.model_config)
+    workload = script.make_workload(argparse.Namespace(workload="sharegpt-like", seed=0,
+                                                       num_prompts=plan.requests), 1000, None)
+    # 8 sequences of max_model_len 1024 in blocks of 16, plus the null block
+    runner = types.SimpleNamespace(num_blocks=8 * 64 + 1, bytes_per_block=4096)
+    return report, folder, workload, runner
+
+
+def test_torch_section_runs_beside_the_jax_numbers(tmp_path, capsys):
+    """~15 s: the torch backend's engine on the tiny model (the PyTorch reference attention
+    on the CPU): the same engine arguments and KV blocks, the whole workload, every decode
+    batch, and the torch / JAX ratios against the JAX numbers already in the report."""
+    import torch
+
+    script = load_script()
+    report, folder, workload, runner = tiny_report(script, tmp_path)
+    threads, grad = torch.get_num_threads(), torch.is_grad_enabled()
+    script.run_torch_section(report, folder, workload, jax_runner=runner, id_limit=1000,
+                             seed=0)
+    data = report.data
+    assert data["errors"] == {} and data["skipped"] == {}, data["errors"]
+    section = data["torch"]
+    assert section["engine_args"] == dict(data["engine_args"], backend="torch",
+                                          num_gpu_blocks_override=runner.num_blocks)
+    assert section["device"] == "cpu" and not section["cuda_graphs"]
+    assert section["warm_up_s"] > 0 and section["weights"]["bytes"] > 0
+    run = section["throughput"]
+    assert not run["truncated"] and run["finished"] == len(workload.prompts) == 4
+    assert run["output_tokens"] == workload.output_tokens and run["recompilations"] == 0
+    batches = section["decode"]["batches"]
+    assert [b["batch"] for b in batches] == [1, 2]
+    for b in batches:
+        assert b["tokens_per_step"] == b["batch"] and b["ratio"] > 0
+        assert b["floor_s"] == section["weights"]["floor_s"]
+    ratios = section["vs_jax"]
+    assert ratios["output_tok_s"] == pytest.approx(run["output_tok_s"] / 100.0)
+    assert ratios["total_tok_s"] == pytest.approx(run["total_tok_s"] / 300.0)
+    assert ratios["decode_step"] == {
+        "1": pytest.approx(0.01 / batches[0]["step_s"]),
+        "2": pytest.approx(0.02 / batches[1]["step_s"])}
+    assert torch.get_num_threads() == threads and torch.is_grad_enabled() == grad
+    json.dumps(data)
+    del data["throughput"], data["decode"]  # made up: no TTFT, ITL or floors to print
+    data["total_s"], data["device"] = 1.0, "cpu"
+    capsys.readouterr()
+    script.print_summary(data)
+    summary = capsys.readouterr().out
+    assert "torch backend throughput: 4/4 requests" in summary
+    assert "torch decode batch   2:" in summary and "torch / JAX speed: " in summary
+
+
+def test_torch_engine_that_cannot_start_is_reported(tmp_path, capsys):
+    """An engine that fails to start (here: the compiled Triton kernels asked for on the
+    CPU) is an error in the report, not an exception; the JAX numbers stand."""
+    script = load_script()
+    report, folder, workload, runner = tiny_report(script, tmp_path,
+                                                   attention_backend="triton")
+    jax_numbers = dict(report.data["throughput"])
+    script.run_torch_section(report, folder, workload, jax_runner=runner, id_limit=1000,
+                             seed=0)
+    data = report.data
+    assert "needs a GPU" in data["errors"]["torch"] and data["torch"]["error"]
+    assert data["throughput"] == jax_numbers and "throughput" not in data["torch"]
+    assert data["torch"]["vs_jax"] == {}
+    assert "FAILED torch" in capsys.readouterr().out
+
+
+def test_torch_kv_blocks_and_ratios(monkeypatch):
+    script = load_script()
+    gib = 1 << 30
+    # The host (or no memory figure): the JAX engine's count.
+    assert script.torch_kv_blocks(1000, 2 << 20, 16 * gib, None) == 1000
+    # On a GPU beside JAX's pool: what fits in 90% of the free bytes after the weights and
+    # the headroom, never more than JAX's count, never fewer than 2.
+    fit = int((0.9 * 56 * gib - 16 * gib - script.TORCH_HEADROOM) // (2 << 20))
+    assert script.torch_kv_blocks(30000, 2 << 20, 16 * gib, 56 * gib) == fit < 30000
+    assert script.torch_kv_blocks(4000, 2 << 20, 16 * gib, 56 * gib) == 4000
+    assert script.torch_kv_blocks(4000, 2 << 20, 16 * gib, 10 * gib) == 2
+    assert script.compare_backends({}, {}) == {}
+    assert script._ratios_line({"decode_step": {"1": 1.5}}) == "decode batch 1 1.50x"
+    assert script.torch_unavailable("cpu") is None
+    monkeypatch.setitem(sys.modules, "triton", None)
+    assert "not importable" in script.torch_unavailable("cpu")

@@ -1,29 +1,43 @@
 """scripts/check_kernels_on_device.py runs on the CPU: both Pallas kernels in interpret mode,
-jax's GPU paged_attention through our layout conversion, and the in-place KV-cache write.
+jax's GPU paged_attention through our layout conversion, and the in-place KV-cache write;
+then scripts/check_triton_kernels.py, the torch backend's Triton kernels (interpret mode).
 
-The timing half needs an accelerator; here only its bookkeeping (the batch builder, the
-bytes and flops a case moves, the shape grid's memory cap) is checked.
+The timing halves need an accelerator; here the JAX half's bookkeeping (the batch builder,
+the bytes and flops a case moves, the shape grid's memory cap) is checked, and the Triton
+half's timing path runs whole on CPU tensors (Triton's interpreter, a wall-clock timer in
+place of CUDA events and graphs), SDPA baseline and memory skip included. Wrong kernels
+injected into the Triton checks must come out as failures, and the Triton part's failures,
+skips and crashes must reach the combined script's report and exit status.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import pathlib
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "check_kernels_on_device.py"
+SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
+SCRIPT = SCRIPTS / "check_kernels_on_device.py"
+TRITON_SCRIPT = SCRIPTS / "check_triton_kernels.py"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("check_kernels_on_device", SCRIPT)
+def load_script(path=SCRIPT, name="check_kernels_on_device"):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def load_triton_script():
+    return load_script(TRITON_SCRIPT, "check_triton_kernels")
 
 
 @pytest.mark.slow  # ~25 s; the kernels themselves are tested in test_pallas_kernels.py
@@ -51,6 +65,11 @@ def test_cpu_run_checks_every_kernel_in_interpret_mode(tmp_path):
     assert [w["pages"] for w in writes] == [64, 256, 1024]
     assert all(w["ok"] and w["same_buffer"] for w in writes)
     assert data["attention"] == []  # no timing without an accelerator
+    triton = data["triton"]  # the torch backend's kernels, after the JAX ones
+    assert triton["status"] == "ran" and triton["mode"] == "interpret"
+    assert triton["failures"] == [] and all(c["ok"] for c in triton["checks"] + triton["write_kv"])
+    assert triton["timing"] == {"skipped": "no GPU (torch.cuda.is_available() is False)"}
+    assert "triton kernels: all checks passed" in out.stdout
 
 
 def test_make_batch_layout():
@@ -80,3 +99,253 @@ def test_work_and_shape_grid():
     assert "decode 256 x ctx 32768" in cases and len(cases) == 15 + 3
     small = m.bench_cases(quick=True, max_kv_gib=1)  # at most 1 GiB of K+V
     assert "decode 256 x ctx 32768" not in small and "decode 1 x ctx 512" in small
+
+
+# ----------------------------------------------------------------------------- Triton part
+
+
+def wrong_attention(q, k_cache, v_cache, batch, **opts):
+    """The reference, with the last token's row off: a real token (error) or, in a padded
+    bucket, a padding row that is not zero."""
+    from jaxserve.kernels_triton import ref
+
+    out = ref.ragged_paged_attention(q, k_cache, v_cache, batch, **opts)
+    out[-1] += 1
+    return out
+
+
+def wrong_write(k_cache, v_cache, k, v, slot_mapping):
+    """The reference, one slot off."""
+    from jaxserve.kernels_triton import ref
+
+    ref.write_kv(k_cache, v_cache, k, v, slot_mapping + 1)
+
+
+def scribbling_write(k_cache, v_cache, k, v, slot_mapping):
+    """The reference, plus a write into the last slot of every page."""
+    from jaxserve.kernels_triton import ref
+
+    ref.write_kv(k_cache, v_cache, k, v, slot_mapping)
+    v_cache[:, -1] = 7
+
+
+def test_triton_checks_pass_in_interpret_mode():
+    """~10 s: every CPU case of the Triton attention and KV write in Triton's interpreter."""
+    m = load_triton_script()
+    report, failures = m.run(device="cpu", quick=True, log=lambda *a, **k: None)
+    assert failures == [] and report["failures"] == []
+    json.dumps(report)  # the combined script writes it as JSON
+    assert report["mode"] == "interpret" and report["versions"]["device"] == "cpu"
+    assert report["precision"]["kernel_float32_dots"] == "ieee"
+    assert report["tol"] == {"float32": 1e-5, "bfloat16": 2e-2}
+    checks = report["checks"]
+    assert {c["kind"] for c in checks} == {"decode", "prefill", "mixed", "far-decode"}
+    assert {c["dtype"] for c in checks} == {"float32", "bfloat16"}
+    assert any(c["sliding_window"] and c["soft_cap"] for c in checks)
+    assert all(c["ok"] and c["padding_nonzero"] == 0 and c["error"] <= c["tol"] for c in checks)
+    assert any(c["T"] > c["real_tokens"] for c in checks)  # padded buckets were checked
+    writes = report["write_kv"]
+    assert {(w["dtype"], w["cache_dtype"]) for w in writes} == \
+        {("float32", "float32"), ("bfloat16", "bfloat16"), ("float32", "bfloat16")}
+    assert any(w["far"] for w in writes)
+    assert all(w["ok"] and w["in_place"] and w["others_untouched"] for w in writes)
+    assert report["timing"] == {"skipped": "no GPU (torch.cuda.is_available() is False)"}
+
+
+def test_wrong_triton_kernels_are_failures():
+    m = load_triton_script()
+    report, failures = m.run(device="cpu", kernel=wrong_attention, writer=wrong_write,
+                             log=lambda *a, **k: None)
+    assert len(failures) == len(m.CPU_CHECKS) + len(m.WRITE_CHECKS["cpu"])
+    assert not any(c["ok"] for c in report["checks"] + report["write_kv"])
+    padded = [c for c in report["checks"] if c["T"] > c["real_tokens"]]
+    assert padded and all(c["padding_nonzero"] > 0 for c in padded)
+    assert all(c["error"] > c["tol"] for c in report["checks"] if c not in padded)
+    assert all(w["error"] > 0 for w in report["write_kv"])
+    assert any("nonzero padding" in f for f in failures)
+    report, failures = m.run(device="cpu", kernel=wrong_attention, writer=scribbling_write,
+                             log=lambda *a, **k: None)
+    assert all(not w["others_untouched"] and not w["ok"] for w in report["write_kv"])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("launch failed")
+
+    report, failures = m.run(device="cpu", kernel=broken, writer=broken,
+                             log=lambda *a, **k: None)
+    assert len(failures) == len(m.CPU_CHECKS) + len(m.WRITE_CHECKS["cpu"])
+    assert all("RuntimeError: launch failed" in c["exception"]
+               for c in report["checks"] + report["write_kv"])
+
+
+# Tiny stand-ins for the GPU grid: S, K, N, H, dtype.
+TINY_DIMS = (16, 1, 4, 16, "bfloat16")
+TINY_CASES = {"decode 2 x ctx 40": [(1, 40)] * 2,
+              "prefill 2 x 24 fresh": [(24, 24)] * 2,  # padded to 64 tokens
+              "mixed": [(5, 30), (1, 17), (1, 50)]}
+
+
+def test_triton_timing_path_runs_on_cpu_tensors(monkeypatch):
+    """~10 s: the GPU timing grid's code on CPU tensors in interpret mode, a wall-clock timer
+    standing in for CUDA events: dense SDPA on the same keys and values agrees with the
+    kernel (decode, causal prefill), ragged batches time the kernel alone; a kernel that
+    disagrees with SDPA, and one that raises, are failures; a case too big for the free
+    memory is skipped."""
+    m = load_triton_script()
+    kernel, _ = m.load_kernels(m.torch.device("cpu"))
+    quiet = lambda *a, **k: None
+    timing = m.run_timing(kernel, quick=True, timer=m.HostTimer(), device=m.torch.device("cpu"),
+                          max_kv_gib=1, copy_gib=2**-10, deadline=math.inf,
+                          rng=np.random.default_rng(0), dims=TINY_DIMS, cases=TINY_CASES,
+                          log=quiet)
+    json.dumps(timing)
+    assert timing["copy_bandwidth_gbs"] > 0 and timing["dims"]["head_dim"] == 16
+    rows = {r["case"]: r for r in timing["rows"]}
+    assert list(rows) == list(TINY_CASES)
+    for row in rows.values():
+        assert row["ms"] == row["eager_ms"] > 0 and "graph_ms" not in row  # no graphs here
+        assert row["gbs"] > 0 and row["tflops"] > 0 and row["pct_copy"] > 0
+        assert row["blocks"].startswith("Q")
+    assert rows["prefill 2 x 24 fresh"]["T"] == 64 and rows["mixed"]["R"] == 4
+    for name in ("decode 2 x ctx 40", "prefill 2 x 24 fresh"):
+        assert rows[name]["sdpa_ok"] and rows[name]["sdpa_err"] < m.SDPA_TOL
+        assert rows[name]["sdpa_ms"] > 0 and rows[name]["sdpa_over_triton"] > 0
+    assert "sdpa_ms" not in rows["mixed"]  # no dense equivalent of a ragged batch
+    assert m.failures_of({"timing": timing}) == []
+
+    decode = {"decode 2 x ctx 40": TINY_CASES["decode 2 x ctx 40"]}
+    zeros = lambda q, *args, **kw: m.torch.zeros_like(q)
+    bad = m.run_timing(zeros, quick=True, timer=m.HostTimer(), device=m.torch.device("cpu"),
+                       max_kv_gib=1, copy_gib=2**-10, deadline=math.inf,
+                       rng=np.random.default_rng(0), dims=TINY_DIMS, cases=decode, log=quiet)
+    assert bad["rows"][0]["sdpa_ok"] is False
+    assert "disagree" in m.failures_of({"timing": bad})[0]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(m, "free_bytes", lambda device: 1 << 40)  # as a GPU would say
+    row = m.time_case("x", decode["decode 2 x ctx 40"], broken, timer=m.HostTimer(),
+                      device=m.torch.device("cpu"), dims=TINY_DIMS, copy_bw=None,
+                      rng=np.random.default_rng(0), with_sdpa=False)
+    assert row["error"] == "RuntimeError: launch failed"
+    assert m.failures_of({"timing": {"rows": [row]}}) == ["triton timing x: " + row["error"]]
+    monkeypatch.setattr(m, "free_bytes", lambda device: 1 << 20)
+    row = m.time_case("x", [(1, 32768)] * 4, broken, timer=m.HostTimer(),
+                      device=m.torch.device("cpu"), dims=(16, 8, 64, 128, "bfloat16"),
+                      copy_bw=None, rng=np.random.default_rng(0))
+    assert "GiB free on the GPU" in row["skipped"] and m.failures_of(
+        {"timing": {"rows": [row]}}) == []
+
+
+def test_triton_gpu_only_pieces_on_the_cpu():
+    """What the GPU run uses beyond the CPU checks: the fused-only SDPA (CPU flash), the
+    device grid, the device-shaped cases (no far one: 8.5 GiB) and the reference's compacted
+    inputs."""
+    m = load_triton_script()
+    torch = m.torch
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=gen, dtype=torch.bfloat16)
+               for shape in ((2, 4, 1, 32), (2, 1, 40, 32), (2, 1, 40, 32)))
+    fused = m.sdpa(q, k, v, scale=0.2, causal=False, fused_only=True)()
+    plain = m.sdpa(q, k, v, scale=0.2, causal=False, fused_only=False)()
+    assert (fused.float() - plain.float()).abs().max() < 2e-2
+
+    cases = m.bench_cases(quick=False, max_kv_gib=40)
+    assert "decode 256 x ctx 32768" in cases and len(cases) == 15 + 3
+    small = m.bench_cases(quick=True, max_kv_gib=1)
+    assert "decode 256 x ctx 32768" not in small and "decode 1 x ctx 512" in small
+    assert m.dense_shape(cases["decode 8 x ctx 4096"]) == (8, 1, 4096, False)
+    assert m.dense_shape(cases["prefill 8 x 2048 fresh"]) == (8, 2048, 2048, True)
+    assert m.dense_shape(cases["mixed 1 x 2048 fresh + 127 decodes @ 4k"]) is None
+    assert m.attention_work([(1, 10), (3, 3)], N=4, K=2, H=8, itemsize=2) == \
+        ((2 * 13 * 2 * 8 + 2 * 4 * 4 * 8) * 2, 4 * 4 * 8 * (10 + 1 + 2 + 3))
+
+    rng = np.random.default_rng(0)
+    for kind, dtype, S, K, N, H, _, _ in m.DEVICE_CHECKS:
+        if kind == "far-decode":
+            continue
+        q, k_cache, v_cache, batch = m.random_case(kind, getattr(torch, dtype), S, K, N, H,
+                                                   rng=rng, long=True, far_bytes=0,
+                                                   device=torch.device("cpu"))
+        assert q.shape == (batch.slot_mapping.shape[0], N, H) and k_cache.shape[1:] == (S, K, H)
+        assert max(kv for _, kv in batch.specs) > 5 * S  # long contexts, as on the GPU
+        owned = torch.unique(batch.block_tables[:int(batch.num_seqs[0])])
+        owned = owned[owned > 0]
+        assert bool(torch.isnan(k_cache[0]).all()) and bool(torch.isnan(v_cache[-1]).all())
+        assert not bool(torch.isnan(k_cache[owned]).any())
+        k32, v32, compact = m.compact_for_reference(k_cache, v_cache, batch)
+        assert k32.dtype == torch.float32 and k32.shape[0] == len(owned) + 1  # + null page
+        assert torch.allclose(k32[compact.block_tables.long()],  # NaN: the null page
+                              k_cache[batch.block_tables.long()].float(), rtol=0, atol=0,
+                              equal_nan=True)
+
+    from jaxserve.kernels_triton import ref  # the GPU's write checks' shapes, checking ref
+
+    writes = m.check_write_kv(ref.write_kv, [c for c in m.WRITE_CHECKS["cuda"] if not c[-1]],
+                              far_bytes=0, device=torch.device("cpu"), rng=rng,
+                              log=lambda *a, **k: None)
+    assert len(writes) == 3 and all(w["ok"] and w["error"] == 0 for w in writes)
+
+    far = m.random_case("far-decode", torch.bfloat16, 16, 1, 4, 32, rng=rng, long=False,
+                        far_bytes=m.FAR_BYTES["cpu"], device=torch.device("cpu"))
+    tables = far[3].block_tables
+    assert int(tables[tables > 0].min()) * far[1][0].numel() * 2 >= m.FAR_BYTES["cpu"]
+
+
+def test_triton_section_skips_and_errors(monkeypatch):
+    m = load_script()
+    args = m.parse_args(["--quick"])
+    assert args.triton_max_seconds is None and not args.skip_triton
+    assert m.run_triton_section(m.parse_args(["--skip-triton"])) == \
+        ({"status": "skipped: --skip-triton"}, [])
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    section, failures = m.run_triton_section(args)
+    assert section["status"].startswith("skipped: torch/triton not installed") and not failures
+    monkeypatch.undo()
+
+    def broken_run(**kwargs):
+        raise RuntimeError("no kernels today")
+
+    monkeypatch.setattr(m, "load_triton_checks", lambda: types.SimpleNamespace(run=broken_run))
+    section, failures = m.run_triton_section(args)
+    assert section == {"status": "error: RuntimeError: no kernels today"}
+    assert failures == ["triton kernels: RuntimeError: no kernels today"]
+
+
+class Crash(BaseException):
+    """What no except clause of the script catches: a stand-in for the process dying."""
+
+
+@pytest.mark.parametrize("outcome", ["pass", "fail", "crash"])
+def test_main_folds_the_triton_part_into_report_and_exit(monkeypatch, tmp_path, outcome):
+    """The JAX part stubbed out: the Triton part's arguments, its section in the JSON, its
+    failures in the exit status, and the JAX report on disk before it starts."""
+    m = load_script()
+    monkeypatch.setattr(m, "load_kernels", lambda names, interpret, report: {})
+    monkeypatch.setattr(m, "run_checks", lambda *a, **k: [])
+    monkeypatch.setattr(m, "check_write_kv", lambda **k: [])
+    out = tmp_path / "report.json"
+    calls = []
+
+    def run(**kwargs):
+        calls.append(kwargs)
+        assert json.loads(out.read_text())["triton"] == {"status": "running"}
+        if outcome == "crash":
+            raise Crash
+        return {"checks": [{"ok": outcome == "pass"}]}, [] if outcome == "pass" else ["bad"]
+
+    monkeypatch.setattr(m, "load_triton_checks", lambda: types.SimpleNamespace(run=run))
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), "--quick", "--json", str(out),
+                                      "--triton-max-seconds", "30"])
+    if outcome == "crash":
+        with pytest.raises(Crash):
+            m.main()
+        data = json.loads(out.read_text())  # the JAX part survived
+        assert data["triton"] == {"status": "running"} and "versions" in data
+        return
+    assert m.main() == (0 if outcome == "pass" else 1)
+    assert calls == [dict(quick=True, max_seconds=30.0, repeats=5, max_kv_gib=40,
+                          copy_gib=2)]
+    data = json.loads(out.read_text())
+    assert data["triton"] == {"status": "ran", "checks": [{"ok": outcome == "pass"}]}
+

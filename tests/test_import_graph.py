@@ -9,7 +9,8 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FOLDERS = {"jaxserve": "jaxserve", "models": "jaxserve.models",
-           "kernels_pallas": "jaxserve.kernels_pallas", "server": "jaxserve.server"}
+           "kernels_pallas": "jaxserve.kernels_pallas",
+           "kernels_triton": "jaxserve.kernels_triton", "server": "jaxserve.server"}
 
 
 def modules() -> dict[str, pathlib.Path]:

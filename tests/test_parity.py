@@ -5,6 +5,8 @@ HF `generate(do_sample=False)` in float32, also when prefill is chunked, blocks 
 the KV pool is small enough to force preemption. The prompts are the checkpoint script's
 check_prompts(), on which the tiny models' greedy paths have clear top-1/top-2 margins
 (> 1.7e-3 relative over 40 tokens), so a parity failure is a real difference, not a near-tie.
+Both backends: JAX, and the torch backend (LLM(backend="torch")), once with its Triton kernels
+in interpret mode.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def hf_reference(tiny_checkpoints, checkpoint_script):
 
 def run_jaxserve(folder, prompts, new_tokens=NEW_TOKENS,
                  **engine_args) -> tuple[list[list[int]], LLM]:
-    llm = LLM(str(folder), dtype="float32", max_model_len=256, precompile=False, **engine_args)
+    llm = LLM(str(folder), **{"dtype": "float32", "max_model_len": 256, "precompile": False,
+                              **engine_args})
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
@@ -97,3 +100,57 @@ def test_greedy_matches_under_scheduler_pressure(arch, variant, tiny_checkpoints
     if "num_kv_blocks" in VARIANTS[variant]:
         assert llm.engine.num_preemptions > 0
     assert got == expected[arch]
+
+
+# ---- the torch backend (LLM(backend="torch"): torch models, the PyTorch reference attention
+# on the CPU) against the same HF tokens. Default: the dense families plainly and under all
+# three pressures at once; the MoE families with -m slow.
+TORCH_DEFAULT = ("llama", "mistral", "qwen2", "qwen3")
+TORCH_CASES = [pytest.param(arch, marks=[] if arch in TORCH_DEFAULT else [pytest.mark.slow])
+               for arch in ARCHS]
+
+
+@pytest.mark.parametrize("arch", TORCH_CASES)
+def test_torch_backend_greedy_matches_transformers(arch, tiny_checkpoints, hf_reference):
+    prompts, expected = hf_reference
+    got, _ = run_jaxserve(tiny_checkpoints[arch], prompts, backend="torch", block_size=32,
+                          max_num_seqs=8, max_num_batched_tokens=1024)
+    assert got == expected[arch]
+
+
+@pytest.mark.parametrize("arch", TORCH_CASES)
+def test_torch_backend_matches_under_scheduler_pressure(arch, tiny_checkpoints, hf_reference):
+    prompts, expected = hf_reference
+    got, llm = run_jaxserve(tiny_checkpoints[arch], prompts, backend="torch", max_num_seqs=8,
+                            **VARIANTS["all-three"])
+    assert llm.engine.num_preemptions > 0
+    assert got == expected[arch]
+
+
+@pytest.mark.slow
+def test_torch_backend_with_the_triton_kernels_end_to_end(tiny_checkpoints, hf_reference):
+    """attention_backend="triton-interpret": the Triton attention and KV-write kernels (in
+    interpret mode on the CPU) carry a whole generation, with chunked prefill, preemption and
+    block size 16."""
+    prompts, expected = hf_reference
+    got, llm = run_jaxserve(tiny_checkpoints["llama"], prompts, backend="torch",
+                            attention_backend="triton-interpret", max_num_seqs=8,
+                            **VARIANTS["all-three"])
+    assert llm.engine.num_preemptions > 0
+    assert got == expected["llama"]
+
+
+def test_torch_backend_with_the_triton_kernels_under_pressure(tiny_checkpoints, hf_reference):
+    """The same in the default suite's budget: three of the prompts (33-97 tokens), 12 new
+    tokens each (HF's greedy prefix), 32-token steps (chunked prefill), 16 blocks of 16
+    tokens (preemption)."""
+    prompts, expected = hf_reference
+    chosen = [i for i, p in enumerate(prompts) if 30 <= len(p) <= 100]
+    assert len(chosen) == 3
+    got, llm = run_jaxserve(tiny_checkpoints["llama"], [prompts[i] for i in chosen],
+                            new_tokens=12, backend="torch",
+                            attention_backend="triton-interpret", max_num_seqs=8,
+                            block_size=16, num_kv_blocks=10, max_num_batched_tokens=32,
+                            max_model_len=128)
+    assert llm.engine.num_preemptions > 0
+    assert got == [expected["llama"][i][:12] for i in chosen]

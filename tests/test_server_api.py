@@ -1,5 +1,6 @@
 """The OpenAI-compatible API as its clients see it: the official `openai` client and raw httpx
-against a real `jaxserve serve` process (tiny llama checkpoint, served as "tiny").
+against a real `jaxserve serve` process (tiny llama checkpoint, served as "tiny"), on both
+backends: JAX (the server shared by the HTTP test modules) and `--backend torch`.
 
 Greedy output equals the offline LLM's; streaming, n/seed, logprobs, echo, stop strings that
 span token boundaries, usage, tokenize; every bad request gets a 4xx with the full error
@@ -18,7 +19,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_helpers import SMALL_ENGINE_ARGS, running_server
+from server_helpers import SHARED_READ_TIMEOUT, SMALL_ENGINE_ARGS, running_server
 
 import jaxserve
 from jaxserve import LLM, SamplingParams
@@ -36,9 +37,20 @@ ANY = object()
 
 
 # ---- fixtures -----------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=["jax", "torch"])
+def backend(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def server(api_server):
-    return api_server  # conftest: one server for the HTTP test modules
+def server(backend, request, tiny_checkpoints, tmp_path_factory):
+    if backend == "jax":
+        yield request.getfixturevalue("api_server")  # conftest: shared by the HTTP modules
+        return
+    with running_server(tiny_checkpoints["llama"], "--backend", "torch",
+                        "--request-read-timeout", str(SHARED_READ_TIMEOUT), wait_for="/health",
+                        log_dir=tmp_path_factory.mktemp("server-api-torch")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +74,8 @@ def http(server):
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_checkpoints):
-    return LLM(str(tiny_checkpoints["llama"]), **SMALL_ENGINE_ARGS)
+def llm(tiny_checkpoints, backend):
+    return LLM(str(tiny_checkpoints["llama"]), backend=backend, **SMALL_ENGINE_ARGS)
 
 
 # ---- helpers ------------------------------------------------------------------------------
@@ -635,7 +647,9 @@ def metric(http, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 
 
-def test_after_the_warm_up_mixed_requests_compile_nothing(http):
+def test_after_the_warm_up_mixed_requests_compile_nothing(http, backend):
+    if backend == "torch":
+        pytest.skip("XLA compilation: the torch backend compiles nothing on the CPU")
     wait_until_ready(http)
     assert metric(http, "jaxserve:warm_up_done") == 1
     assert metric(http, "jaxserve:compile_seconds_count") + metric(
@@ -661,7 +675,7 @@ def test_after_the_warm_up_mixed_requests_compile_nothing(http):
 
 # Keep last: the log of everything this module did.
 @pytest.mark.parametrize("which", ["server", "auth_server"])
-def test_the_server_logs_have_no_error_lines(which, request):
+def test_the_server_logs_have_no_error_lines(which, backend, request):
     log = request.getfixturevalue(which).log()
     errors = [line for line in log.splitlines()
               if line.startswith(("ERROR", "CRITICAL")) or "Traceback" in line]

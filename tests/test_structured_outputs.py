@@ -1,7 +1,8 @@
 """Structured outputs on the tiny random-weight model at temperature 1.0 (the hardest case:
 the model has no idea of JSON): every output that finished with "stop" satisfies its
 schema, regex, choice or grammar, and nearly all finish within their max_tokens; seeded
-unconstrained requests do not notice constrained neighbours; nothing recompiles."""
+unconstrained requests do not notice constrained neighbours; nothing recompiles. On both
+backends (JAX and torch)."""
 
 from __future__ import annotations
 
@@ -62,10 +63,10 @@ NUMBER: /[0-9]{1,2}/
 MAX_TOKENS = 64
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_checkpoints):
+@pytest.fixture(scope="module", params=["jax", "torch"])
+def llm(tiny_checkpoints, request):
     return LLM(str(tiny_checkpoints["llama"]), dtype="float32", seed=0, precompile=True,
-               **SMALL_ENGINE_ARGS)
+               backend=request.param, **SMALL_ENGINE_ARGS)
 
 
 def _json_requests(count: int):

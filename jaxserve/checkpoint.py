@@ -1,0 +1,138 @@
+"""Hugging Face safetensors checkpoints read into the engine's parameter layout, numpy only.
+
+Both backends load weights through this module: it reads the format directly (a JSON
+header, then raw little-endian tensors, memory-mapped), so no code from the model folder
+runs and nothing is unpickled, and bfloat16 comes through ml_dtypes. A model family maps
+each checkpoint tensor name to its parameter path(s) and transform (models/*_arch.py);
+parameter_values checks every tensor against the shapes the model expects, stacks
+per-expert tensors, and yields finished parameters one by one, so a backend places each
+(JAX: onto its sharding; torch: into its module) and the host never holds the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from tqdm.auto import tqdm
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+def safetensors_files(folder: str | Path) -> list[Path]:
+    """The checkpoint's shard files, in index order; a clear error when there are none."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return files
+    found = [p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
+    hint = (f" It has {', '.join(sorted(found))}: PyTorch pickles are never loaded (they can run "
+            "code); convert them to safetensors first." if found else "")
+    raise ValueError(f"No *.safetensors weights in {folder}.{hint}")
+
+
+def _read_header(path: Path) -> tuple[int, dict]:
+    """(header length, {tensor name: info}) of a safetensors file, metadata dropped."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    header.pop("__metadata__", None)
+    return header_len, header
+
+
+def read_safetensors(path: Path):
+    """Yield (name, numpy array view) for every tensor of one file, memory-mapped."""
+    header_len, header = _read_header(path)
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    for name, info in header.items():
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}.")
+        start, end = info["data_offsets"]
+        dtype = np.dtype(_DTYPES[info["dtype"]])
+        yield name, data[start:end].view(dtype).reshape(info["shape"])
+
+
+def _targets(target) -> list[tuple]:
+    """path_of's answer as a list of (path, transform, expert index or None)."""
+    if target is None:
+        return []
+    if isinstance(target, list):
+        return [t for one in target for t in _targets(one)]
+    path, transform, *index = target
+    return [(path, transform, index[0] if index else None)]
+
+
+def parameter_values(folder: str | Path, path_of: Callable, shapes: dict[tuple, tuple],
+                     dtype) -> Iterator[tuple[tuple, np.ndarray]]:
+    """Yield (parameter path, host array of `dtype`) for every parameter of `shapes` (path ->
+    shape the model expects), read from the checkpoint in `folder`, with a progress bar.
+
+    path_of(name) -> None (skip), (param path, transform), (param path, transform, index) for
+    slice `index` of the parameter's first axis (per-expert tensors stacked into one [E, ...]
+    parameter), or a list of such targets (one fused tensor feeding several parameters);
+    raises KeyError for unknown names. A stacked parameter is staged in one host array and
+    yielded once all its slices have arrived. Raises ValueError naming the first tensor that
+    does not fit, or the parameters the checkpoint lacks.
+    """
+    staged: dict[tuple, tuple[np.ndarray, set]] = {}  # path -> (stack, slices filled)
+    done: set[tuple] = set()
+    files = safetensors_files(folder)
+    total = sum(len(_read_header(f)[1]) for f in files)
+    with tqdm(total=total, desc="Loading weights", unit="tensor") as bar:
+        for file in files:
+            for name, array in read_safetensors(file):
+                bar.update(1)
+                try:
+                    targets = _targets(path_of(name))
+                except KeyError:
+                    raise ValueError(f"{file.name}: unexpected tensor {name!r} for this "
+                                     "architecture; the checkpoint does not match its "
+                                     "config.json.") from None
+                for path, transform, index in targets:
+                    if path not in shapes:
+                        raise ValueError(f"{file.name}: tensor {name!r} has no place in the "
+                                         "model built from config.json.")
+                    value = np.asarray(transform(array) if transform else array).astype(dtype)
+                    want = shapes[path][1:] if index is not None else shapes[path]
+                    if value.shape != tuple(want):
+                        raise ValueError(f"{file.name}: tensor {name!r} has shape {array.shape}, "
+                                         f"which does not fit {tuple(want)} from config.json.")
+                    if index is not None:
+                        value = _stage(staged, path, value, index, shapes[path],
+                                       f"{file.name}: tensor {name!r}")
+                        if value is None:
+                            continue
+                    done.add(path)
+                    yield path, value
+    missing = sorted(set(shapes) - done, key=str)
+    if missing:
+        names = ", ".join(".".join(map(str, p)) for p in missing[:5])
+        raise ValueError(f"The checkpoint in {folder} lacks {len(missing)} weights the model "
+                         f"needs, e.g. {names}.")
+
+
+def _stage(staged: dict, path: tuple, value: np.ndarray, index: int, shape: tuple, where: str):
+    """Put one slice of a stacked parameter into its host staging array; the whole stack
+    (and the staging array released) once every slice has arrived, else None."""
+    if not 0 <= index < shape[0]:
+        raise ValueError(f"{where} is slice (expert) {index} of a parameter that has "
+                         f"{shape[0]} from config.json.")
+    stack, filled = staged.setdefault(path, (np.empty(shape, value.dtype), set()))
+    stack[index] = value
+    filled.add(index)
+    if len(filled) < shape[0]:
+        return None
+    del staged[path]
+    return stack

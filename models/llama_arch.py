@@ -1,0 +1,137 @@
+"""The Llama family's architecture settings and checkpoint layout, shared by both backends.
+
+LlamaArch holds what differs between Llama 2/3, Mistral, Qwen2 and Qwen3 (read from an HF
+config.json); hf_param_path maps each checkpoint tensor to its parameter in the engine's
+layout (wq [D, N, H], wk/wv [D, K, H], wo [N, H, D], MLP weights [in, out]), which the JAX
+model (llama.py) and the torch model (torch_llama.py) both use. numpy only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaArch:
+    vocab_size: int  # V
+    hidden_size: int  # D
+    intermediate_size: int  # F
+    num_layers: int
+    num_heads: int  # N
+    num_kv_heads: int  # K
+    head_dim: int  # H
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: tuple  # sorted (key, value) pairs of the HF rope parameters
+    attention_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    sliding_windows: tuple  # per layer: window length or None
+    kv_replicas: int = 1  # each checkpoint kv head repeated this often (num_kv_heads counts them)
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> LlamaArch:
+        arch = (hf.get("architectures") or [""])[0]
+        num_heads = int(hf["num_attention_heads"])
+        num_layers = int(hf["num_hidden_layers"])
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"RoPE type {rope_type!r} is not supported; jaxserve supports "
+                             "default, linear and llama3.")
+        rope["rope_type"] = rope_type
+        return cls(
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=tuple(sorted((k, v) for k, v in rope.items() if not isinstance(v, list))),
+            attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            sliding_windows=_sliding_windows(hf, arch, num_layers),
+        )
+
+
+def _sliding_windows(hf: dict, arch: str, num_layers: int) -> tuple:
+    window = hf.get("sliding_window")
+    if arch == "MistralForCausalLM":
+        return (window,) * num_layers
+    layer_types = hf.get("layer_types")
+    if layer_types:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if hf.get("use_sliding_window") and window:
+        first = int(hf.get("max_window_layers", num_layers))
+        return tuple(window if i >= first else None for i in range(num_layers))
+    return (None,) * num_layers
+
+
+def rope_inv_freq(arch: LlamaArch) -> np.ndarray:
+    """f32[H/2] inverse frequencies, with linear or llama3 scaling applied as HF does."""
+    dim = arch.head_dim
+    inv = 1.0 / (arch.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    params = dict(arch.rope_scaling)
+    kind = params["rope_type"]
+    if kind == "linear":
+        inv = inv / float(params["factor"])
+    elif kind == "llama3":
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old_len = float(params["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def hf_param_path(name: str, arch: LlamaArch):
+    """Map one HF tensor name to (our parameter path, transform of the HF array), or None
+    for tensors to skip. Raises KeyError for a name this family does not know."""
+    d, n, k, h = arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim
+    name = name.removeprefix("model.")
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    if name == "embed_tokens.weight":
+        return ("embed",), None
+    if name == "norm.weight":
+        return ("norm", "weight"), None
+    if name == "lm_head.weight":
+        return (None if arch.tie_word_embeddings else (("lm_head",), None))
+    parts = name.split(".")
+    if parts[0] != "layers":
+        raise KeyError(name)
+    layer, rest = int(parts[1]), ".".join(parts[2:])
+    heads_in = {"q": n, "k": k // arch.kv_replicas, "v": k // arch.kv_replicas}
+    repeat = {"q": 1, "k": arch.kv_replicas, "v": arch.kv_replicas}
+    table = {
+        "input_layernorm.weight": (("input_norm", "weight"), None),
+        "post_attention_layernorm.weight": (("post_attention_norm", "weight"), None),
+        "self_attn.q_norm.weight": (("attn", "q_norm", "weight"), None),
+        "self_attn.k_norm.weight": (("attn", "k_norm", "weight"), None),
+        "self_attn.o_proj.weight": (("attn", "wo"), lambda w: w.T.reshape(n, h, d)),
+        "mlp.gate_proj.weight": (("mlp", "w_gate"), lambda w: w.T),
+        "mlp.up_proj.weight": (("mlp", "w_up"), lambda w: w.T),
+        "mlp.down_proj.weight": (("mlp", "w_down"), lambda w: w.T),
+    }
+    for p, heads in heads_in.items():
+        table[f"self_attn.{p}_proj.weight"] = (
+            ("attn", f"w{p}"),
+            lambda w, heads=heads, r=repeat[p]: np.repeat(w.T.reshape(d, heads, h), r, axis=1))
+        table[f"self_attn.{p}_proj.bias"] = (
+            ("attn", f"b{p}"),
+            lambda b, heads=heads, r=repeat[p]: np.repeat(b.reshape(heads, h), r, axis=0))
+    path, transform = table[rest]
+    return ("layers", layer) + path, transform
