@@ -41,6 +41,9 @@ def _join_hosts(args: argparse.Namespace, model: str | None, precompile: bool | 
     named = (args.coordinator, args.num_hosts, args.host_id)
     if not args.multi_host and named == (None, None, None):
         return False
+    if args.backend == "torch":
+        raise ValueError("Multi-host serving runs the JAX backend; the torch backend runs on "
+                         "one device. Drop --backend torch or the multi-host flags.")
     from jaxserve.distributed import initialize, is_leader
     from jaxserve.model_path import resolve_model
     from jaxserve.runners import run_worker

@@ -1,6 +1,7 @@
 """The OpenAI-compatible API as its clients see it: the official `openai` client and raw httpx
 against a real `jaxserve serve` process (tiny llama checkpoint, served as "tiny"), on both
-backends: JAX (the server shared by the HTTP test modules) and `--backend torch`.
+backends: JAX (the server shared by the HTTP test modules) and `--backend torch` (with
+-m slow).
 
 Greedy output equals the offline LLM's; streaming, n/seed, logprobs, echo, stop strings that
 span token boundaries, usage, tokenize; every bad request gets a 4xx with the full error
@@ -37,7 +38,9 @@ ANY = object()
 
 
 # ---- fixtures -----------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=["jax", "torch"])
+# The torch backend's run of this module is slow-marked (the default suite's budget);
+# test_tool_calls.py round-trips the OpenAI client through it by default.
+@pytest.fixture(scope="module", params=["jax", pytest.param("torch", marks=pytest.mark.slow)])
 def backend(request):
     return request.param
 

@@ -1,8 +1,8 @@
 """Structured outputs on the tiny random-weight model at temperature 1.0 (the hardest case:
 the model has no idea of JSON): every output that finished with "stop" satisfies its
 schema, regex, choice or grammar, and nearly all finish within their max_tokens; seeded
-unconstrained requests do not notice constrained neighbours; nothing recompiles. On both
-backends (JAX and torch)."""
+unconstrained requests do not notice constrained neighbours; nothing recompiles. On the JAX
+backend, and on the torch backend with -m slow."""
 
 from __future__ import annotations
 
@@ -63,7 +63,8 @@ NUMBER: /[0-9]{1,2}/
 MAX_TOKENS = 64
 
 
-@pytest.fixture(scope="module", params=["jax", "torch"])
+@pytest.fixture(scope="module",
+                params=["jax", pytest.param("torch", marks=pytest.mark.slow)])
 def llm(tiny_checkpoints, request):
     return LLM(str(tiny_checkpoints["llama"]), dtype="float32", seed=0, precompile=True,
                backend=request.param, **SMALL_ENGINE_ARGS)

@@ -2,7 +2,7 @@
 in-process (the tiny random-weight model, temperature 1.0): tool_choice "required" and a
 named function always give arguments that fit the function's schema, streamed or not, and
 the streamed deltas join up to the non-streamed answer; the client's parse() helpers work
-unchanged."""
+unchanged. On both backends (JAX and torch)."""
 
 from __future__ import annotations
 
@@ -34,10 +34,10 @@ SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def client(tiny_checkpoints):
+@pytest.fixture(scope="module", params=["jax", "torch"])
+def client(tiny_checkpoints, request):
     config = EngineConfig.create(str(tiny_checkpoints["llama"]), dtype="float32", seed=0,
-                                 precompile=False, **SMALL_ENGINE_ARGS)
+                                 precompile=False, backend=request.param, **SMALL_ENGINE_ARGS)
     async_engine = AsyncLLMEngine(LLMEngine(config))
     async_engine.start()
     app = create_app(async_engine, ServerConfig(served_model_name="tiny",

@@ -174,3 +174,11 @@ def test_generate_on_the_command_line(tiny_checkpoint):
     want = LLM(str(tiny_checkpoint), backend="torch", **SMALL).generate(
         ["def f(x):"], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     assert want[0].outputs[0].text.strip() in proc.stdout
+
+
+def test_multi_host_serving_refuses_the_torch_backend(tiny_checkpoint):
+    proc = subprocess.run([str(JAXSERVE), "serve", str(tiny_checkpoint), "--backend", "torch",
+                           "--coordinator", "127.0.0.1:1", "--num-hosts", "2", "--host-id", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "the torch backend runs on one device" in proc.stderr, proc.stderr[-2000:]

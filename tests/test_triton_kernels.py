@@ -134,7 +134,9 @@ def test_window_and_soft_cap(options, impl):
 
 # Query blocks of one or several tokens; tiles narrower than a page, of one page and of more
 # pages than some contexts; a query block's keys split over 1..16 programs.
-TILES = [BlockSizes(1, 16, 4), BlockSizes(1, 64, 16), BlockSizes(2, 32, 1),
+TILES = [BlockSizes(1, 16, 4),
+         pytest.param(BlockSizes(1, 64, 16), marks=pytest.mark.slow),  # 16 splits: slow here
+         BlockSizes(2, 32, 1),
          BlockSizes(8, 128, 2), BlockSizes(32, 16, 1)]
 
 
@@ -310,7 +312,8 @@ def interpreted_then_compiled():
         assert compile_for_cuda(recorder.kernel, args, kwargs).asm["cubin"]
 
 
-@pytest.mark.parametrize("env", ["unset", "1"])
+# Both ways in the default suite would cost 15 s of the budget: "1" with -m slow.
+@pytest.mark.parametrize("env", ["unset", pytest.param("1", marks=pytest.mark.slow)])
 def test_interpret_whatever_triton_interpret_says(env):
     """interpret=True interprets and interpret=False compiles, in one process, whether
     triton.jit there compiles (TRITON_INTERPRET unset) or interprets (1)."""
