@@ -98,7 +98,11 @@ def make_attend(backend: str, device: torch.device, head_dim: int):
                          "slow), 'reference' or 'auto'.")
     use_triton = backend in ("triton", "triton-interpret") or (backend == "auto" and on_gpu)
     if use_triton:
-        from jaxserve.kernels_triton import attention, kv_write
+        try:
+            from jaxserve.kernels_triton import attention, kv_write
+        except ImportError as err:
+            raise ImportError(f"attention_backend={backend!r} needs Triton: pip install "
+                              f"'jaxserve[torch]' ({err})") from None
 
         if not attention.supports(head_dim):
             if backend != "auto":
