@@ -181,3 +181,18 @@ def mixed_specs(rng, S):
 
 
 SPECS = {"decode": decode_specs, "prefill": prefill_specs, "mixed": mixed_specs}
+
+# The kernels' test matrix (test_pallas_kernels.py, test_triton_kernels.py):
+# (kind, block_size, gqa ratio, head_dim, dtype): every value of each axis, each kind with
+# both dtypes, without the full product's compile time.
+MATRIX = [
+    ("decode", 16, 1, 64, "float32"),
+    ("decode", 32, 8, 128, "bfloat16"),
+    ("decode", 16, 4, 64, "float32"),
+    ("prefill", 32, 2, 128, "float32"),
+    ("prefill", 16, 1, 128, "bfloat16"),
+    ("mixed", 16, 4, 128, "bfloat16"),
+    ("mixed", 32, 8, 64, "float32"),
+    ("mixed", 32, 2, 64, "bfloat16"),
+]
+

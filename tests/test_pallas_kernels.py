@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import SPECS, assert_close, make_case, numpy_attention
+from attention_cases import MATRIX, SPECS, assert_close, make_case, numpy_attention
 from jax import export
 
 from jaxserve.batch import Batch
@@ -59,18 +59,6 @@ def check(kernel, case, dtype, block_sizes=None, **kw):
     assert_close(got, want, batch, dtype)
 
 
-# (kind, block_size, gqa ratio, head_dim, dtype): every value of each axis, each kind with
-# both dtypes, without the full product's compile time.
-MATRIX = [
-    ("decode", 16, 1, 64, "float32"),
-    ("decode", 32, 8, 128, "bfloat16"),
-    ("decode", 16, 4, 64, "float32"),
-    ("prefill", 32, 2, 128, "float32"),
-    ("prefill", 16, 1, 128, "bfloat16"),
-    ("mixed", 16, 4, 128, "bfloat16"),
-    ("mixed", 32, 8, 64, "float32"),
-    ("mixed", 32, 2, 64, "bfloat16"),
-]
 
 
 @pytest.mark.parametrize("kind,block_size,ratio,head_dim,dtype", MATRIX)

@@ -25,7 +25,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from attention_cases import SPECS, assert_close, make_case, numpy_attention
+from attention_cases import MATRIX, SPECS, assert_close, make_case, numpy_attention
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -101,19 +101,6 @@ def padded_case(rng, kind, block_size, ratio, head_dim, dtype):
 
 
 # ----------------------------------------------------------------------------- attention
-
-# (kind, block_size, gqa ratio, head_dim, dtype): test_pallas_kernels.py's matrix.
-MATRIX = [
-    ("decode", 16, 1, 64, "float32"),
-    ("decode", 32, 8, 128, "bfloat16"),
-    ("decode", 16, 4, 64, "float32"),
-    ("prefill", 32, 2, 128, "float32"),
-    ("prefill", 16, 1, 128, "bfloat16"),
-    ("mixed", 16, 4, 128, "bfloat16"),
-    ("mixed", 32, 8, 64, "float32"),
-    ("mixed", 32, 2, 64, "bfloat16"),
-]
-
 
 @pytest.mark.parametrize("kind,block_size,ratio,head_dim,dtype", MATRIX)
 def test_matrix(kind, block_size, ratio, head_dim, dtype, impl):
