@@ -196,3 +196,14 @@ MATRIX = [
     ("mixed", 32, 2, 64, "bfloat16"),
 ]
 
+
+def padded_case(rng, kind, block_size, ratio, head_dim, dtype):
+    """A padded (T, R) bucket: num_seqs < R, padding tokens with loud queries, junk block
+    table entries; lengths start and end mid-block."""
+    specs = SPECS[kind](rng, block_size)
+    real = sum(q for q, _ in specs)
+    q, k_cache, v_cache, batch = make_case(
+        rng, specs, block_size=block_size, num_kv_heads=2, num_heads=2 * ratio,
+        head_dim=head_dim, dtype=dtype, num_rows=len(specs) + 3, num_tokens=real + 5,
+        junk_tables=True)
+    return q.at[real:].mul(1e3), k_cache, v_cache, batch

@@ -18,7 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import MATRIX, SPECS, assert_close, make_case, numpy_attention
+from attention_cases import (
+    MATRIX,
+    assert_close,
+    make_case,
+    numpy_attention,
+    padded_case,
+)
 from jax import export
 
 from jaxserve.batch import Batch
@@ -66,14 +72,7 @@ def test_matrix(kind, block_size, ratio, head_dim, dtype, kernel):
     """A padded (T, R) bucket: num_seqs < R, padding tokens with loud queries, junk block
     table entries and NaN in every unused page; lengths start and end mid-block."""
     rng = np.random.default_rng(MATRIX.index((kind, block_size, ratio, head_dim, dtype)))
-    specs = SPECS[kind](rng, block_size)
-    real = sum(q for q, _ in specs)
-    q, k_cache, v_cache, batch = make_case(
-        rng, specs, block_size=block_size, num_kv_heads=2, num_heads=2 * ratio,
-        head_dim=head_dim, dtype=dtype, num_rows=len(specs) + 3, num_tokens=real + 5,
-        junk_tables=True)
-    q = q.at[real:].mul(1e3)
-    check(kernel, (q, k_cache, v_cache, batch), dtype)
+    check(kernel, padded_case(rng, kind, block_size, ratio, head_dim, dtype), dtype)
 
 
 # TPU tiles hold >= 8 rows (sublanes); the GPU's one-token decode tiles are its own.

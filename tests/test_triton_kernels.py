@@ -25,7 +25,13 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from attention_cases import MATRIX, SPECS, assert_close, make_case, numpy_attention
+from attention_cases import (
+    MATRIX,
+    assert_close,
+    make_case,
+    numpy_attention,
+    padded_case,
+)
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -86,18 +92,6 @@ def check(impl, case, dtype, **kw):
     got = IMPLS[impl](tq, k_poisoned, v_poisoned, torch_batch(batch), **kw)
     assert got.shape == tq.shape and got.dtype == tq.dtype
     assert_close(got.float().numpy(), want, batch, dtype)
-
-
-def padded_case(rng, kind, block_size, ratio, head_dim, dtype):
-    """A padded (T, R) bucket: num_seqs < R, padding tokens with loud queries, junk block
-    table entries; lengths start and end mid-block."""
-    specs = SPECS[kind](rng, block_size)
-    real = sum(q for q, _ in specs)
-    q, k_cache, v_cache, batch = make_case(
-        rng, specs, block_size=block_size, num_kv_heads=2, num_heads=2 * ratio,
-        head_dim=head_dim, dtype=dtype, num_rows=len(specs) + 3, num_tokens=real + 5,
-        junk_tables=True)
-    return q.at[real:].mul(1e3), k_cache, v_cache, batch
 
 
 # ----------------------------------------------------------------------------- attention
