@@ -27,6 +27,9 @@ def run_script(name: str, *args, timeout=600) -> subprocess.CompletedProcess:
     return out
 
 
+# Slow: two engines compile every bucket (the suite's time budget); prefix caching itself is
+# tested by default in test_prefix_caching.py.
+@pytest.mark.slow
 def test_bench_offline_shared_prefix_compares_caching(tiny_checkpoints, tmp_path):
     report = tmp_path / "report.json"
     out = run_script("bench_offline.py", "--model", str(tiny_checkpoints["llama"]),

@@ -76,7 +76,9 @@ def test_matrix(kind, block_size, ratio, head_dim, dtype, kernel):
 
 
 # TPU tiles hold >= 8 rows (sublanes); the GPU's one-token decode tiles are its own.
-TILES = [("tpu", BlockSizes(8, 2)), ("tpu", BlockSizes(64, 16)),
+# The smallest TPU tiles run the most interpreted grid steps: -m slow (the suite's budget).
+TILES = [pytest.param("tpu", BlockSizes(8, 2), marks=pytest.mark.slow),
+         ("tpu", BlockSizes(64, 16)),
          ("gpu", BlockSizes(1, 8, kv_splits=2)), ("gpu", BlockSizes(16, 1)),
          ("gpu", BlockSizes(32, 4, kv_splits=4))]
 

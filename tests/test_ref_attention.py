@@ -74,6 +74,15 @@ CASES = [
 # ----------------------------------------------------------------------------- attention
 
 
+def cases(values, kernel_values):
+    """(value, impl) pairs: every value on the XLA implementations, kernel_values on the
+    kernels with -m slow (test_pallas_kernels.py covers long contexts, windows, soft caps and
+    padded buckets on them by default: its matrix and tile cases; the suite's time budget)."""
+    return [(v, impl) for v in values for impl in XLA_IMPLS] + \
+        [pytest.param(v, impl, marks=pytest.mark.slow)
+         for v in kernel_values for impl in KERNEL_IMPLS]
+
+
 # The kernels' own matrix (test_pallas_kernels.py) covers these kinds more widely.
 @pytest.mark.parametrize("impl", XLA_IMPLS)
 @pytest.mark.parametrize("kind,block_size,kv_heads,heads,head_dim,dtype", CASES)
@@ -88,7 +97,7 @@ def test_matches_numpy(kind, block_size, kv_heads, heads, head_dim, dtype, impl)
     run_and_check(impl, *case, dtype)
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size,impl", cases([16, 32], [16]))
 def test_long_sequences_span_several_loop_steps(block_size, impl):
     """Contexts > KV_TOKENS_PER_STEP, ending in the last (zero-padded) group of pages."""
     rng = np.random.default_rng(block_size)
@@ -98,13 +107,6 @@ def test_long_sequences_span_several_loop_steps(block_size, impl):
     case = make_case(rng, specs, block_size=block_size, num_kv_heads=2, num_heads=4,
                      head_dim=64, max_model_len=max_model_len, junk_tables=True)
     run_and_check(impl, *case, "float32")
-
-
-def cases(values, kernel_values):
-    """(value, impl) pairs: every value on the XLA implementations, kernel_values on the
-    kernels (test_pallas_kernels.py covers them more widely; the suite's time budget)."""
-    return [(v, impl) for v in values for impl in XLA_IMPLS] + \
-        [(v, impl) for v in kernel_values for impl in KERNEL_IMPLS]
 
 
 @pytest.mark.parametrize("window,impl", cases([1, 37, 200], [1]))
@@ -130,6 +132,8 @@ def test_soft_cap(settings, impl):
     run_and_check(impl, *case, dtype, scale=0.5, soft_cap=soft_cap, sliding_window=window)
 
 
+@pytest.mark.parametrize("impl", [*XLA_IMPLS, *(pytest.param(k, marks=pytest.mark.slow)
+                                                 for k in KERNEL_IMPLS)])
 def test_padded_batch(impl):
     """num_seqs < R and T > the real tokens: padding rows come out finite (zeros)."""
     rng = np.random.default_rng(11)

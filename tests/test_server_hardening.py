@@ -361,7 +361,8 @@ def fuzz(server, expected_tokens, seconds: float, examples: int) -> None:
 
 
 def test_fuzzed_bodies_get_2xx_or_4xx_and_the_engine_keeps_serving(server, expected_tokens):
-    fuzz(server, expected_tokens, seconds=60.0, examples=1500)
+    # 500 bodies by default (the suite's time budget); 20,000 in the slow variant below.
+    fuzz(server, expected_tokens, seconds=60.0, examples=500)
 
 
 @pytest.mark.slow
