@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 
+from jaxserve.config import SUPPORTED_DTYPES
 from jaxserve.engine_args import EngineArgs
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -200,6 +201,13 @@ def _serve_parser(sub) -> None:
                    "(a body not received in time gets 408 and the connection closes)")
     p.add_argument("--keep-alive-timeout", type=float, default=5.0,
                    help="seconds an idle keep-alive connection stays open")
+    p.add_argument("--grpc-port", type=int, default=None,
+                   help="also serve vLLM's gRPC engine service (vllm.grpc.engine.VllmEngine, "
+                   "for routers such as the SMG gateway) on this port, beside HTTP")
+    p.add_argument("--grpc-host", default=None,
+                   help="gRPC bind address (default: --host)")
+    p.add_argument("--grpc-ssl-certfile", default=None, help="gRPC TLS: the certificate chain")
+    p.add_argument("--grpc-ssl-keyfile", default=None, help="gRPC TLS: the private key")
     p.set_defaults(func=_run_serve)
 
 
@@ -240,9 +248,28 @@ def _run_serve(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout, request_read_timeout=args.request_read_timeout,
         keep_alive_timeout=args.keep_alive_timeout,
         limits=RequestLimits(max_n=args.max_n, max_prompts=args.max_prompts_per_request))
+    grpc_config = _grpc_config(args, server_config)
     if _join_hosts(args, args.model, "background"):
         return 0  # a worker host: it ran host 0's steps until host 0 stopped
-    return serve(engine_config(args, model, "background"), server_config, args.log_level)
+    return serve(engine_config(args, model, "background"), server_config, args.log_level,
+                 grpc_config)
+
+
+def _grpc_config(args: argparse.Namespace, server_config):
+    """The gRPC server's settings, or None without --grpc-port (the other --grpc-* flags
+    then have nothing to configure, and are refused)."""
+    if args.grpc_port is None:
+        given = [f"--grpc-{name.replace('_', '-')}" for name in ("host", "ssl_certfile",
+                                                                  "ssl_keyfile")
+                 if getattr(args, f"grpc_{name}") is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} configure the gRPC server: add --grpc-port.")
+        return None
+    from jaxserve.server.grpc_server import GrpcConfig
+
+    return GrpcConfig(port=args.grpc_port, host=args.grpc_host or server_config.host,
+                      ssl_certfile=args.grpc_ssl_certfile, ssl_keyfile=args.grpc_ssl_keyfile,
+                      max_receive_bytes=server_config.max_body_bytes)
 
 
 def _tool_call_parser(args: argparse.Namespace) -> str | None:
@@ -348,6 +375,38 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert_parser(sub) -> None:
+    p = sub.add_parser(
+        "convert", help="write a model as an Orbax checkpoint, restored straight into a mesh",
+        description="Write a Hugging Face model folder (or Hub id) as an Orbax checkpoint of "
+        "the engine's parameters, with its config, tokenizer and generation config beside "
+        "it. `jaxserve serve DIR` and LLM(model=DIR) restore each array directly into its "
+        "sharding, every host reading only its slices, on any mesh. Runs on the CPU; the "
+        "parameters pass through host memory once.")
+    _add_model_positional(p)
+    p.add_argument("--model", default=None, help="model folder or Hub id (or positional)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the folder to write")
+    p.add_argument("--dtype", default=None, choices=SUPPORTED_DTYPES[1:],
+                   help="the saved parameters' dtype (default: the checkpoint's own)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace DIR if it holds an earlier conversion")
+    p.set_defaults(func=_run_convert)
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")  # abstract shapes and host arrays only
+
+    from jaxserve.model_path import resolve_model
+    from jaxserve.orbax_checkpoint import convert
+
+    model = resolve_model(_model_of(args), logging.getLogger("jaxserve.convert"))
+    out = convert(model, args.out, args.dtype, overwrite=args.overwrite)
+    print(f"Wrote {out}: serve it with `jaxserve serve {out}`")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxserve", description="LLM inference and serving on JAX.")
@@ -357,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _serve_parser(sub)
     _plan_parser(sub)
+    _convert_parser(sub)
     return parser
 
 

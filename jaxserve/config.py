@@ -17,6 +17,7 @@ from jaxserve.mesh import MeshShape, ModelDims, parse_mesh, plan_sharding
 from jaxserve.models import resolve_architecture
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+ORBAX_MARKER = "jaxserve_orbax.json"  # in a `jaxserve convert` folder (orbax_checkpoint.py)
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names
 DTYPE_CHOICES = SUPPORTED_DTYPES + tuple(DTYPE_ALIASES)
 # The JAX backend's attention implementations (attend.py) and the torch backend's
@@ -193,6 +194,10 @@ class EngineConfig:
             raise ValueError(f"precompile must be True, False or 'background', got "
                              f"{self.precompile!r}.")
         _check_backend(self.backend, self.attention.backend, self.parallel.mesh)
+        if self.backend == "torch" and (Path(self.model.model) / ORBAX_MARKER).is_file():
+            raise ValueError(f"{self.model.model} is an Orbax checkpoint (jaxserve convert), "
+                             "which the JAX backend restores; the torch backend loads Hugging "
+                             "Face folders. Use backend='jax' or the original folder.")
 
     @classmethod
     def create(

@@ -56,6 +56,14 @@ class DataParallelEngine:
         """Replica 0's runner (every replica runs the same model on its own devices)."""
         return self.replicas[0].runner
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.replicas[0].eos_token_ids
+
+    def reset_prefix_cache(self) -> None:
+        for replica in self.replicas:
+            replica.reset_prefix_cache()
+
     def close(self) -> None:
         for replica in self.replicas:
             replica.close()

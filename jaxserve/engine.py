@@ -116,6 +116,7 @@ class LLMEngine:
         return EngineStats(
             running=len(scheduler.running), waiting=len(scheduler.waiting),
             unfinished_requests=len(self._tracked), kv_usage=kv.usage,
+            kv_capacity_tokens=kv.capacity_tokens,
             prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits,
             preemptions=scheduler.num_preemptions, compilations=runner.compilations,
             compiling=runner.compiling, warm_up_done=runner.warm_up_done)
@@ -413,6 +414,11 @@ class LLMEngine:
             return None
         masks = self.grammars.fill_masks([req.grammar for req in rows])
         return [(req.state_slot, masks[i]) for i, req in enumerate(rows)]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (vLLM's reset_prefix_cache): later prompts hit nothing
+        cached before now. Running requests keep their blocks; nothing is preempted."""
+        self.kv_manager.reset_prefix_cache()
 
     def _drop_cached_blocks(self) -> None:
         # Scheduling registered the blocks a step fills; if the step did not run (an error,

@@ -17,6 +17,7 @@ class EngineStats:
     waiting: int = 0  # sequences waiting (new or preempted)
     unfinished_requests: int = 0  # requests (of n sequences each) not finished
     kv_usage: float = 0.0  # fraction of the usable KV blocks in use, 0..1
+    kv_capacity_tokens: int = 0  # tokens the usable KV blocks hold
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache so far
     prefix_cache_hits: int = 0  # of those, tokens served from it
     preemptions: int = 0  # so far
@@ -37,6 +38,7 @@ class EngineStats:
             running=sum(p.running for p in parts), waiting=sum(p.waiting for p in parts),
             unfinished_requests=sum(p.unfinished_requests for p in parts),
             kv_usage=sum(p.kv_usage for p in parts) / len(parts),
+            kv_capacity_tokens=sum(p.kv_capacity_tokens for p in parts),
             prefix_cache_queries=sum(p.prefix_cache_queries for p in parts),
             prefix_cache_hits=sum(p.prefix_cache_hits for p in parts),
             preemptions=sum(p.preemptions for p in parts),

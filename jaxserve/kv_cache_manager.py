@@ -141,6 +141,11 @@ class KVCacheManager:
         return (usable - self.pool.num_free) / usable
 
     @property
+    def capacity_tokens(self) -> int:
+        """Tokens the usable blocks hold (block 0 is the null block)."""
+        return (self.pool.num_blocks - 1) * self.block_size
+
+    @property
     def hit_rate(self) -> float:
         return self.stats.hit_rate
 
@@ -235,6 +240,7 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash (blocks and reference counts stay): for when a step that may
-        have registered blocks did not run, so their KV may never have been written."""
+        have registered blocks did not run, so their KV may never have been written, and to
+        flush the cache on request (running requests keep their blocks)."""
         self.pool.cached.clear()
         self.pool.block_hash.clear()

@@ -53,6 +53,10 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix (as vLLM's LLM.reset_prefix_cache)."""
+        self.engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (temperature,
         top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens), unless the

@@ -59,6 +59,7 @@ from jaxserve.mesh import (
 )
 from jaxserve.models import model_family
 from jaxserve.models.mixtral import expert_parallel
+from jaxserve.orbax_checkpoint import is_orbax_folder, restore_params
 from jaxserve.packing import Layout, layout_of, pack, pack_device, unpack, unpack_host
 from jaxserve.runner_api import PaddingStats, RunnerStats, StepResult
 from jaxserve.sampler import (
@@ -138,6 +139,9 @@ class ModelRunner:
         spec_of = lambda path: PartitionSpec(*param_spec(path, self.plan))
         if config.model.load_format == "dummy":
             model = random_params(abstract, self.mesh, config.model.seed, spec_of)
+        elif is_orbax_folder(config.model.model):
+            model = restore_params(abstract, config.model.model, self.dtype, self.mesh, spec_of,
+                                   self.plan.kv_replicas)
         else:
             model = load_params(abstract, config.model.model,
                                 functools.partial(family.param_path, arch=self.arch), np_dtype,

@@ -171,12 +171,31 @@ class AsyncLLMEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def stop_request(self, request_id: str) -> None:
+        """End a request now and hand its consumer the final output (finish_reason
+        "abort"), as vLLM's abort does to a stream that is still read; unknown ids are
+        ignored."""
+        self._inbox.put(("abort-report", request_id))
+        self._wake.set()
+
     def abort_all(self) -> None:
         with self._lock:
             ids = list(self._streams)
         for request_id in ids:
-            self._inbox.put(("abort-report", request_id))
+            self.stop_request(request_id)
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, on the engine thread (running requests keep their
+        blocks); returns once done."""
+        if not self.is_running:
+            raise EngineDeadError(self.dead_reason or "the engine loop has stopped")
+        done = asyncio.get_running_loop().create_future()
+        self._inbox.put(("reset-prefix-cache", done))
         self._wake.set()
+        while not done.done():  # bounded by the loop's life: a dead loop never answers
+            await asyncio.wait([done], timeout=0.1)
+            if not done.done() and not self.is_running:
+                raise EngineDeadError(self.dead_reason or "the engine loop has stopped")
 
     # ---- the engine thread --------------------------------------------------------------
     def _run(self) -> None:
@@ -243,6 +262,9 @@ class AsyncLLMEngine:
                 output = self.engine.abort_request(payload)
                 if output is not None:
                     self._deliver(output, time.monotonic())
+            elif kind == "reset-prefix-cache":
+                self.engine.reset_prefix_cache()
+                _resolve(payload)
 
     def _deliver(self, output: RequestOutput, now: float) -> None:
         with self._lock:
@@ -329,6 +351,18 @@ class AsyncLLMEngine:
             self._logged_tokens = (prompt, gen)
             self._logged_compiles = compiles
             self._last_log = now
+
+
+def _resolve(future: asyncio.Future) -> None:
+    """Complete a future of the event loop from the engine thread (if that loop still runs)."""
+    def done() -> None:
+        if not future.done():
+            future.set_result(None)
+
+    try:
+        future.get_loop().call_soon_threadsafe(done)
+    except RuntimeError:  # the loop has closed: nobody waits
+        pass
 
 
 def _send(stream: _Stream, item) -> bool:

@@ -1,7 +1,9 @@
-"""`jaxserve serve`: build the engine, start its loop, run uvicorn, drain on SIGTERM.
+"""`jaxserve serve`: build the engine, start its loop, run uvicorn (and the gRPC server, with
+--grpc-port, on the same event loop), drain on SIGTERM.
 
-SIGTERM (or Ctrl-C) stops admission (new requests get 503), lets in-flight requests finish
-for up to --shutdown-timeout seconds, ends the rest with finish_reason "abort", then exits 0.
+SIGTERM (or Ctrl-C) stops admission (new HTTP requests get 503, new gRPC calls UNAVAILABLE,
+gRPC health turns NOT_SERVING), lets in-flight requests of both finish for up to
+--shutdown-timeout seconds, ends the rest with finish_reason "abort", then exits 0.
 """
 
 from __future__ import annotations
@@ -72,15 +74,26 @@ class _DrainingServer(uvicorn.Server):
     """uvicorn.Server whose first exit signal drains instead of cutting connections."""
 
     def __init__(self, config: uvicorn.Config, state, engine: AsyncLLMEngine,
-                 timeout: float) -> None:
+                 timeout: float, grpc_config=None) -> None:
         super().__init__(config)
         self.state, self.engine, self.timeout = state, engine, timeout
+        self.grpc_config = grpc_config
+        self.grpc = None  # the GrpcServer, once serving
         self._draining_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        if self.grpc_config is not None:
+            from jaxserve.server.grpc_server import GrpcServer
+
+            self.grpc = GrpcServer(self.state, self.grpc_config)
+            await self.grpc.start()
+        try:
+            await super().serve(sockets)
+        finally:
+            if self.grpc is not None:
+                await self.grpc.stop(grace=1.0)
 
     def handle_exit(self, sig, frame) -> None:
         if self._draining_task is not None or self._loop is None:
@@ -90,6 +103,8 @@ class _DrainingServer(uvicorn.Server):
         self._draining_task = self._loop.create_task(self._drain(sig, frame))
 
     async def _drain(self, sig, frame) -> None:
+        if self.grpc is not None:
+            await self.grpc.drain()
         deadline = time.monotonic() + self.timeout
         while self.engine.num_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -105,7 +120,9 @@ class _DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(engine_config, server_config: ServerConfig, log_level: str = "info") -> int:
+def serve(engine_config, server_config: ServerConfig, log_level: str = "info",
+          grpc_config=None) -> int:
+    """grpc_config: a grpc_server.GrpcConfig to serve gRPC beside HTTP, or None."""
     from jaxserve.data_parallel import create_engine
 
     engine = create_engine(engine_config)
@@ -122,7 +139,7 @@ def serve(engine_config, server_config: ServerConfig, log_level: str = "info") -
                             timeout_keep_alive=server_config.keep_alive_timeout,
                             timeout_graceful_shutdown=5)
     server = _DrainingServer(config, app.state.jaxserve, async_engine,
-                             server_config.shutdown_timeout)
+                             server_config.shutdown_timeout, grpc_config)
     logger.info("Serving %s on http://%s:%d", ", ".join(server_config.served_names),
                 server_config.host, server_config.port)
     try:

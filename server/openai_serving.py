@@ -127,7 +127,7 @@ class OpenAIServing:
                            "--reasoning-parser.", param="include_reasoning",
                            code="invalid_value")
         if self.chat.reasoning_parser is not None and params.structured_outputs is not None \
-                and self._end_of_thinking_is_one_token():
+                and self.end_of_thinking_is_one_token():
             params = params.clone(structured_outputs=dataclasses.replace(
                 params.structured_outputs, starts_after=REASONING_END))
         self._compile_grammar(body, params)
@@ -148,7 +148,7 @@ class OpenAIServing:
         self._check_context([(None, ids)], params, "messages")
         return Prepared("chat.completion", body, params, [(None, ids)], "messages", model)
 
-    def _end_of_thinking_is_one_token(self) -> bool:
+    def end_of_thinking_is_one_token(self) -> bool:
         """Whether the grammar can wait for the end of the reasoning: its marker is one
         token (Qwen3, DeepSeek-R1); otherwise it applies from the start."""
         return len(self.tokenizer.encode(REASONING_END, add_special_tokens=False)) == 1

@@ -31,6 +31,7 @@ class Server:
     url: str
     process: subprocess.Popen
     log_path: pathlib.Path
+    grpc_port: int | None = None  # --grpc-port, when started with grpc=True
 
     @property
     def api(self) -> str:
@@ -48,17 +49,20 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def running_server(model, *args: str, log_dir: pathlib.Path, ready_timeout: float = 240.0,
-                   wait_for: str = "/ready"):
+                   wait_for: str = "/ready", grpc: bool = False):
     """Yield a Server once wait_for answers 200 (/ready: every bucket compiled; /health: it
-    takes requests, the warm-up may still run); SIGTERM it (then kill) on exit."""
+    takes requests, the warm-up may still run); SIGTERM it (then kill) on exit. grpc: also
+    serve gRPC (--grpc-port, on a free port of its own)."""
     port = free_port()
+    grpc_port = free_port() if grpc else None
     log_path = log_dir / f"server-{port}.log"
     cmd = [str(JAXSERVE), "serve", "--model", str(model), "--port", str(port),
-           "--served-model-name", "tiny", *SMALL_ENGINE, *args]
+           "--served-model-name", "tiny", *SMALL_ENGINE, *args,
+           *(["--grpc-port", str(grpc_port)] if grpc else [])]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    server = Server(f"http://127.0.0.1:{port}", process, log_path)
+    server = Server(f"http://127.0.0.1:{port}", process, log_path, grpc_port)
     try:
         deadline = time.monotonic() + ready_timeout
         while True:

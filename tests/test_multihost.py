@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from jaxserve import LLM, SamplingParams
 
 PROMPTS = ["def fibonacci(n):", "while True:", "import os\nimport sys\n\nclass Config:"]
@@ -22,8 +24,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_match_one(mesh_checkpoints, tmp_path):
+# "orbax": the same from a `jaxserve convert` folder, each process restoring only the slices
+# of its own device (test_orbax.py covers one process by default).
+@pytest.mark.parametrize("source", ["hf", pytest.param("orbax", marks=pytest.mark.slow)])
+def test_two_processes_match_one(source, mesh_checkpoints, tmp_path):
     folder = str(mesh_checkpoints["llama"])
+    if source == "orbax":
+        from jaxserve.orbax_checkpoint import convert
+
+        folder = str(convert(folder, tmp_path / "orbax"))
     engine = ["--model", folder, "--dtype", "float32", "--max-model-len", "128",
               "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--mesh", "1x2"]
     cluster = ["--coordinator", f"127.0.0.1:{free_port()}", "--num-hosts", "2"]

@@ -1,0 +1,268 @@
+"""The VllmEngine gRPC service (vllm.grpc.engine, from smg-grpc-proto) on the shared engine.
+
+The same AsyncLLMEngine as the HTTP API serves it, on the same event loop, so gRPC and HTTP
+requests share every step, the admission cap, the Prometheus metrics and the request log.
+Requests are prepared (validated, tokenized, grammar compiled) in the HTTP side's worker
+threads. Status codes: a bad request is INVALID_ARGUMENT naming the field, the admission cap
+RESOURCE_EXHAUSTED, a draining server or a dead engine UNAVAILABLE, a request the engine
+failed INTERNAL; a call past its deadline is aborted (its blocks freed) and answered
+DEADLINE_EXCEEDED, and a cancelled call aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import hashlib
+import io
+import json
+import logging
+import math
+import pathlib
+import time
+import uuid
+import zipfile
+
+import grpc
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
+
+import jaxserve
+from jaxserve.reasoning_parsers import END as REASONING_END
+from jaxserve.server.async_engine import EngineDeadError, OverloadedError
+from jaxserve.server.grpc_requests import (
+    BadRequest,
+    ChoiceStream,
+    GrpcPrompt,
+    check_unsupported,
+    prompt_of,
+    sampling_params,
+)
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+TOKENIZER_CHUNK_BYTES = 64 * 1024
+# The tokenizer bundle GetTokenizer zips (as vLLM's servicer): these names, and any file
+# with these suffixes, from the tokenizer's folder.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json",
+                   "generation_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "tiktoken.model", "chat_template.json",
+                   "preprocessor_config.json")
+TOKENIZER_SUFFIXES = (".tiktoken", ".jinja", ".model")
+DEFAULT_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_DEADLINE_MARGIN_S = 0.05  # answer DEADLINE_EXCEEDED just before the client gives up
+
+
+class VllmEngineServicer(pb_grpc.VllmEngineServicer):
+    def __init__(self, state) -> None:
+        """state: the HTTP app's ServerState (engine, config, draining flag, workers)."""
+        self.state = state
+        self.async_engine = state.engine
+        self.engine = state.engine.engine
+        self.last_receive = 0.0  # wall time of the last Generate
+
+    # ---- Generate --------------------------------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest, context):
+        self.last_receive = time.time()
+        if self.state.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "The server is shutting down.")
+        try:
+            prompt, params = await self.state.off_loop(self._prepare, request)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
+        try:
+            stream = self.async_engine.submit(request_id, prompt.text, prompt.token_ids, params)
+        except OverloadedError as err:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+        except EngineDeadError as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        timer, expired = self._deadline_timer(context, request_id)
+        choices = ChoiceStream(prompt.token_ids, params)
+        outputs = stream.__aiter__()
+        try:
+            async for output in outputs:
+                if output.error is not None:
+                    await context.abort(grpc.StatusCode.INTERNAL,
+                                        f"The engine failed this request: {output.error}")
+                if expired.is_set():
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        "The call's deadline passed; the request was aborted.")
+                for response in choices.responses(output, request.stream):
+                    yield response
+        except EngineDeadError as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        finally:
+            if timer is not None:
+                timer.cancel()
+            await outputs.aclose()  # an unfinished request is aborted, its blocks freed
+
+    def _prepare(self, request: pb.GenerateRequest):
+        """Worker thread: the prompt's token ids and the SamplingParams, checked as the
+        engine will run them (ValueError naming the field otherwise)."""
+        check_unsupported(request)
+        serving = self.state.serving
+        starts_after = None
+        if serving.chat.reasoning_parser is not None and serving.end_of_thinking_is_one_token():
+            starts_after = REASONING_END
+        try:
+            params = sampling_params(request.sampling_params, starts_after=starts_after)
+        except BadRequest:
+            raise
+        except ValueError as err:
+            raise BadRequest(f"sampling_params: {err}") from None
+        prompt = prompt_of(request, self.engine.tokenizer)
+        ids = self.engine.truncate_prompt(prompt.token_ids, params)
+        self.engine.validate(ids, params)  # also compiles the grammar, once
+        limit = self.engine.config.model.max_model_len
+        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+            raise BadRequest(f"max_tokens={params.max_tokens} does not fit beside the "
+                             f"{len(ids)}-token prompt: this model's maximum context length "
+                             f"is {limit} tokens.")
+        return GrpcPrompt(prompt.text, ids), params
+
+    def _deadline_timer(self, context, request_id: str):
+        """Abort the request just before the call's deadline (None: no deadline)."""
+        expired = asyncio.Event()
+        remaining = context.time_remaining()
+        if remaining is None or not math.isfinite(remaining):
+            return None, expired
+
+        def expire() -> None:
+            expired.set()
+            self.async_engine.stop_request(request_id)
+
+        loop = asyncio.get_running_loop()
+        return loop.call_later(max(0.0, remaining - _DEADLINE_MARGIN_S), expire), expired
+
+    # ---- requests and the engine's state ---------------------------------------------------
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        for request_id in request.request_ids:
+            self.async_engine.stop_request(request_id)
+        return pb.AbortResponse()
+
+    async def HealthCheck(self, request, context) -> pb.HealthCheckResponse:
+        if self.state.draining:
+            return pb.HealthCheckResponse(healthy=False, message="The server is shutting down.")
+        if not self.async_engine.is_running:
+            return pb.HealthCheckResponse(healthy=False, message=self.async_engine.dead_reason)
+        return pb.HealthCheckResponse(healthy=True, message="Health")
+
+    async def FlushCache(self, request: common_pb2.FlushCacheRequest, context):
+        if not (math.isfinite(request.timeout_s) and request.timeout_s >= 0):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"timeout_s must be a finite number >= 0, got "
+                                f"{request.timeout_s}.")
+        # Forgetting the cached blocks' hashes never waits for running requests (they keep
+        # their blocks), so it succeeds at once.
+        try:
+            await self.async_engine.reset_prefix_cache()
+        except EngineDeadError as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        return common_pb2.FlushCacheResponse(success=True,
+                                             message="Local KV prefix cache flushed "
+                                                     "successfully")
+
+    async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
+        model = self.engine.config.model
+        hf = model.hf_config
+        defaults = {k: v for k, v in model.sampling_defaults.items()
+                    if k in DEFAULT_SAMPLING_FIELDS}
+        return pb.GetModelInfoResponse(
+            model_path=model.model, is_generation=True, max_context_length=model.max_model_len,
+            vocab_size=model.vocab_size, supports_vision=False,
+            served_model_name=self.state.config.served_names[0], tokenizer_path=model.tokenizer,
+            model_type=hf.get("model_type", ""), architectures=hf.get("architectures") or [],
+            eos_token_ids=sorted(self.engine.eos_token_ids),
+            pad_token_id=_int_or_zero(hf.get("pad_token_id")),
+            bos_token_id=_int_or_zero(hf.get("bos_token_id")),
+            max_req_input_len=model.max_model_len - 1,
+            default_sampling_params_json=json.dumps(defaults, separators=(",", ":"))
+            if defaults else "")
+
+    async def GetServerInfo(self, request, context) -> pb.GetServerInfoResponse:
+        config = self.engine.config
+        reasoning = self.state.serving.chat.reasoning_parser
+        return pb.GetServerInfoResponse(
+            active_requests=self.async_engine.num_in_flight, is_paused=self.state.draining,
+            last_receive_timestamp=self.last_receive,
+            uptime_seconds=time.time() - self.state.started, server_type="vllm-grpc",
+            data_parallel_size=1, kv_cache_dtype="auto", block_size=config.cache.block_size,
+            attention_backend="" if config.attention.backend == "auto"
+            else config.attention.backend,
+            model_dtype=config.model.dtype, max_num_seqs=config.scheduler.max_num_seqs,
+            engine_reasoning_parser=reasoning or "",
+            constrained_decoding_start="after_reasoning" if reasoning else "first_token")
+
+    async def GetLoads(self, request: pb.GetLoadsRequest, context) -> pb.GetLoadsResponse:
+        if request.HasField("dp_rank") and request.dp_rank != 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"dp_rank={request.dp_rank}: this engine reports one data-"
+                                "parallel rank, 0.")
+        stats = self.async_engine.stats
+        capacity = stats.kv_capacity_tokens
+        load = pb.SchedulerLoad(
+            dp_rank=0, num_running_reqs=stats.running, num_waiting_reqs=stats.waiting,
+            num_total_reqs=stats.running + stats.waiting,
+            num_used_tokens=round(stats.kv_usage * capacity), max_total_num_tokens=capacity,
+            token_usage=stats.kv_usage, cache_hit_rate=stats.prefix_cache_hit_rate,
+            utilization=stats.running / self.engine.config.scheduler.max_num_seqs,
+            max_running_requests=self.engine.config.scheduler.max_num_seqs)
+        return pb.GetLoadsResponse(
+            timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            version=jaxserve.__version__, dp_rank_count=1, loads=[load])
+
+    async def GetTokenizer(self, request, context):
+        try:
+            bundle = await self.state.off_loop(_tokenizer_zip,
+                                               self.engine.config.model.tokenizer)
+        except FileNotFoundError as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        digest = hashlib.sha256(bundle).hexdigest()
+        for start in range(0, len(bundle), TOKENIZER_CHUNK_BYTES):
+            last = start + TOKENIZER_CHUNK_BYTES >= len(bundle)
+            yield common_pb2.GetTokenizerChunk(
+                data=bundle[start:start + TOKENIZER_CHUNK_BYTES], sha256=digest if last else "")
+
+    # ---- not served ------------------------------------------------------------------------
+    async def Embed(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "Embed: jaxserve serves generative models only.")
+
+    async def StartProfile(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "StartProfile: profiling over gRPC is not supported; use "
+                            "JAX's profiler (jax.profiler) in the engine process.")
+
+    async def StopProfile(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "StopProfile: profiling over gRPC is not supported.")
+
+    async def SubscribeKvEvents(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "SubscribeKvEvents: jaxserve publishes no KV cache events; poll "
+                            "GetLoads for the engine's load.")
+        yield  # an async generator, as the streaming method must be
+
+
+def _int_or_zero(value) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _tokenizer_zip(folder: str) -> bytes:
+    """The tokenizer files of a local folder, zipped with flat names."""
+    root = pathlib.Path(folder)
+    files = sorted(p for p in root.iterdir() if p.is_file() and (
+        p.name in TOKENIZER_FILES or p.name.endswith(TOKENIZER_SUFFIXES))) \
+        if root.is_dir() else []
+    if not files:
+        raise FileNotFoundError(f"No tokenizer files in {folder!r} to send.")
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as bundle:
+        for path in files:
+            bundle.write(path, path.name)
+    return buffer.getvalue()
