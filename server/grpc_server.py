@@ -76,13 +76,17 @@ class GrpcServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), self.server)
-        if config.ssl_certfile:
-            credentials = grpc.ssl_server_credentials([(
-                pathlib.Path(config.ssl_keyfile).read_bytes(),
-                pathlib.Path(config.ssl_certfile).read_bytes())])
-            self.port = self.server.add_secure_port(config.address, credentials)
-        else:
-            self.port = self.server.add_insecure_port(config.address)
+        try:
+            if config.ssl_certfile:
+                credentials = grpc.ssl_server_credentials([(
+                    pathlib.Path(config.ssl_keyfile).read_bytes(),
+                    pathlib.Path(config.ssl_certfile).read_bytes())])
+                self.port = self.server.add_secure_port(config.address, credentials)
+            else:
+                self.port = self.server.add_insecure_port(config.address)
+        except RuntimeError as err:  # grpc's "Failed to bind"
+            raise ValueError(f"--grpc-port: cannot listen on {config.address} ({err}); is "
+                             "another process using the port?") from None
         self._watch: asyncio.Task | None = None
 
     async def start(self) -> None:
