@@ -164,8 +164,9 @@ class ChoiceStream:
                ) -> pb.GenerateStreamChunk | None:
         start = self.sent.get(choice.index, 0)
         new = choice.token_ids[start:]
-        first = choice.index not in self.prompt_sent
-        if not new and not first and choice.finish_reason is None:
+        # The prompt logprobs go with the choice's first chunk that can carry them.
+        prompt = choice.index not in self.prompt_sent and output.prompt_logprobs is not None
+        if not new and not prompt and (start or choice.finish_reason is None):
             return None
         self.sent[choice.index] = len(choice.token_ids)
         chunk = pb.GenerateStreamChunk(
@@ -174,10 +175,9 @@ class ChoiceStream:
             index=choice.index)
         if self.params.logprobs is not None and choice.logprobs is not None:
             chunk.output_logprobs.CopyFrom(self._output_logprobs(choice, start))
-        if first:
+        if prompt:
             self.prompt_sent.add(choice.index)
-            if output.prompt_logprobs is not None:
-                chunk.input_logprobs.CopyFrom(self._input_logprobs(output))
+            chunk.input_logprobs.CopyFrom(self._input_logprobs(output))
         return chunk
 
     def complete(self, output: RequestOutput, choice: CompletionOutput) -> pb.GenerateComplete:
