@@ -46,3 +46,5 @@ class SamplingInputs:
     #                                   bad words' last tokens); -1 pad
     has_bias: jax.Array  # bool[R]  add the row's logit bias (PenaltyState.logit_bias)
     has_grammar: jax.Array  # bool[R]  mask by the row's grammar (PenaltyState.grammar_mask)
+    num_proposed: jax.Array  # i32[R]  speculative proposals among the row's last tokens: the
+    #                                  step samples at each of them and at the last token

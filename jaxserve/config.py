@@ -15,6 +15,7 @@ from pathlib import Path
 from jaxserve.generation_config import sampling_defaults
 from jaxserve.mesh import MeshShape, ModelDims, parse_mesh, plan_sharding
 from jaxserve.models import resolve_architecture
+from jaxserve.spec_decode import SpeculativeConfig
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ORBAX_MARKER = "jaxserve_orbax.json"  # in a `jaxserve convert` folder (orbax_checkpoint.py)
@@ -188,12 +189,16 @@ class EngineConfig:
     # True: compile every bucket at start-up; False: each on first use; "background": the
     # first bucket at start-up, the others in a thread while steps run on compiled ones
     precompile: bool | str = True
+    speculative: SpeculativeConfig | None = None  # n-gram speculative decoding (None: off)
 
     def __post_init__(self) -> None:
         if self.precompile not in PRECOMPILE:
             raise ValueError(f"precompile must be True, False or 'background', got "
                              f"{self.precompile!r}.")
         _check_backend(self.backend, self.attention.backend, self.parallel.mesh)
+        if self.backend == "torch" and self.speculative is not None:
+            raise ValueError("speculative_config: speculative decoding runs on the JAX backend "
+                             "only; drop speculative_config or use backend='jax'.")
         if self.backend == "torch" and (Path(self.model.model) / ORBAX_MARKER).is_file():
             raise ValueError(f"{self.model.model} is an Orbax checkpoint (jaxserve convert), "
                              "which the JAX backend restores; the torch backend loads Hugging "
@@ -226,6 +231,7 @@ class EngineConfig:
         precompile: bool | str = True,
         generation_config: str = "auto",
         scheduling_policy: str = "fcfs",
+        speculative_config: SpeculativeConfig | dict | str | None = None,
         on_accelerator: bool = False,
     ) -> EngineConfig:
         """Resolve defaults against the model folder's config.json and validate everything."""
@@ -266,6 +272,7 @@ class EngineConfig:
             backend=resolve_backend(backend),
             compilation_cache_dir=compilation_cache_dir,
             precompile=precompile,
+            speculative=SpeculativeConfig.parse(speculative_config),
         )
 
 

@@ -61,7 +61,7 @@ class LLMEngine:
         blocks, size = self.runner.num_blocks, config.cache.block_size
         self.kv_manager = KVCacheManager(blocks, size,
                                          enable_caching=config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.speculative)
         self.grammars = GrammarCompiler(self.tokenizer, config.model.vocab_size,
                                         self.eos_token_ids)
         max_len = config.model.max_model_len
@@ -113,13 +113,17 @@ class LLMEngine:
         """A snapshot of the load and counters; take it on the thread that steps the engine
         (other threads read the snapshot, never the queues)."""
         scheduler, kv, runner = self.scheduler, self.kv_manager, self.runner.stats()
+        spec = scheduler.spec_stats
         return EngineStats(
             running=len(scheduler.running), waiting=len(scheduler.waiting),
             unfinished_requests=len(self._tracked), kv_usage=kv.usage,
             kv_capacity_tokens=kv.capacity_tokens,
             prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits,
             preemptions=scheduler.num_preemptions, compilations=runner.compilations,
-            compiling=runner.compiling, warm_up_done=runner.warm_up_done)
+            compiling=runner.compiling, warm_up_done=runner.warm_up_done,
+            spec_drafts=spec.num_drafts, spec_draft_tokens=spec.num_draft_tokens,
+            spec_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(spec.accepted_per_pos))
 
     @property
     def in_flight(self) -> SchedulerOutput | None:
@@ -349,11 +353,11 @@ class LLMEngine:
         appended = self._collect()  # sampling results: tokens, stop tokens, lengths
         self._launch()  # the next step, scheduled with those tokens
         changed: dict[str, TrackedRequest] = {}
-        for tracked, req, token in appended:  # overlaps the device step just launched
+        for tracked, req, tokens in appended:  # overlaps the device step just launched
             if tracked.error is not None:
                 continue
             try:
-                self._detokenize(tracked, req, token)
+                self._detokenize(tracked, req, tokens)
             except Exception as err:  # noqa: BLE001 - this request only
                 self._fail(tracked, err, "while detokenizing")
                 continue
@@ -425,10 +429,10 @@ class LLMEngine:
         # Ctrl-C), their KV may be missing, so no later request may hit them.
         self.kv_manager.reset_prefix_cache()
 
-    def _collect(self) -> list[tuple[TrackedRequest, Request, int]]:
+    def _collect(self) -> list[tuple[TrackedRequest, Request, list[int]]]:
         """Wait for the step in flight and fold its results in: computed tokens, prompt
         logprobs, sampled tokens, and the finishes that need no text (stop token ids, EOS,
-        length). Returns the (request, token) pairs sampled."""
+        length). Returns the (request, new tokens) pairs sampled."""
         parts, self._in_flight = self._in_flight, []
         appended = []
         for out, handle in parts:
@@ -463,7 +467,8 @@ class LLMEngine:
                 self._suspects[req.request_id] = req.num_computed_tokens + count
                 self.scheduler.recompute(req)
 
-    def _fold(self, out: SchedulerOutput, result) -> list[tuple[TrackedRequest, Request, int]]:
+    def _fold(self, out: SchedulerOutput,
+              result) -> list[tuple[TrackedRequest, Request, list[int]]]:
         """A step's results: prompt logprobs recorded, then the scheduler's update (computed
         tokens, sampled tokens, finishes), then the sampled tokens' logprob entries."""
         if result.prompt_scores is not None:
@@ -481,23 +486,25 @@ class LLMEngine:
                     self._fail(tracked, err, "while its results were read")
         appended = []
         sampled = result.sampled
-        for row, req in self.scheduler.update_from_output(out, sampled):
+        for req, indices in self.scheduler.update_from_output(out, sampled,
+                                                               result.num_emitted):
             tracked = self._by_child[req.request_id]
-            token = int(req.token_ids[req.num_tokens - 1])
-            if req.grammar is not None and not self._advance_grammar(tracked, req, token):
+            tokens = req.token_ids[req.num_tokens - len(indices): req.num_tokens].tolist()
+            if req.grammar is not None and not all(
+                    self._advance_grammar(tracked, req, token) for token in tokens):
                 continue
             if req.params.logprobs is not None:
                 k = req.params.logprobs
                 try:
-                    tracked.logprobs[tracked.children.index(req)].append(
-                        self.outputs.logprob_dict(token, float(sampled.logprobs[row]),
-                                                  int(sampled.ranks[row]),
-                                                  sampled.top_ids[row][:k],
-                                                  sampled.top_logprobs[row][:k]))
+                    tracked.logprobs[tracked.children.index(req)].extend(
+                        self.outputs.logprob_dict(token, float(sampled.logprobs[i]),
+                                                  int(sampled.ranks[i]), sampled.top_ids[i][:k],
+                                                  sampled.top_logprobs[i][:k])
+                        for token, i in zip(tokens, indices))
                 except Exception as err:  # noqa: BLE001 - this request only
                     self._fail(tracked, err, "while its results were read")
                     continue
-            appended.append((tracked, req, token))
+            appended.append((tracked, req, tokens))
         return appended
 
     def _advance_grammar(self, tracked: TrackedRequest, req: Request, token: int) -> bool:
@@ -517,19 +524,34 @@ class LLMEngine:
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
         return True
 
-    def _detokenize(self, tracked: TrackedRequest, req: Request, token: int) -> None:
-        """Text for the token, and stop strings: a request that matches one finishes now,
-        and its row in the step already running is dropped when that step is collected."""
-        detok = tracked.detokenizers[tracked.children.index(req)]
-        # The token itself ended the request (EOS, a stop token id): its text is not shown.
-        # A grammar that reached its end also stops the request, after a token that is.
-        by_token = req.status is RequestStatus.FINISHED_STOPPED and (
-            token in req.eos_token_ids or token in req.stop_token_ids)
-        stop_str = detok.update(
-            [token], stop_terminated=by_token,
-            check_stop=req.num_output_tokens > req.params.min_tokens)
-        if stop_str is not None:
+    def _detokenize(self, tracked: TrackedRequest, req: Request, tokens: list[int]) -> None:
+        """Text for the new tokens (one, or a speculative step's several), and stop
+        strings, token by token: a request that matches one finishes at that token (later
+        tokens of the same step are dropped, as if they had never been sampled), and its row
+        in the step already running is dropped when that step is collected."""
+        child = tracked.children.index(req)
+        detok = tracked.detokenizers[child]
+        for i, token in enumerate(tokens):
+            later = len(tokens) - 1 - i
+            # The token itself ended the request (EOS, a stop token id): its text is not
+            # shown. A grammar that reached its end also stops the request, after a token
+            # that is.
+            by_token = not later and req.status is RequestStatus.FINISHED_STOPPED and (
+                token in req.eos_token_ids or token in req.stop_token_ids)
+            stop_str = detok.update(
+                [token], stop_terminated=by_token,
+                check_stop=req.num_output_tokens - later > req.params.min_tokens)
+            if stop_str is None:
+                continue
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop_reason=stop_str)
+            if later:
+                req.drop_tokens_after(req.num_tokens - later)
+                if req.params.logprobs is not None:
+                    entries = tracked.logprobs[child]
+                    for token_id, entry in zip(tokens[i + 1:], entries[-later:]):
+                        req.cumulative_logprob -= entry[token_id].logprob
+                    del entries[-later:]
+            return
 
     def _fail(self, tracked: TrackedRequest, err: BaseException, stage: str, *,
               device: bool = False, log: bool = True) -> None:

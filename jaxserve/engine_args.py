@@ -123,6 +123,12 @@ class EngineArgs:
         "background (the first at start-up, the rest while serving; serve's default) or "
         "lazy (each on first use; generate's default)")
 
+    speculative_config: dict | str | None = _arg(
+        None, "n-gram speculative decoding (prompt lookup), as vLLM's JSON: {\"method\": "
+        "\"ngram\", \"num_speculative_tokens\": K, \"prompt_lookup_min\": a, "
+        "\"prompt_lookup_max\": b}; each step verifies up to K tokens proposed from the "
+        "sequence's own earlier tokens (JAX backend)", parse=str, metavar="JSON")
+
     # ---- from keywords and from the command line ----------------------------------------
     @classmethod
     def from_kwargs(cls, caller: str = "EngineArgs", /, **kwargs: Any) -> EngineArgs:
@@ -197,7 +203,8 @@ class EngineArgs:
             attention_backend=self.attention_backend, backend=self.backend,
             compilation_cache_dir=self.compilation_cache_dir, precompile=precompile,
             generation_config=self.generation_config,
-            scheduling_policy=self.scheduling_policy, on_accelerator=on_accelerator)
+            scheduling_policy=self.scheduling_policy,
+            speculative_config=self.speculative_config, on_accelerator=on_accelerator)
 
 
 _TYPES = {"int": int, "float": float, "str": str}

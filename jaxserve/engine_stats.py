@@ -24,6 +24,12 @@ class EngineStats:
     compilations: int = 0  # XLA compilations in this process so far
     compiling: int = 0  # functions being compiled now
     warm_up_done: bool = True  # every bucket compiled
+    # Speculative decoding, so far: rows that verified proposals, proposals verified, kept,
+    # and kept by position (K entries; empty when the engine does not speculate).
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -43,4 +49,9 @@ class EngineStats:
             prefix_cache_hits=sum(p.prefix_cache_hits for p in parts),
             preemptions=sum(p.preemptions for p in parts),
             compilations=parts[0].compilations, compiling=sum(p.compiling for p in parts),
-            warm_up_done=all(p.warm_up_done for p in parts))
+            warm_up_done=all(p.warm_up_done for p in parts),
+            spec_drafts=sum(p.spec_drafts for p in parts),
+            spec_draft_tokens=sum(p.spec_draft_tokens for p in parts),
+            spec_accepted_tokens=sum(p.spec_accepted_tokens for p in parts),
+            spec_accepted_per_pos=tuple(map(sum, zip(*(p.spec_accepted_per_pos
+                                                       for p in parts)))))

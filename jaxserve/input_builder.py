@@ -18,8 +18,9 @@ MAX_BANNED_IDS = 32
 
 def samples_this_step(req, count: int) -> bool:
     """Whether a request scheduled for `count` tokens samples a token at the end of this
-    step (the rest of a chunked prefill does not)."""
-    return req.num_computed_tokens + count == req.num_tokens
+    step (the rest of a chunked prefill does not; speculative proposals come after its
+    tokens)."""
+    return req.num_computed_tokens + count >= req.num_tokens
 
 
 def _fill_tokens(reqs, counts, firsts, starts, block_size, token_ids, positions, slot_mapping):
@@ -70,6 +71,7 @@ def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, bloc
     banned_ids = np.full((num_rows, MAX_BANNED_IDS), -1, np.int32)
     has_bias = np.zeros(num_rows, np.bool_)
     has_grammar = np.zeros(num_rows, np.bool_)
+    num_proposed = np.zeros(num_rows, np.int32)
 
     reqs, n = out.requests, len(out.requests)
     if n:
@@ -90,10 +92,11 @@ def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, bloc
         floats = np.array([r.sampling_floats for r in reqs], np.float32)
         temperature[:n], top_p[:n], min_p[:n] = floats[:, 0], floats[:, 1], floats[:, 2]
         presence[:n], frequency[:n], repetition[:n] = floats[:, 3], floats[:, 4], floats[:, 5]
-        ints = np.array([(r.sampling_top_k, r.seed, r.num_prompt_tokens, r.state_slot)
-                         for r in reqs], np.int64)
+        ints = np.array([(r.sampling_top_k, r.seed, r.num_prompt_tokens, r.state_slot,
+                          r.num_proposed) for r in reqs], np.int64)
         top_k[:n] = ints[:, 0]  # SamplingParams keeps top_k within int32
         seeds[:n], prompt_lens[:n], state_slots[:n] = ints[:, 1], ints[:, 2], ints[:, 3]
+        num_proposed[:n] = ints[:, 4]
         for row, (req, count) in enumerate(zip(reqs, out.num_scheduled_tokens)):
             if req.grammar_active and samples_this_step(req, count):
                 has_grammar[row] = True  # its mask comes with the step (see the engine)
@@ -122,5 +125,5 @@ def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, bloc
                     sample_positions=sample_positions, state_slots=state_slots,
                     reset_state=reset_state, prompt_lens=prompt_lens,
                     wants_logprobs=wants_logprobs, banned_ids=banned_ids,
-                    has_bias=has_bias, has_grammar=has_grammar)
+                    has_bias=has_bias, has_grammar=has_grammar, num_proposed=num_proposed)
     return batch, sampling

@@ -220,8 +220,11 @@ class KVCacheManager:
             if blocks is None:
                 return False
             request.block_ids.extend(blocks)
-        if self.enable_caching and total // self.block_size > request.num_registered_blocks:
-            self._register(request, total // self.block_size)
+        # Only blocks of known tokens are named: not those holding proposals (speculative
+        # decoding writes their KV too, but they may be rejected).
+        num_full = min(total, request.num_tokens) // self.block_size
+        if self.enable_caching and num_full > request.num_registered_blocks:
+            self._register(request, num_full)
         return True
 
     def _register(self, request: Request, num_full: int) -> None:

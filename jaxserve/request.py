@@ -72,10 +72,18 @@ class Request:
         self.reads_prefix_cache = params.prompt_logprobs is None and (
             params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
             and params.repetition_penalty == 1.0)
+        # Speculative decoding proposes tokens only where every sampling stage is the same at
+        # each proposed position: not with penalties (their counts would have to include the
+        # proposals), bad words or structured outputs (their masks depend on the tokens
+        # before), nor below min_tokens (see may_speculate).
+        self.speculates = params.presence_penalty == 0.0 and params.frequency_penalty == 0.0 \
+            and params.repetition_penalty == 1.0 and grammar is None and not (
+                constraints is not None and constraints.bad_sequences)
         self.num_cached_tokens: int | None = None  # cache hits at its first admission
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.num_proposed = 0  # proposals in its last scheduled step (speculative decoding)
         self.state_slot = 0  # row of the device-side penalty state; 0 = none held
         self.needs_state_reset = False  # set when a row is handed out, cleared once it ran
         self.cumulative_logprob = 0.0  # of the output tokens, when logprobs are asked for
@@ -106,9 +114,35 @@ class Request:
         # A plain attribute: read for every request at every step.
         self.finished = value.finished
 
+    @property
+    def may_speculate(self) -> bool:
+        """Whether proposals may be verified for it in its next step: it speculates, has
+        reached min_tokens (no stop-token masks) and only its last token is left to compute
+        (it is decoding)."""
+        return (self.speculates and self.num_output_tokens >= self.params.min_tokens
+                and self.num_computed_tokens == self.num_tokens - 1)
+
+    @property
+    def max_proposals(self) -> int:
+        """Proposals that can still be used: one token always follows them, and the output
+        ends at max_output_tokens."""
+        return self.max_output_tokens - self.num_output_tokens - 1
+
+    def set_proposals(self, token_ids) -> None:
+        """Write proposed tokens after the known ones (scratch room: num_tokens stays), for
+        the next step's input builder to feed."""
+        self.token_ids[self.num_tokens: self.num_tokens + len(token_ids)] = token_ids
+
     def append_token(self, token_id: int) -> None:
         self.token_ids[self.num_tokens] = token_id
         self.num_tokens += 1
+
+    def drop_tokens_after(self, num_tokens: int) -> None:
+        """Forget the tokens past the first num_tokens (of a finished request: a stop string
+        ended it within the tokens one speculative step appended)."""
+        if not self.finished or num_tokens < self.num_prompt_tokens:
+            raise RuntimeError("only a finished request's output tokens can be dropped")
+        self.num_tokens = min(self.num_tokens, num_tokens)
 
     def check_stop_token(self) -> bool:
         """After appending a token: finish on EOS / stop_token_ids (after min_tokens) or length."""

@@ -6,6 +6,13 @@ by a warm-up, through the executable cache):
     step(params, kv_caches, penalty_state, packed_inputs)
         -> (kv_caches, penalty_state, hidden, packed_sample_result)
 
+With speculative decoding (K proposals at most), a step in which some row verifies
+proposals samples at each proposal of a row and at its last token, and keeps the proposals
+that match the draws (rejection_sampler.py). The packed result then holds L = min(T, R*(K+1))
+entries, row after row (row r's num_proposed[r] + 1 entries first, at the sum of the earlier
+rows' counts), and the count each row emitted. Steps without proposals run the one-token
+sampler into the same layout.
+
 It is the step of docs/architecture.md, step(params, kv_caches, batch, sampling), with two
 additions: the Batch and SamplingInputs travel packed into one int32 buffer (one
 host-to-device transfer; unpacked inside by static slices, see packing.py), and the penalty
@@ -61,6 +68,7 @@ from jaxserve.models import model_family
 from jaxserve.models.mixtral import expert_parallel
 from jaxserve.orbax_checkpoint import is_orbax_folder, restore_params
 from jaxserve.packing import Layout, layout_of, pack, pack_device, unpack, unpack_host
+from jaxserve.rejection_sampler import accept_drafts
 from jaxserve.runner_api import PaddingStats, RunnerStats, StepResult
 from jaxserve.sampler import (
     MASK_ROWS_PER_CALL,
@@ -116,6 +124,8 @@ class ModelRunner:
         if jax.process_count() > 1:  # one process: the executable cache below instead
             enable_persistent_cache(config.compilation_cache_dir)
         self.config = config
+        self.num_speculative = (config.speculative.num_speculative_tokens
+                                if config.speculative is not None else 0)  # K
         self.mesh = mesh or replica_mesh(config)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.local_device = next(d for d in self.mesh.devices.flat
@@ -216,16 +226,52 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, params)
         kv_caches, hidden = model(kv_caches, batch, self.attend)
         hidden = jax.lax.with_sharding_constraint(hidden, self.replicated)  # [T, D]
-        # The sampler sees the whole vocabulary on every device.
-        logits = jax.lax.with_sharding_constraint(
-            model.logits(hidden[batch.logits_indices]), self.replicated)  # f32[R, V]
         seq, _, valid = token_layout(batch, batch.token_ids.shape[0])
         # The penalty rows are only read by requests with penalties, which are in the
         # steps that update them: other steps skip the scatter.
         penalty_state = jax.lax.cond(
             uses_penalties(sampling), update_penalty_state, lambda state, *_: state,
             penalty_state, batch, sampling, seq, valid)
-        result = sample(logits, penalty_state, sampling)
+
+        def sample_at(indices, s):  # the sampler sees the whole vocabulary on every device
+            logits = jax.lax.with_sharding_constraint(model.logits(hidden[indices]),
+                                                      self.replicated)  # f32[rows, V]
+            return sample(logits, penalty_state, s)
+
+        k = self.num_speculative
+        if not k:
+            result = sample_at(batch.logits_indices, sampling)
+            return kv_caches, penalty_state, hidden, pack_device(result)
+        rows = batch.logits_indices.shape[0]
+        slots = min(batch.token_ids.shape[0], rows * (k + 1))  # L
+
+        def one_token():  # row r's entry at r
+            result = sample_at(batch.logits_indices, sampling)
+            widen = lambda x: jnp.zeros((slots,) + x.shape[1:], x.dtype).at[:rows].set(x)
+            return jax.tree.map(widen, result), jnp.ones((rows,), jnp.int32)
+
+        def verify():
+            proposed = sampling.num_proposed
+            # Slot layout: row r's proposals and last token (padding rows: none).
+            counts = jnp.where(jnp.arange(rows) < batch.num_seqs[0], proposed + 1, 0)
+            ends = jnp.cumsum(counts)
+            starts = ends - counts
+            slot = jnp.arange(slots)
+            row = jnp.minimum(jnp.searchsorted(ends, slot, side="right"), rows - 1)
+            j = slot - starts[row]  # position among the row's sampled tokens
+            used = slot < ends[-1]
+            back = proposed[row] - j  # tokens after this one in the row's query
+            index = jnp.where(used, batch.logits_indices[row] - back, 0)
+            each = jax.tree.map(lambda x: x[row], sampling)
+            each = dataclasses.replace(
+                each, sample_positions=jnp.where(used, each.sample_positions - back, 0))
+            result = sample_at(index, each)
+            # The proposal after this token, when there is one: kept if the draw equals it.
+            follows = batch.token_ids[jnp.minimum(index + 1, batch.token_ids.shape[0] - 1)]
+            return result, accept_drafts(result.token_ids, follows, used & (back > 0), row,
+                                         starts)
+
+        result = jax.lax.cond(jnp.any(sampling.num_proposed > 0), verify, one_token)
         return kv_caches, penalty_state, hidden, pack_device(result)
 
     def _score_fn(self, params, hidden, targets):
@@ -236,6 +282,14 @@ class ModelRunner:
         batch, sampling = build_step_inputs(SchedulerOutput([], [], []), num_tokens, num_rows,
                                             self.block_size, self.blocks_per_seq)
         return layout_of({**batch, **sampling})
+
+    def _step_result_like(self, num_tokens: int, num_rows: int):
+        """The packed result of a (T, R) step: R entries; speculating, L = min(T, R*(K+1))
+        entries and the count each row emitted."""
+        if not self.num_speculative:
+            return self._result_like(num_rows)
+        slots = min(num_tokens, num_rows * (1 + self.num_speculative))
+        return self._result_like(slots), jax.ShapeDtypeStruct((num_rows,), np.dtype(np.int32))
 
     def _result_like(self, rows: int) -> SampleResult:
         k = min(MAX_LOGPROBS, self.arch.vocab_size)
@@ -398,10 +452,13 @@ class ModelRunner:
     def fetch(self, step: InFlightStep) -> StepResult:
         """Wait for a dispatched step; its results in one device-to-host transfer."""
         result, scores = jax.device_get((_local(step.result), _local(step.scores)))
-        result = unpack_host(result, self._result_like(step.num_rows))
+        num_emitted = None
+        result = unpack_host(result, self._step_result_like(step.num_tokens, step.num_rows))
+        if self.num_speculative:
+            result, num_emitted = result
         if scores is not None:
             scores = unpack_host(scores, self._result_like(step.num_tokens))
-        return StepResult(result, scores)
+        return StepResult(result, scores, num_emitted)
 
 
 def _local(array: jax.Array | None) -> jax.Array | None:

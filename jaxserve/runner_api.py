@@ -33,6 +33,10 @@ class StepResult:
 
     sampled: Any
     prompt_scores: Any | None
+    # i32[R] tokens each row emitted, when the engine speculates: then sampled's fields hold
+    # W = 1 + num_speculative_tokens entries per row (row r's at r*W ..), the first
+    # num_emitted[r] of them emitted. None: one token per row, sampled's fields are [R].
+    num_emitted: Any | None = None
 
 
 @dataclasses.dataclass(frozen=True)

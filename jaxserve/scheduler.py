@@ -11,6 +11,12 @@ A waiting request is admitted with its cached prefix (KVCacheManager.get_compute
 it starts with those blocks and num_computed_tokens at their end, and only the rest is
 scheduled and charged to the token budget.
 
+Speculative decoding (n-gram, spec_decode.py): a decoding request that may speculate gets
+up to K proposals from its own tokens, scheduled after its last token (they count against
+the budget and get KV slots like any token). The step emits the accepted proposals plus one
+token; the computed count then drops back past the rejected ones, whose KV slots the next
+step overwrites.
+
 Every change to requests and blocks goes through here: schedule, then update_from_output
 with the step's sampled tokens (computed tokens, appended tokens, stop tokens, EOS, length),
 finish (stop strings, aborts, failures) and recompute (a step lost on the device).
@@ -25,6 +31,7 @@ from collections import deque
 from jaxserve.config import SchedulerConfig
 from jaxserve.kv_cache_manager import KVCacheManager
 from jaxserve.request import Request, RequestStatus
+from jaxserve.spec_decode import SpecDecodeStats, SpeculativeConfig, propose_ngram
 
 
 @dataclasses.dataclass
@@ -43,9 +50,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
         self.kv_manager = kv_manager
+        self.speculative = speculative
+        self.spec_stats = SpecDecodeStats.empty(
+            speculative.num_speculative_tokens if speculative else 0)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -79,7 +90,12 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0 and index < max_seqs:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            request.num_proposed = self._propose(request, budget - remaining)
+            num_new = min(remaining + request.num_proposed, budget)
+            if request.num_proposed and not self.kv_manager.allocate_slots(request, num_new):
+                request.num_proposed = 0  # no room for proposals: never preempt for them
+                num_new = min(remaining, budget)
             while not self.kv_manager.allocate_slots(request, num_new):
                 # Victims come from running past index: none of them has been scheduled in
                 # this pass. That matters for prefix caching: allocate_slots registers the
@@ -116,6 +132,7 @@ class Scheduler:
             if request.scheduled_time is None:
                 request.scheduled_time = time.monotonic()
             request.state_slot = self._free_slots.pop()
+            request.num_proposed = 0
             request.needs_state_reset = True
             self.running.append(request)
             scheduled.append(request)
@@ -123,27 +140,61 @@ class Scheduler:
             budget -= num_new
         return SchedulerOutput(scheduled, counts, preempted)
 
-    def update_from_output(self, out: SchedulerOutput, sampled) -> list[tuple[int, Request]]:
+    def _propose(self, request: Request, room: int) -> int:
+        """Propose up to K tokens for a decoding request (written after its tokens, see
+        Request.set_proposals) within `room` budget tokens; how many."""
+        spec = self.speculative
+        if spec is None or room <= 0 or not request.may_speculate:
+            return 0
+        k = min(spec.num_speculative_tokens, room, request.max_proposals)
+        if k <= 0:
+            return 0
+        proposals = propose_ngram(request.token_ids[: request.num_tokens],
+                                  spec.prompt_lookup_min, spec.prompt_lookup_max, k)
+        request.set_proposals(proposals)
+        return len(proposals)
+
+    def update_from_output(self, out: SchedulerOutput, sampled,
+                           num_emitted=None) -> list[tuple[Request, list[int]]]:
         """Fold a finished step into its requests: each scheduled request (not finished
         meanwhile) has its scheduled tokens computed; one that caught up with its tokens
-        appends the token sampled for its row (sampled.token_ids i32[R]; sampled.logprobs
-        f32[R] adds to cumulative_logprob when it asked for logprobs) and finishes on a stop
-        token, EOS or length, freeing its blocks. Returns (row, request) for each request
-        that got a token, in batch order."""
+        appends the tokens sampled for its row and finishes on a stop token, EOS or length,
+        freeing its blocks.
+
+        sampled.token_ids holds each row's num_proposed + 1 draws, row after row (the
+        runner's slots), of which row r emitted num_emitted[r] (i32[R]; None: one each,
+        sampled is i32[R]): its accepted proposals and one more. sampled.logprobs (same
+        layout) adds to cumulative_logprob when the request asked for logprobs. Rejected
+        proposals are uncomputed again. Returns (request, indices into sampled of its new
+        tokens) for each request that got tokens, in batch order."""
         appended = []
+        start = 0  # the row's first slot
         for row, (request, count) in enumerate(zip(out.requests, out.num_scheduled_tokens)):
+            first, start = start, start + request.num_proposed + 1
+            proposed, request.num_proposed = request.num_proposed, 0
             if request.finished:
                 continue  # stopped (stop string), aborted or failed while the step ran
             request.needs_state_reset = False  # the step reset its penalty-state row
             request.num_computed_tokens += count
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk: nothing sampled yet
-            request.append_token(int(sampled.token_ids[row]))
-            if request.params.logprobs is not None:
-                request.cumulative_logprob += float(sampled.logprobs[row])
-            if request.check_stop_token():
-                self.finish(request, request.status)
-            appended.append((row, request))
+            emitted = 1 if num_emitted is None else int(num_emitted[row])
+            if not 1 <= emitted <= proposed + 1:
+                raise RuntimeError(f"row {row} emitted {emitted} tokens for {proposed} "
+                                   "proposals")
+            if proposed:
+                request.num_computed_tokens -= proposed - (emitted - 1)
+                self.spec_stats.record(proposed, emitted - 1)
+            taken = []
+            for index in range(first, first + emitted):
+                request.append_token(int(sampled.token_ids[index]))
+                if request.params.logprobs is not None:
+                    request.cumulative_logprob += float(sampled.logprobs[index])
+                taken.append(index)
+                if request.check_stop_token():
+                    self.finish(request, request.status)
+                    break
+            appended.append((request, taken))
         return appended
 
     def _victim(self, index: int) -> Request:
@@ -158,6 +209,7 @@ class Scheduler:
         self._release_slot(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_proposed = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         # Back to the front of the waiting queue (of its priority class).

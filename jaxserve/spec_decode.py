@@ -75,6 +75,32 @@ class SpeculativeConfig:
         return cls(**fields)
 
 
+@dataclasses.dataclass
+class SpecDecodeStats:
+    """Running totals of verified proposals (vLLM's vllm:spec_decode_* series)."""
+
+    num_drafts: int  # rows that verified at least one proposal
+    num_draft_tokens: int  # proposals verified
+    num_accepted_tokens: int  # of those, kept
+    accepted_per_pos: list[int]  # kept proposals by their position 0..K-1
+
+    @classmethod
+    def empty(cls, k: int) -> SpecDecodeStats:
+        return cls(0, 0, 0, [0] * k)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        for position in range(accepted):
+            self.accepted_per_pos[position] += 1
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean proposals kept per verifying row (tokens per step of a row: this + 1)."""
+        return self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
 def propose_ngram(tokens, min_n: int, max_n: int, k: int) -> np.ndarray:
     """Up to k tokens that followed an earlier occurrence of the longest suffix of `tokens`
     (an n-gram, min_n <= n <= max_n) that occurs earlier: the most recent occurrence that k

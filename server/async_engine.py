@@ -330,6 +330,9 @@ class AsyncLLMEngine:
                                        kv_usage=stats.kv_usage, preemptions=stats.preemptions,
                                        prefix_cache=(stats.prefix_cache_queries,
                                                      stats.prefix_cache_hits))
+            self.metrics.update_spec_decode(stats.spec_drafts, stats.spec_draft_tokens,
+                                            stats.spec_accepted_tokens,
+                                            stats.spec_accepted_per_pos)
         now = time.monotonic()
         if now - self._last_log >= _LOG_INTERVAL_S and self.metrics:
             prompt, gen = self.metrics.token_totals()

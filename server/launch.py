@@ -128,7 +128,10 @@ def serve(engine_config, server_config: ServerConfig, log_level: str = "info",
     engine = create_engine(engine_config)
     metrics = EngineMetrics(server_config.served_names[0],
                             warm_up_done=lambda: async_engine.warm_up_done,
-                            max_model_len=engine.config.model.max_model_len)
+                            max_model_len=engine.config.model.max_model_len,
+                            num_speculative_tokens=(
+                                engine.config.speculative.num_speculative_tokens
+                                if engine.config.speculative else 0))
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=server_config.max_waiting_requests,
                                   metrics=metrics)
     async_engine.start()

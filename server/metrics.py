@@ -16,6 +16,9 @@
 | vllm:request_prompt_tokens, vllm:request_generation_tokens | histogram (tokens) |
 | vllm:request_max_num_generation_tokens, vllm:request_params_max_tokens | histogram (tokens) |
 | vllm:request_params_n | histogram |
+| vllm:spec_decode_num_drafts_total, vllm:spec_decode_num_draft_tokens_total | counter |
+| vllm:spec_decode_num_accepted_tokens_total | counter |
+| vllm:spec_decode_num_accepted_tokens_per_pos_total{position} | counter |
 | jaxserve:compile_seconds{kind=step|score} (trace, lower and compile of one bucket) | histogram |
 | jaxserve:xla_compilations_total (every XLA compile in the process) | counter |
 | jaxserve:executable_cache_loads_total (buckets loaded from disk, not compiled) | counter |
@@ -91,9 +94,10 @@ class CompileCollector:
 class EngineMetrics:
     def __init__(self, model_name: str, *,
                  warm_up_done: Callable[[], bool] = lambda: True,
-                 max_model_len: int = 8192) -> None:
+                 max_model_len: int = 8192, num_speculative_tokens: int = 0) -> None:
         """warm_up_done: whether the engine has compiled every bucket (for the gauge);
-        max_model_len: the top of the token-count buckets."""
+        max_model_len: the top of the token-count buckets; num_speculative_tokens: K of
+        speculative decoding (0: off, and no vllm:spec_decode_* series)."""
         self.registry = CollectorRegistry()
         self.registry.register(CompileCollector(model_name, warm_up_done))
         labels = {"model_name": model_name}
@@ -163,6 +167,19 @@ class EngineMetrics:
             "vllm:request_params_max_tokens", "max_tokens of each request.", tokens)
         self.request_params_n = histogram("vllm:request_params_n", "n of each request.",
                                           _N_BUCKETS)
+        self.spec_decode = None
+        if num_speculative_tokens:
+            self.spec_decode = [
+                counter("vllm:spec_decode_num_drafts",
+                        "Steps of a sequence that verified speculative proposals."),
+                counter("vllm:spec_decode_num_draft_tokens", "Proposals verified."),
+                counter("vllm:spec_decode_num_accepted_tokens", "Proposals accepted.")]
+            per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                              "Proposals accepted, by their position among a step's "
+                              "proposals.", ["model_name", "position"], registry=r)
+            self.spec_decode_per_pos = [per_pos.labels(position=str(i), **labels)
+                                        for i in range(num_speculative_tokens)]
+        self._spec_seen = (0, 0, 0, (0,) * num_speculative_tokens)
         self._preemptions_seen = 0
         self._prefix_cache_seen = (0, 0)  # (queries, hits) already counted
         self._tokens = [0, 0]
@@ -185,6 +202,21 @@ class EngineMetrics:
         if new_hits > 0:
             self.prefix_cache_hits.inc(new_hits)
         self._prefix_cache_seen = prefix_cache
+
+    def update_spec_decode(self, drafts: int, draft_tokens: int, accepted: int,
+                           accepted_per_pos: tuple[int, ...]) -> None:
+        """The engine's running totals of speculative decoding (EngineStats.spec_*)."""
+        if self.spec_decode is None:
+            return
+        seen = self._spec_seen
+        for series, total, before in zip(self.spec_decode, (drafts, draft_tokens, accepted),
+                                         seen):
+            if total > before:
+                series.inc(total - before)
+        for series, total, before in zip(self.spec_decode_per_pos, accepted_per_pos, seen[3]):
+            if total > before:
+                series.inc(total - before)
+        self._spec_seen = (drafts, draft_tokens, accepted, tuple(accepted_per_pos))
 
     def finished(self, reason: str) -> None:
         self.request_success.labels(finished_reason=reason, **self._request_success_labels).inc()

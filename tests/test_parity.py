@@ -105,6 +105,33 @@ def test_greedy_matches_under_scheduler_pressure(arch, variant, tiny_checkpoints
     assert got == expected[arch]
 
 
+# ---- speculative decoding: proposals verified in the step, under all three pressures (and
+# prefix caching, on by default). The proposer knows HF's continuation and corrupts 30% of
+# its proposals, so every step keeps some and rejects others (test_speculative.py runs the
+# real n-gram lookup). By default llama, mistral (sliding window) and qwen3_moe; the others
+# with -m slow.
+SPEC_DEFAULT = ("llama", "mistral", "qwen3_moe")
+
+
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=[] if a in SPEC_DEFAULT
+                                                else [pytest.mark.slow]) for a in ARCHS])
+def test_speculative_greedy_matches_transformers(arch, tiny_checkpoints, hf_reference,
+                                                 monkeypatch):
+    from spec_helpers import KnownContinuations
+
+    prompts, expected = hf_reference
+    proposer = KnownContinuations([p + e for p, e in zip(prompts, expected[arch])])
+    monkeypatch.setattr("jaxserve.scheduler.propose_ngram", proposer)
+    got, llm = run_jaxserve(tiny_checkpoints[arch], prompts, max_num_seqs=8,
+                            speculative_config={"num_speculative_tokens": 4},
+                            **VARIANTS["all-three"])
+    stats = llm.engine.stats()
+    assert llm.engine.num_preemptions > 0
+    assert stats.spec_accepted_tokens > 20
+    assert stats.spec_draft_tokens - stats.spec_accepted_tokens > 20
+    assert got == expected[arch]
+
+
 # ---- the torch backend (LLM(backend="torch"): torch models, the PyTorch reference attention
 # on the CPU) against the same HF tokens. Default: the dense families plainly and under all
 # three pressures at once; the MoE families with -m slow.

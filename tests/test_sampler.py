@@ -27,7 +27,8 @@ def inputs(rows=1, **overrides) -> dict[str, np.ndarray]:
                   reset_state=np.zeros(rows, bool), prompt_lens=np.zeros(rows, np.int32),
                   wants_logprobs=np.ones(rows, bool),
                   banned_ids=np.full((rows, 16), -1, np.int32),
-                  has_bias=np.zeros(rows, bool), has_grammar=np.zeros(rows, bool))
+                  has_bias=np.zeros(rows, bool), has_grammar=np.zeros(rows, bool),
+                  num_proposed=np.zeros(rows, np.int32))
     for key, value in overrides.items():
         values[key] = np.array(
             np.broadcast_to(np.asarray(value, values[key].dtype), values[key].shape))

@@ -27,6 +27,7 @@ from jaxserve.kv_cache_manager import BlockPool, KVCacheManager
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler, SchedulerOutput
+from jaxserve.spec_decode import SpeculativeConfig
 
 VOCAB = 50_000
 PAD = -2  # what padding tokens write (into the null block)
@@ -65,14 +66,16 @@ class Harness:
 
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int = 256,
-                 enable_caching: bool = False, policy: str = "fcfs") -> None:
+                 enable_caching: bool = False, policy: str = "fcfs",
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len, policy=policy)
         self.kv_manager = KVCacheManager(num_blocks, block_size, enable_caching=enable_caching)
         self.enable_caching = enable_caching
         self.hash_tokens: dict[bytes, list[int]] = {}  # every block hash seen -> its tokens
-        self.scheduler = Scheduler(self.config, self.kv_manager)
+        self.scheduler = Scheduler(self.config, self.kv_manager, speculative)
+        self.k = speculative.num_speculative_tokens if speculative else 0
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
@@ -147,7 +150,13 @@ class Harness:
         assert len(reqs) <= cfg.max_num_seqs
         assert len({id(r) for r in reqs}) == len(reqs), "a request scheduled twice in one step"
         for req, n in zip(reqs, counts):
-            assert 1 <= n <= req.num_tokens - req.num_computed_tokens
+            assert 1 <= n <= req.num_tokens - req.num_computed_tokens + req.num_proposed
+            assert req.num_proposed <= self.k
+            if req.num_proposed:  # proposals only after the last token, all of them
+                assert req.num_computed_tokens == req.num_tokens - 1
+                assert n == 1 + req.num_proposed
+                assert req.num_tokens + req.num_proposed < req.num_prompt_tokens + \
+                    req.max_output_tokens
             assert req.status is RequestStatus.RUNNING
 
         # Running requests first (oldest first, a prefix of the running list); the preempted
@@ -194,10 +203,12 @@ class Harness:
         for req in s.running:
             assert req.status is RequestStatus.RUNNING
             computed = req.num_computed_tokens + pending.get(id(req), 0)
-            assert computed <= req.num_tokens
+            assert computed <= req.num_tokens + req.num_proposed
             if scheduled is None:
                 assert computed < req.num_tokens, "a running request is owed no work"
-            assert len(req.block_ids) == cdiv(computed, bs), (
+            # Rejected proposals leave their blocks with the request (overwritten next).
+            need, most = cdiv(computed, bs), cdiv(max(computed, req.num_tokens + self.k), bs)
+            assert need <= len(req.block_ids) <= (most if self.k else need), (
                 f"{req.request_id} holds {len(req.block_ids)} blocks for {computed} tokens")
             if req.num_preemptions == 0 and computed < req.num_prompt_tokens:
                 assert req.num_output_tokens == 0, "a token before the prompt was computed"
@@ -313,26 +324,41 @@ class Harness:
         assert (slots[total:] < bs).all(), "padding must write into the null block"
         self.kv[slots[total:]] = PAD
         self.kv[slots[:total]] = batch["token_ids"][:total]
-        sampled = np.full(num_rows, -1, np.int64)
-        completing = []
+        sampled = np.full(rows + sum(r.num_proposed for r in out.requests), -1, np.int64)
+        emitted = np.ones(num_rows, np.int32)
+        assert sampling["num_proposed"][:rows].tolist() == [r.num_proposed
+                                                           for r in out.requests]
+        completing, firsts, slot = [], {}, 0
         for row, (req, n) in enumerate(zip(out.requests, out.num_scheduled_tokens)):
+            first, slot = slot, slot + req.num_proposed + 1  # the row's slots, row after row
+            firsts[id(req)] = first
             computed = req.num_computed_tokens + n
             assert batch["kv_lens"][row] == computed
             if computed < req.num_tokens:
                 continue  # a prefill chunk: nothing sampled yet
             pos = np.arange(computed)
             context = self.kv[batch["block_tables"][row][pos // bs] * bs + pos % bs]
-            np.testing.assert_array_equal(context, req.token_ids[: req.num_tokens],
+            np.testing.assert_array_equal(context, req.token_ids[: computed],
                                           err_msg=f"KV of {req.request_id} read back wrong")
-            sampled[row] = next_token(context)
+            # The model verifies each proposal: keep them while they are its own tokens.
+            proposed = req.num_proposed
+            for j in range(proposed + 1):
+                sampled[first + j] = next_token(context[: req.num_tokens + j])
+                if j == proposed or sampled[first + j] != context[req.num_tokens + j]:
+                    emitted[row] = j + 1
+                    break
             completing.append(req)
-        result = types.SimpleNamespace(token_ids=sampled, logprobs=np.zeros(num_rows))
-        got = self.scheduler.update_from_output(out, result)
-        assert [req for _, req in got] == completing
+        result = types.SimpleNamespace(token_ids=sampled, logprobs=np.zeros(len(sampled)))
+        got = self.scheduler.update_from_output(out, result, emitted if self.k else None)
+        assert [req for req, _ in got] == completing
         for req in out.requests:
             assert not req.needs_state_reset, "a row that ran keeps its penalty state"
-        for row, req in got:
-            assert req.output_token_ids[-1] == sampled[row]
+            assert req.num_proposed == 0
+        for req, indices in got:
+            row = out.requests.index(req)
+            assert indices[0] == firsts[id(req)] and len(indices) <= emitted[row]
+            assert len(indices) == emitted[row] or req.finished
+            assert req.output_token_ids[-len(indices):] == sampled[indices].tolist()
             produced.append(req)
             if req.finished:
                 assert req not in self.scheduler.running and req.block_ids == []
@@ -719,3 +745,87 @@ def test_step_limits_cap_a_step_below_the_configured_budget():
     h.execute(out)
     h.run()
     assert sorted(r.request_id for r in h.finished) == [f"r{i}" for i in range(6)]
+
+
+# ---- speculative decoding -------------------------------------------------------------------
+def oracle(corrupt: float, seed: int):
+    """A proposer that knows the fake model: it proposes the model's own next tokens, each
+    replaced by a wrong one with probability `corrupt` (so some are kept, some rejected)."""
+    rng = random.Random(seed)
+
+    def propose(tokens, min_n, max_n, k):
+        tokens, out = list(tokens), []
+        for _ in range(rng.randint(0, k)):
+            token = next_token(tokens)
+            if rng.random() < corrupt:
+                token = (token + 1) % VOCAB
+            out.append(token)
+            tokens.append(token)
+        return np.asarray(out, np.int32)
+    return propose
+
+
+@pytest.mark.parametrize("corrupt", [0.0, 0.3])
+def test_speculative_soak_keeps_every_invariant_and_every_token(corrupt, monkeypatch):
+    """Proposals are verified by the fake model; kept ones extend the output by several
+    tokens a step, rejected ones are recomputed: every output equals plain decoding's, under
+    preemption, chunked prefill, prefix caching, aborts and tight budgets."""
+    accepted = rejected = preemptions = 0
+    for seed in range(10):
+        monkeypatch.setattr("jaxserve.scheduler.propose_ngram", oracle(corrupt, seed))
+        rng = random.Random(100 + seed)
+        block_size, max_model_len = rng.choice([1, 2, 4, 8]), rng.choice([32, 48, 64])
+        max_num_seqs = rng.randint(1, 6)
+        min_blocks = cdiv(max_model_len, block_size) + 1
+        h = Harness(num_blocks=rng.randint(min_blocks, 3 * min_blocks), block_size=block_size,
+                    max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=rng.randint(max_num_seqs, 40),
+                    max_model_len=max_model_len, enable_caching=rng.random() < 0.5,
+                    speculative=SpeculativeConfig(num_speculative_tokens=rng.randint(1, 5)))
+
+        def add(i: int) -> None:
+            prompt_len = rng.randint(1, max_model_len - 1)
+            tag = rng.randint(0, 3)  # shared prompts: prefix-cache hits
+            h.new(f"s{seed}-{i}", prompt_len, rng.randint(1, max_model_len - prompt_len),
+                  tag=tag)
+
+        h.soak(rng, 25, add, bursts=(0, 1, 1, 2, 4), max_steps=20_000)
+        stats = h.scheduler.spec_stats
+        accepted += stats.num_accepted_tokens
+        rejected += stats.num_draft_tokens - stats.num_accepted_tokens
+        preemptions += h.scheduler.num_preemptions
+        assert stats.num_accepted_tokens == sum(stats.accepted_per_pos)
+    assert accepted > 100 and preemptions > 0
+    assert (rejected > 50) if corrupt else rejected == 0
+
+
+def test_no_proposals_where_a_sampling_stage_depends_on_earlier_tokens(monkeypatch):
+    """Penalties (counts), min_tokens (stop tokens masked until then) and the end of
+    max_tokens rule proposals out; the rest get them."""
+    monkeypatch.setattr("jaxserve.scheduler.propose_ngram", oracle(0.0, 0))
+    h = Harness(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                speculative=SpeculativeConfig(num_speculative_tokens=4))
+    kinds = {"plain": {}, "penalty": dict(repetition_penalty=1.2),
+             "presence": dict(presence_penalty=0.5), "min_tokens": dict(min_tokens=6)}
+    reqs = {}
+    for name, extra in kinds.items():
+        params = SamplingParams(max_tokens=12, ignore_eos=True, **extra)
+        reqs[name] = h.add(Request(name, prompt_ids(len(reqs), 5), params, seed=0,
+                                   max_model_len=256, eos_token_ids=frozenset({7})))
+    proposed = {name: [] for name in kinds}
+    while h.scheduler.num_unfinished:
+        out = h.schedule()
+        for req in out.requests:
+            if req.num_tokens > req.num_prompt_tokens:
+                proposed[req.request_id].append((req.num_output_tokens, req.num_proposed))
+        h.execute(out)
+    assert all(n == 0 for _, n in proposed["penalty"] + proposed["presence"])
+    # The oracle proposes 0..k tokens; never more than max_tokens leaves room for.
+    assert any(n > 0 for _, n in proposed["plain"])
+    assert all(done + n < 12 for done, n in proposed["plain"])
+    # min_tokens: none while below it, then some.
+    assert all(n == 0 for done, n in proposed["min_tokens"] if done < 6)
+    assert any(n > 0 for done, n in proposed["min_tokens"])
+    h.check_outputs()
+    for req in reqs.values():
+        assert req.num_output_tokens == 12
