@@ -783,7 +783,7 @@ def test_speculative_soak_keeps_every_invariant_and_every_token(corrupt, monkeyp
                     max_model_len=max_model_len, enable_caching=rng.random() < 0.5,
                     speculative=SpeculativeConfig(num_speculative_tokens=rng.randint(1, 5)))
 
-        def add(i: int) -> None:
+        def add(i: int, h=h, rng=rng, seed=seed, max_model_len=max_model_len) -> None:
             prompt_len = rng.randint(1, max_model_len - 1)
             tag = rng.randint(0, 3)  # shared prompts: prefix-cache hits
             h.new(f"s{seed}-{i}", prompt_len, rng.randint(1, max_model_len - prompt_len),
