@@ -15,6 +15,7 @@ from pathlib import Path
 from jaxserve.generation_config import sampling_defaults
 from jaxserve.mesh import MeshShape, ModelDims, parse_mesh, plan_sharding
 from jaxserve.models import resolve_architecture
+from jaxserve.quantization import check_quantization
 from jaxserve.spec_decode import SpeculativeConfig
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -46,8 +47,10 @@ class ModelConfig:
     # SamplingParams fields the model's generation_config.json sets (generation_config.py)
     sampling_defaults: dict = dataclasses.field(default_factory=dict, compare=False,
                                                 hash=False)
+    quantization: str | None = None  # "int8": linear weights as int8 (quantization.py)
 
     def __post_init__(self) -> None:
+        check_quantization(self.quantization)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got "
                              f"{self.load_format!r}.")
@@ -196,6 +199,13 @@ class EngineConfig:
             raise ValueError(f"precompile must be True, False or 'background', got "
                              f"{self.precompile!r}.")
         _check_backend(self.backend, self.attention.backend, self.parallel.mesh)
+        if self.model.quantization is not None and self.backend == "torch":
+            raise ValueError("quantization: int8 weights run on the JAX backend only; drop "
+                             "quantization or use backend='jax'.")
+        if self.model.quantization is not None and (
+                Path(self.model.model) / ORBAX_MARKER).is_file():
+            raise ValueError("quantization: an Orbax checkpoint (jaxserve convert) is restored "
+                             "as saved; quantize from the Hugging Face folder instead.")
         if self.backend == "torch" and self.speculative is not None:
             raise ValueError("speculative_config: speculative decoding runs on the JAX backend "
                              "only; drop speculative_config or use backend='jax'.")
@@ -232,6 +242,7 @@ class EngineConfig:
         generation_config: str = "auto",
         scheduling_policy: str = "fcfs",
         speculative_config: SpeculativeConfig | dict | str | None = None,
+        quantization: str | None = None,
         on_accelerator: bool = False,
     ) -> EngineConfig:
         """Resolve defaults against the model folder's config.json and validate everything."""
@@ -258,7 +269,8 @@ class EngineConfig:
                               dtype=resolved_dtype, max_model_len=max_model_len, seed=seed,
                               hf_config=hf_config, load_format=load_format,
                               sampling_defaults=sampling_defaults(str(model),
-                                                                  generation_config)),
+                                                                  generation_config),
+                              quantization=check_quantization(quantization)),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               gpu_memory_utilization=gpu_memory_utilization,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,

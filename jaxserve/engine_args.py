@@ -123,6 +123,10 @@ class EngineArgs:
         "background (the first at start-up, the rest while serving; serve's default) or "
         "lazy (each on first use; generate's default)")
 
+    quantization: str | None = _arg(
+        None, "int8: store the linear layers' weights as int8 with a float scale per output "
+        "channel, quantized when they load (activations keep dtype; JAX backend)",
+        choices=("int8",))
     speculative_config: dict | str | None = _arg(
         None, "n-gram speculative decoding (prompt lookup), as vLLM's JSON: {\"method\": "
         "\"ngram\", \"num_speculative_tokens\": K, \"prompt_lookup_min\": a, "
@@ -204,7 +208,8 @@ class EngineArgs:
             compilation_cache_dir=self.compilation_cache_dir, precompile=precompile,
             generation_config=self.generation_config,
             scheduling_policy=self.scheduling_policy,
-            speculative_config=self.speculative_config, on_accelerator=on_accelerator)
+            speculative_config=self.speculative_config, quantization=self.quantization,
+            on_accelerator=on_accelerator)
 
 
 _TYPES = {"int": int, "float": float, "str": str}

@@ -220,7 +220,7 @@ def executable_cache_for(config, runner) -> ExecutableCache | None:
         "max_num_seqs": sched.max_num_seqs, "vocab": runner.arch.vocab_size,
         "attention": config.attention.backend, "mesh": str(config.parallel.mesh),
         "expert_parallel": config.parallel.expert_parallel, "arch": repr(runner.arch),
-        "speculative_tokens": runner.num_speculative,
+        "speculative_tokens": runner.num_speculative, "quantization": model.quantization,
     }
     directory = os.path.join(config.compilation_cache_dir, "executables")
     return ExecutableCache(directory, fingerprint, runner.mesh.devices.flat)

@@ -23,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from jaxserve.quantization import CONTRACTED, SCALE_SUFFIX
+
 MODEL = "model"
 DATA = "data"
 AXES = (DATA, MODEL)
@@ -169,6 +171,10 @@ def param_spec(path: tuple, plan: ShardingPlan) -> tuple:
     """The partition spec (a tuple of mesh-axis names or None per dimension) of one model
     parameter, from its path in the NNX state (e.g. ('layers', 3, 'attn', 'wq'))."""
     name = str(path[-1])
+    if name.endswith(SCALE_SUFFIX):  # an int8 kernel's scale: the kernel's, size 1 on inputs
+        kernel = name[: -len(SCALE_SUFFIX)]
+        spec = param_spec((*path[:-1], kernel), plan)
+        return tuple(None if i in CONTRACTED[kernel] else axis for i, axis in enumerate(spec))
     if name in ("embed", "lm_head"):  # [V, D]
         return {"hidden": (None, MODEL), "vocab": (MODEL, None)}.get(plan.embed_axis, ())
     if name in _EXPERT_RULES:

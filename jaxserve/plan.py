@@ -22,6 +22,7 @@ from jaxserve import kv_sizing
 from jaxserve.config import EngineConfig
 from jaxserve.mesh import MODEL, MeshShape, ModelDims, ShardingPlan, param_spec, plan_sharding
 from jaxserve.models import model_family, resolve_architecture
+from jaxserve.quantization import SCALE_SUFFIX
 
 GROUPS = ("embeddings", "attention", "mlp", "norms", "other")
 
@@ -62,6 +63,7 @@ class Plan:
     max_num_batched_tokens: int
     token_buckets: tuple[int, ...]
     step_buckets: tuple[tuple[int, int], ...]
+    quantization: str | None = None  # "int8": the linear layers' weights
 
     @property
     def weight_bytes_per_device(self) -> int:
@@ -110,7 +112,7 @@ def make_plan(config: EngineConfig, device_memory_bytes: int) -> Plan:
     dims = ModelDims.from_hf(hf)
     mesh = config.parallel.mesh
     sharding = plan_sharding(dims, mesh.model, config.parallel.expert_parallel)
-    weights = _weight_groups(hf, sharding, dtype)
+    weights = _weight_groups(hf, sharding, dtype, config.model.quantization)
     arch = model_family(hf).arch_from_hf(hf)
     cache, sched = config.cache, config.scheduler
     per_block = _bytes_per_block(hf, sharding, cache.block_size, dtype)
@@ -125,7 +127,8 @@ def make_plan(config: EngineConfig, device_memory_bytes: int) -> Plan:
                                          max(blocks, needed) * per_block))
     kv_sizing.check_holds_one_sequence(blocks, cache.block_size, config.model.max_model_len)
     return Plan(
-        model=config.model.model, architecture=resolve_architecture(hf), dtype=dtype, mesh=mesh,
+        model=config.model.model, architecture=resolve_architecture(hf), dtype=dtype,
+        quantization=config.model.quantization, mesh=mesh,
         sharding=sharding, num_layers=arch.num_layers, num_heads=dims.num_heads,
         num_kv_heads=dims.num_kv_heads, head_dim=arch.head_dim,
         intermediate_size=dims.intermediate_size, num_experts=dims.num_experts,
@@ -162,7 +165,8 @@ def _no_fit_message(config: EngineConfig, memory: int, used: int, kv: int) -> st
             sharding = plan_sharding(ModelDims.from_hf(hf), m, config.parallel.expert_parallel)
         except ValueError:
             continue
-        weights = sum(g.bytes_per_device for g in _weight_groups(hf, sharding, dtype))
+        weights = sum(g.bytes_per_device for g in _weight_groups(
+            hf, sharding, dtype, config.model.quantization))
         if weights + state + needed * _bytes_per_block(hf, sharding, cache.block_size,
                                                        dtype) <= usable:
             hints.append(f"a model axis of {m} fits (--mesh {mesh.data}x{m}, "
@@ -180,7 +184,8 @@ def _no_fit_message(config: EngineConfig, memory: int, used: int, kv: int) -> st
 
 
 @functools.lru_cache(maxsize=32)
-def _cached_groups(hf_json: str, sharding: ShardingPlan, dtype: str) -> tuple[WeightGroup, ...]:
+def _cached_groups(hf_json: str, sharding: ShardingPlan, dtype: str,
+                   quantization: str | None = None) -> tuple[WeightGroup, ...]:
     # jax and flax are imported here, not at module load: the CLI parses its flags (and
     # `jaxserve plan` pins JAX to the CPU) before anything imports jax.
     import jax.numpy as jnp
@@ -190,7 +195,8 @@ def _cached_groups(hf_json: str, sharding: ShardingPlan, dtype: str) -> tuple[We
     family = model_family(hf)
     arch = dataclasses.replace(family.arch_from_hf(hf), num_kv_heads=sharding.kv_heads,
                                kv_replicas=sharding.kv_replicas)  # as ModelRunner builds it
-    abstract = nnx.eval_shape(lambda: family.model_cls(arch, jnp.dtype(dtype)))
+    options = {"quantization": quantization} if quantization else {}
+    abstract = nnx.eval_shape(lambda: family.model_cls(arch, jnp.dtype(dtype), **options))
     _, state = nnx.split(abstract)
     params = {g: 0 for g in GROUPS}
     split = {g: 0 for g in GROUPS}
@@ -201,7 +207,8 @@ def _cached_groups(hf_json: str, sharding: ShardingPlan, dtype: str) -> tuple[We
         shape = [-(-n // sharding.model) if i < len(spec) and spec[i] == MODEL else n
                  for i, n in enumerate(value.shape)]
         group = _group(path)
-        params[group] += math.prod(value.shape)
+        if not str(path[-1]).endswith(SCALE_SUFFIX):  # int8 scales: bytes, not parameters
+            params[group] += math.prod(value.shape)
         nbytes = math.prod(shape) * value.dtype.itemsize
         (split if MODEL in spec else whole)[group] += nbytes
     return tuple(WeightGroup(g, params[g], split[g] + whole[g],
@@ -210,9 +217,10 @@ def _cached_groups(hf_json: str, sharding: ShardingPlan, dtype: str) -> tuple[We
                  for g in GROUPS if params[g])
 
 
-def _weight_groups(hf: dict, sharding: ShardingPlan, dtype: str) -> tuple[WeightGroup, ...]:
+def _weight_groups(hf: dict, sharding: ShardingPlan, dtype: str,
+                   quantization: str | None = None) -> tuple[WeightGroup, ...]:
     """Parameters and per-device bytes by group; cached, as the no-fit hints try many."""
-    return _cached_groups(json.dumps(hf, sort_keys=True), sharding, dtype)
+    return _cached_groups(json.dumps(hf, sort_keys=True), sharding, dtype, quantization)
 
 
 def _group(path: tuple) -> str:
@@ -275,7 +283,8 @@ def format_plan(plan: Plan) -> str:
                f"{plan.expert_intermediate_size // s.model}")
     labels = dict(_LABELS, mlp="MLP + experts" if plan.num_experts else "MLP")
     lines = [
-        f"model        {plan.model} ({plan.architecture}, {plan.dtype}, "
+        f"model        {plan.model} ({plan.architecture}, {plan.dtype}"
+        f"{f' with {plan.quantization} linear layers' if plan.quantization else ''}, "
         f"{plan.num_params:,} parameters per replica)",
         f"mesh         {mesh}: {_count(mesh.data, 'replica')}, each split over "
         f"{_count(mesh.model, 'device')} = {_count(mesh.num_devices, 'device')}; numbers below "

@@ -145,6 +145,9 @@ class ModelRunner:
         options = {}
         if config.parallel.expert_parallel:  # whole experts per device, summed over `model`
             options["moe_fn"] = expert_parallel(self.mesh, MODEL)
+        quantization = config.model.quantization
+        if quantization is not None:
+            options["quantization"] = quantization
         abstract = nnx.eval_shape(lambda: family.model_cls(self.arch, self.dtype, **options))
         spec_of = lambda path: PartitionSpec(*param_spec(path, self.plan))
         if config.model.load_format == "dummy":
@@ -191,11 +194,12 @@ class ModelRunner:
         held = sum(shard.data.nbytes for leaf in jax.tree.leaves(self.params)
                    for shard in leaf.addressable_shards if shard.device == self.local_device)
         plan, arch = self.plan, self.arch
+        quantization = self.config.model.quantization
         logger.info("Mesh %s: model axis %d; kv heads %d -> %d (%d per device); embeddings "
-                    "split on %s; weights %.2f MiB per device.",
+                    "split on %s; weights %.2f MiB per device%s.",
                     self.config.parallel.mesh, plan.model, arch.num_kv_heads // plan.kv_replicas,
                     plan.kv_heads, plan.kv_heads_per_device, plan.embed_axis or "nothing",
-                    held / 2**20)
+                    held / 2**20, f" ({quantization} linear layers)" if quantization else "")
 
     @property
     def bytes_per_block(self) -> int:
@@ -317,7 +321,10 @@ class ModelRunner:
             return compiled
         start = time.perf_counter()
         lowered = self._lower(key)
-        hlo = lowered.as_text() if cache is not None else ""
+        # The input tree too: jit drops unused arguments from the HLO, so two models that
+        # differ only in parameters a function does not read (prompt scoring reads only the
+        # embeddings) lower to the same text but take different inputs.
+        hlo = f"{lowered.as_text()}\n// inputs: {lowered.in_tree}" if cache is not None else ""
         compiled = cache.load_lowered(name, hlo) if cache is not None else None
         if compiled is not None:
             record_load()

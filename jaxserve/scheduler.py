@@ -13,9 +13,11 @@ scheduled and charged to the token budget.
 
 Speculative decoding (n-gram, spec_decode.py): a decoding request that may speculate gets
 up to K proposals from its own tokens, scheduled after its last token (they count against
-the budget and get KV slots like any token). The step emits the accepted proposals plus one
-token; the computed count then drops back past the rejected ones, whose KV slots the next
-step overwrites.
+the budget and get KV slots like any token). Proposals never push a step into a bigger
+token bucket than they fill: past the last bucket boundary they reach (or the padding of the
+step's bucket without them), the deepest ones are dropped (_fit_proposals). The step emits
+the accepted proposals plus one token; the computed count then drops back past the
+rejected ones, whose KV slots the next step overwrites.
 
 Every change to requests and blocks goes through here: schedule, then update_from_output
 with the step's sampled tokens (computed tokens, appended tokens, stop tokens, EOS, length),
@@ -57,6 +59,7 @@ class Scheduler:
         self.speculative = speculative
         self.spec_stats = SpecDecodeStats.empty(
             speculative.num_speculative_tokens if speculative else 0)
+        self._speculating = False  # this step makes proposals (see schedule)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -86,6 +89,9 @@ class Scheduler:
         scheduled: list[Request] = []
         counts: list[int] = []
         preempted: list[Request] = []
+        spec = self.speculative
+        self._speculating = spec is not None and (spec.disable_by_batch_size is None or len(
+            self.running) <= spec.disable_by_batch_size)
 
         index = 0
         while index < len(self.running) and budget > 0 and index < max_seqs:
@@ -113,6 +119,8 @@ class Scheduler:
             counts.append(num_new)
             budget -= num_new
             index += 1
+
+        budget += self._fit_proposals(scheduled, counts)
 
         # Admit waiting requests only when nothing had to give way this step.
         while (not preempted and self.waiting and budget > 0
@@ -144,7 +152,7 @@ class Scheduler:
         """Propose up to K tokens for a decoding request (written after its tokens, see
         Request.set_proposals) within `room` budget tokens; how many."""
         spec = self.speculative
-        if spec is None or room <= 0 or not request.may_speculate:
+        if not self._speculating or room <= 0 or not request.may_speculate:
             return 0
         k = min(spec.num_speculative_tokens, room, request.max_proposals)
         if k <= 0:
@@ -153,6 +161,30 @@ class Scheduler:
                                   spec.prompt_lookup_min, spec.prompt_lookup_max, k)
         request.set_proposals(proposals)
         return len(proposals)
+
+    def _fit_proposals(self, scheduled: list[Request], counts: list[int]) -> int:
+        """Drop the deepest proposals (the least likely to be kept) until the step's tokens
+        end at a token-bucket boundary, or fill the bucket the step needs without them: a
+        bigger bucket would pad the proposals' step with tokens nobody uses. Returns the
+        tokens dropped."""
+        proposed = sum(r.num_proposed for r in scheduled)
+        if not proposed:
+            return 0
+        tokens = sum(counts)
+        buckets = self.config.token_buckets
+        below = [b for b in buckets if b <= tokens]
+        plain = next((b for b in buckets if b >= tokens - proposed), tokens)
+        excess = tokens - max(below[-1] if below else 0, plain)
+        dropped = 0
+        while excess > 0:
+            deepest = max(r.num_proposed for r in scheduled)
+            for i, request in enumerate(scheduled):
+                if excess and request.num_proposed == deepest:
+                    request.num_proposed -= 1
+                    counts[i] -= 1
+                    excess -= 1
+                    dropped += 1
+        return dropped
 
     def update_from_output(self, out: SchedulerOutput, sampled,
                            num_emitted=None) -> list[tuple[Request, list[int]]]:

@@ -29,6 +29,10 @@ class SpeculativeConfig:
     method: str = "ngram"
     prompt_lookup_min: int = DEFAULT_LOOKUP
     prompt_lookup_max: int = DEFAULT_LOOKUP
+    # No proposals in a step while more sequences than this are running (None: always).
+    # Where a step is bound by arithmetic (many sequences), verifying costs what decoding
+    # does, and speculation only adds the rejected tokens.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -40,6 +44,11 @@ class SpeculativeConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config.{name} must be an integer >= 1, got "
                                  f"{value!r}.")
+        size = self.disable_by_batch_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool)
+                                 or size < 1):
+            raise ValueError("speculative_config.disable_by_batch_size must be an integer >= 1 "
+                             f"(or null), got {size!r}.")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) "
                              f"must not exceed prompt_lookup_max ({self.prompt_lookup_max}).")

@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jaxserve.checkpoint import parameter_values
+from jaxserve.quantization import SCALE_SUFFIX, quantize_int8
 
 
 def place(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -25,13 +26,21 @@ def place(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
 def load_params(abstract_model: nnx.Module, folder: str | Path, path_of, dtype, mesh: Mesh,
                 spec_of=lambda path: PartitionSpec()) -> nnx.Module:
     """Fill an abstract (eval_shape'd) model with the checkpoint's tensors (path_of as
-    checkpoint.parameter_values), each placed on its sharding as soon as it is read.
+    checkpoint.parameter_values), each placed on its sharding as soon as it is read; an int8
+    kernel (quantization.py) is quantized on the host first and placed with its scale.
     spec_of(path) -> PartitionSpec for that parameter on `mesh`."""
     graphdef, state = nnx.split(abstract_model)
     expected = {tuple(path): var for path, var in nnx.to_flat_state(state)}
-    shapes = {path: var.get_value().shape for path, var in expected.items()}
-    loaded = {path: place(value, NamedSharding(mesh, spec_of(path)))
-              for path, value in parameter_values(folder, path_of, shapes, dtype)}
+    shapes = {path: var.get_value().shape for path, var in expected.items()
+              if not str(path[-1]).endswith(SCALE_SUFFIX)}
+    put = lambda path, value: place(value, NamedSharding(mesh, spec_of(path)))
+    loaded = {}
+    for path, value in parameter_values(folder, path_of, shapes, dtype):
+        if expected[path].get_value().dtype == np.int8:
+            value, scale = quantize_int8(value, str(path[-1]))
+            scale_path = (*path[:-1], str(path[-1]) + SCALE_SUFFIX)
+            loaded[scale_path] = put(scale_path, scale)
+        loaded[path] = put(path, value)
     flat = [(path, var.replace(loaded[path])) for path, var in nnx.to_flat_state(state)]
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
@@ -49,10 +58,18 @@ def random_params(abstract_model: nnx.Module, mesh: Mesh, seed: int,
     for i, (path, var) in enumerate(tqdm(leaves, desc="Random weights", unit="tensor")):
         like = var.get_value()
         sharding = NamedSharding(mesh, spec_of(path))
-        signature = (like.shape, jax.numpy.dtype(like.dtype), sharding)
+        signature = (like.shape, jax.numpy.dtype(like.dtype), sharding,
+                     str(path[-1]).endswith(SCALE_SUFFIX))
         if signature not in makers:
-            makers[signature] = jax.jit(
-                lambda k, shape=like.shape, dtype=like.dtype: jax.random.uniform(
-                    k, shape, dtype, -1e-3, 1e-3), out_shardings=sharding)
+            if like.dtype == np.int8:  # an int8 kernel: its scales below make it +-1e-3
+                make = lambda k, shape=like.shape: jax.random.randint(k, shape, -127, 128,
+                                                                       np.int8)
+            elif signature[-1]:
+                make = lambda k, shape=like.shape: jax.numpy.full(shape, 1e-3 / 127,
+                                                                  np.float32)
+            else:
+                make = lambda k, shape=like.shape, dtype=like.dtype: jax.random.uniform(
+                    k, shape, dtype, -1e-3, 1e-3)
+            makers[signature] = jax.jit(make, out_shardings=sharding)
         flat.append((path, var.replace(makers[signature](jax.random.fold_in(key, i)))))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))

@@ -2,7 +2,8 @@
 
 The variants differ only through LlamaArch: GQA, RoPE (default, linear, llama3 scaling),
 optional q/k/v bias (Qwen2), optional per-head q/k RMSNorm (Qwen3), sliding-window layers
-(Mistral), tied or untied lm_head. The forward pass takes the ragged batch of
+(Mistral), tied or untied lm_head. quantization="int8" stores the projections' kernels as
+int8 with per-output-channel scales (jaxserve/quantization.py). The forward pass takes the ragged batch of
 docs/architecture.md, writes each layer's K/V into its paged cache at slot_mapping and
 attends through one entry point.
 """
@@ -17,6 +18,7 @@ from flax import nnx
 
 from jaxserve.kernels_pallas.ref import ragged_paged_attention, write_kv
 from jaxserve.models.llama_arch import LlamaArch, hf_param_path, rope_inv_freq  # noqa: F401
+from jaxserve.models.quantized import kernel, matmul
 
 
 def apply_rope(x, cos, sin):
@@ -38,12 +40,12 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, arch: LlamaArch, layer: int, dtype) -> None:
+    def __init__(self, arch: LlamaArch, layer: int, dtype, quantization=None) -> None:
         d, n, k, h = arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim
-        self.wq = nnx.Param(jnp.zeros((d, n, h), dtype))  # [D, N, H]
-        self.wk = nnx.Param(jnp.zeros((d, k, h), dtype))  # [D, K, H]
-        self.wv = nnx.Param(jnp.zeros((d, k, h), dtype))  # [D, K, H]
-        self.wo = nnx.Param(jnp.zeros((n, h, d), dtype))  # [N, H, D]
+        kernel(self, "wq", (d, n, h), dtype, quantization)  # [D, N, H]
+        kernel(self, "wk", (d, k, h), dtype, quantization)  # [D, K, H]
+        kernel(self, "wv", (d, k, h), dtype, quantization)  # [D, K, H]
+        kernel(self, "wo", (n, h, d), dtype, quantization)  # [N, H, D]
         if arch.attention_bias:
             self.bq = nnx.Param(jnp.zeros((n, h), dtype))
             self.bk = nnx.Param(jnp.zeros((k, h), dtype))
@@ -57,9 +59,9 @@ class Attention(nnx.Module):
         self.window = arch.sliding_windows[layer]
 
     def __call__(self, x, cos, sin, kv_cache, batch, attend):
-        q = jnp.einsum("td,dnh->tnh", x, self.wq[...])
-        k = jnp.einsum("td,dkh->tkh", x, self.wk[...])
-        v = jnp.einsum("td,dkh->tkh", x, self.wv[...])
+        q = matmul("td,dnh->tnh", x, self, "wq")
+        k = matmul("td,dkh->tkh", x, self, "wk")
+        v = matmul("td,dkh->tkh", x, self, "wv")
         if self.bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         if self.qk_norm:
@@ -67,27 +69,27 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, kv_cache = attend(q, k, v, kv_cache, batch, scale=self.scale,
                                sliding_window=self.window)
-        return jnp.einsum("tnh,nhd->td", out, self.wo[...]), kv_cache
+        return matmul("tnh,nhd->td", out, self, "wo"), kv_cache
 
 
 class MLP(nnx.Module):
-    def __init__(self, arch: LlamaArch, dtype) -> None:
+    def __init__(self, arch: LlamaArch, dtype, quantization=None) -> None:
         d, f = arch.hidden_size, arch.intermediate_size
-        self.w_gate = nnx.Param(jnp.zeros((d, f), dtype))  # [D, F]
-        self.w_up = nnx.Param(jnp.zeros((d, f), dtype))  # [D, F]
-        self.w_down = nnx.Param(jnp.zeros((f, d), dtype))  # [F, D]
+        kernel(self, "w_gate", (d, f), dtype, quantization)  # [D, F]
+        kernel(self, "w_up", (d, f), dtype, quantization)  # [D, F]
+        kernel(self, "w_down", (f, d), dtype, quantization)  # [F, D]
 
     def __call__(self, x):
-        gate = jax.nn.silu(x @ self.w_gate[...])
-        return (gate * (x @ self.w_up[...])) @ self.w_down[...]
+        gate = jax.nn.silu(matmul("td,df->tf", x, self, "w_gate"))
+        return matmul("tf,fd->td", gate * matmul("td,df->tf", x, self, "w_up"), self, "w_down")
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, arch: LlamaArch, layer: int, dtype) -> None:
+    def __init__(self, arch: LlamaArch, layer: int, dtype, quantization=None) -> None:
         self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.attn = Attention(arch, layer, dtype)
+        self.attn = Attention(arch, layer, dtype, quantization)
         self.post_attention_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.mlp = MLP(arch, dtype)
+        self.mlp = MLP(arch, dtype, quantization)
 
     def __call__(self, x, cos, sin, kv_cache, batch, attend):
         attn_out, kv_cache = self.attn(self.input_norm(x), cos, sin, kv_cache, batch, attend)
@@ -96,10 +98,11 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    def __init__(self, arch: LlamaArch, dtype=jnp.float32) -> None:
+    def __init__(self, arch: LlamaArch, dtype=jnp.float32, quantization=None) -> None:
         self.arch = arch
         self.embed = nnx.Param(jnp.zeros((arch.vocab_size, arch.hidden_size), dtype))  # [V, D]
-        self.layers = nnx.List([DecoderLayer(arch, i, dtype) for i in range(arch.num_layers)])
+        self.layers = nnx.List([DecoderLayer(arch, i, dtype, quantization)
+                                for i in range(arch.num_layers)])
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         if not arch.tie_word_embeddings:
             self.lm_head = nnx.Param(jnp.zeros((arch.vocab_size, arch.hidden_size), dtype))

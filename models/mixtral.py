@@ -21,6 +21,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxserve.models.llama import MLP, DecoderLayer, LlamaForCausalLM
 from jaxserve.models.mixtral_arch import MixtralArch, hf_param_path  # noqa: F401
+from jaxserve.models.quantized import dequantized, kernel
 
 
 def moe_block(x, router_w, w_gate, w_up, w_down, *, top_k: int, normalize: bool,
@@ -78,23 +79,24 @@ def expert_parallel(mesh: Mesh, axis: str) -> Callable:
 
 
 class SparseMoE(nnx.Module):
-    def __init__(self, arch: MixtralArch, dtype, moe_fn: Callable = moe_block) -> None:
+    def __init__(self, arch: MixtralArch, dtype, moe_fn: Callable = moe_block,
+                 quantization=None) -> None:
         d, e, f = arch.hidden_size, arch.num_experts, arch.moe_intermediate_size
         self.router = nnx.Param(jnp.zeros((d, e), dtype))  # [D, E]
-        self.experts_gate = nnx.Param(jnp.zeros((e, d, f), dtype))  # [E, D, F]
-        self.experts_up = nnx.Param(jnp.zeros((e, d, f), dtype))  # [E, D, F]
-        self.experts_down = nnx.Param(jnp.zeros((e, f, d), dtype))  # [E, F, D]
+        kernel(self, "experts_gate", (e, d, f), dtype, quantization)  # [E, D, F]
+        kernel(self, "experts_up", (e, d, f), dtype, quantization)  # [E, D, F]
+        kernel(self, "experts_down", (e, f, d), dtype, quantization)  # [E, F, D]
         if arch.shared_expert_size:
             shared = dataclasses.replace(arch, intermediate_size=arch.shared_expert_size)
-            self.shared_expert = MLP(shared, dtype)
+            self.shared_expert = MLP(shared, dtype, quantization)
             self.shared_gate = nnx.Param(jnp.zeros((d, 1), dtype))  # [D, 1]
         self.has_shared = bool(arch.shared_expert_size)
         self.moe_fn = functools.partial(moe_fn, top_k=arch.top_k, normalize=arch.norm_topk_prob,
                                         cast_weights=arch.cast_routing_weights)
 
     def __call__(self, x):
-        out = self.moe_fn(x, self.router[...], self.experts_gate[...], self.experts_up[...],
-                          self.experts_down[...])
+        out = self.moe_fn(x, self.router[...], *(dequantized(self, name, x.dtype) for name in
+                                                 ("experts_gate", "experts_up", "experts_down")))
         if self.has_shared:
             out = out + jax.nn.sigmoid(x @ self.shared_gate[...]) * self.shared_expert(x)
         return out
@@ -104,19 +106,21 @@ class MoEDecoderLayer(DecoderLayer):
     """llama.py's decoder layer (its forward pass included) with the MoE block as its MLP on
     sparse layers; dense layers keep llama's MLP of intermediate_size."""
 
-    def __init__(self, arch: MixtralArch, layer: int, dtype, moe_fn: Callable) -> None:
-        super().__init__(arch, layer, dtype)
+    def __init__(self, arch: MixtralArch, layer: int, dtype, moe_fn: Callable,
+                 quantization=None) -> None:
+        super().__init__(arch, layer, dtype, quantization)
         if arch.sparse_layers[layer]:
-            self.mlp = SparseMoE(arch, dtype, moe_fn)
+            self.mlp = SparseMoE(arch, dtype, moe_fn, quantization)
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
     """Mixtral, Qwen2-MoE and Qwen3-MoE: LlamaForCausalLM (call, logits) with MoE layers.
     moe_fn replaces moe_block (same signature), e.g. by expert_parallel(mesh, axis)."""
 
-    def __init__(self, arch: MixtralArch, dtype=jnp.float32, moe_fn: Callable = moe_block) -> None:
+    def __init__(self, arch: MixtralArch, dtype=jnp.float32, moe_fn: Callable = moe_block,
+                 quantization=None) -> None:
         # llama's dense layers are built, then replaced: free under nnx.eval_shape, which is
         # how the runner builds models.
-        super().__init__(arch, dtype)
-        self.layers = nnx.List([MoEDecoderLayer(arch, i, dtype, moe_fn)
+        super().__init__(arch, dtype, quantization)
+        self.layers = nnx.List([MoEDecoderLayer(arch, i, dtype, moe_fn, quantization)
                                 for i in range(arch.num_layers)])

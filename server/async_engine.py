@@ -72,6 +72,7 @@ class AsyncLLMEngine:
         self._last_log = time.monotonic()
         self._logged_tokens = (0, 0)
         self._logged_compiles = self._stats.compilations
+        self._logged_spec = (0, 0, 0)  # speculative decoding: drafts, proposed, accepted
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -351,6 +352,14 @@ class AsyncLLMEngine:
                             f", XLA compilations: {compiled}"
                             f"{'' if stats.warm_up_done else ' (warm-up running)'}"
                             if compiled else "")
+            spec = (stats.spec_drafts, stats.spec_draft_tokens, stats.spec_accepted_tokens)
+            drafts, proposed, accepted = (a - b for a, b in zip(spec, self._logged_spec))
+            if drafts:  # vLLM's SpecDecoding line, for the same interval
+                logger.info("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d "
+                            "tokens, Drafted: %d tokens, Acceptance rate: %.1f%%",
+                            1 + accepted / drafts, accepted, proposed,
+                            100 * accepted / proposed)
+            self._logged_spec = spec
             self._logged_tokens = (prompt, gen)
             self._logged_compiles = compiles
             self._last_log = now

@@ -2,7 +2,7 @@
 
 test_mesh.py runs this file in a subprocess (the device count is fixed when JAX starts):
     python tests/mesh_runs.py CHECKPOINT MESH [MESH ...]
-(MESH like 2x4, or 1x8:ep for expert parallelism) and reads one JSON line per mesh: the
+(MESH like 2x4, 1x8:ep for expert parallelism, 1x4:int8 for int8 weights, 1x8:ep,int8) and reads one JSON line per mesh: the
 greedy token ids of every prompt (the tiny checkpoints' check prompts), and per
 data-parallel replica the requests routed to it and the device steps it ran.
 """
@@ -30,9 +30,11 @@ def prompts() -> list[list[int]]:
 def run(folder: str, mesh: str) -> dict:
     from jaxserve import LLM, SamplingParams
 
-    shape, _, option = mesh.partition(":")
+    shape, _, options = mesh.partition(":")
+    options = options.split(",")
     llm = LLM(folder, dtype="float32", max_model_len=64, precompile=False, mesh=shape,
-              expert_parallel=option == "ep", max_num_seqs=2, max_num_batched_tokens=16)
+              expert_parallel="ep" in options, max_num_seqs=2, max_num_batched_tokens=16,
+              quantization="int8" if "int8" in options else None)
     replicas = getattr(llm.engine, "replicas", [llm.engine])
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate(prompts(), params, use_tqdm=False)

@@ -73,3 +73,20 @@ def test_bench_structured_compares_constrained_and_free_batches(tiny_checkpoints
     assert free["output_tokens"] == half["output_tokens"] == 8 * 12
     assert half["mask_ms_per_step"] > 0 and free["mask_ms_per_step"] == 0
     assert data["recompilations_after_warm_up"] == 0
+
+
+@pytest.mark.slow
+def test_bench_spec_decode_compares_plain_and_ngram(tiny_checkpoints, tmp_path):
+    """Two engines compile every bucket: slow. Greedy outputs must be identical (the script
+    exits non-zero otherwise) and the n-gram run must have verified proposals."""
+    report = tmp_path / "report.json"
+    out = run_script("bench_spec_decode.py", "--model", str(tiny_checkpoints["llama"]),
+                     "--num-prompts", "6", "--output-len", "24", "--repeats", "1",
+                     "--max-model-len", "1024", "--json", str(report),
+                     "--max-num-seqs", "4", "--max-num-batched-tokens", "64")
+    assert out.stdout.count("token-identical") == 2
+    data = json.loads(report.read_text())
+    for name in ("code-edits", "sharegpt-like"):
+        assert data[name]["outputs_identical"]
+        assert data[name]["ngram"]["proposed"] > 0
+        assert data[name]["ngram"]["recompilations"] == 0

@@ -748,14 +748,15 @@ def test_step_limits_cap_a_step_below_the_configured_budget():
 
 
 # ---- speculative decoding -------------------------------------------------------------------
-def oracle(corrupt: float, seed: int):
-    """A proposer that knows the fake model: it proposes the model's own next tokens, each
-    replaced by a wrong one with probability `corrupt` (so some are kept, some rejected)."""
+def oracle(corrupt: float, seed: int, every: bool = False):
+    """A proposer that knows the fake model: it proposes up to k (every: exactly k) of the
+    model's own next tokens, each replaced by a wrong one with probability `corrupt` (so
+    some are kept, some rejected)."""
     rng = random.Random(seed)
 
     def propose(tokens, min_n, max_n, k):
         tokens, out = list(tokens), []
-        for _ in range(rng.randint(0, k)):
+        for _ in range(k if every else rng.randint(0, k)):
             token = next_token(tokens)
             if rng.random() < corrupt:
                 token = (token + 1) % VOCAB
@@ -829,3 +830,44 @@ def test_no_proposals_where_a_sampling_stage_depends_on_earlier_tokens(monkeypat
     h.check_outputs()
     for req in reqs.values():
         assert req.num_output_tokens == 12
+
+
+def test_proposals_never_push_a_step_into_a_bigger_bucket_they_do_not_fill(monkeypatch):
+    """Token buckets 16, 32, 64: ten decoding requests with 4 proposals each would need 50
+    tokens (padded to 64); the deepest proposals are dropped down to 32, evenly. With 3
+    requests (3 tokens, padded to 16 anyway) all 12 proposals fit in the 16."""
+    monkeypatch.setattr("jaxserve.scheduler.propose_ngram", oracle(0.0, 0, every=True))
+    for count, total, per_row in ((10, 32, {2, 3}), (3, 15, {4})):
+        h = Harness(num_blocks=200, block_size=4, max_num_seqs=16, max_num_batched_tokens=64,
+                    speculative=SpeculativeConfig(num_speculative_tokens=4))
+        for i in range(count):
+            h.new(f"r{i}", prompt_len=3, max_tokens=40)
+        while True:
+            out = h.schedule()
+            if all(r.num_output_tokens for r in out.requests) and len(out.requests) == count:
+                break
+            h.execute(out)
+        proposals = [r.num_proposed for r in out.requests]
+        assert out.total_num_scheduled_tokens == total
+        assert set(proposals) == per_row
+        h.execute(out)
+        h.run()
+        h.check_outputs()
+
+
+def test_disable_by_batch_size_stops_proposals_while_many_run(monkeypatch):
+    monkeypatch.setattr("jaxserve.scheduler.propose_ngram", oracle(0.0, 0, every=True))
+    h = Harness(num_blocks=200, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                speculative=SpeculativeConfig(num_speculative_tokens=2,
+                                              disable_by_batch_size=2))
+    for i in range(4):
+        h.new(f"r{i}", prompt_len=3, max_tokens=8 + 6 * i)
+    seen = []
+    while h.scheduler.num_unfinished:
+        running = len(h.scheduler.running)
+        out = h.schedule()
+        seen.append((running, sum(r.num_proposed for r in out.requests)))
+        h.execute(out)
+    assert all(proposed == 0 for running, proposed in seen if running > 2)
+    assert any(proposed > 0 for running, proposed in seen if running <= 2)
+    h.check_outputs()

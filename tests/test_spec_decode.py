@@ -55,6 +55,8 @@ def test_vllms_config_forms_and_defaults():
                                     "prompt_lookup_max": 4}).prompt_lookup_max == 4
     assert SpeculativeConfig.parse(None) is None
     assert SpeculativeConfig.parse(config) is config
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 2, "disable_by_batch_size": 16}
+                                   ).disable_by_batch_size == 16
 
 
 @pytest.mark.parametrize("value,error,match", [
@@ -66,6 +68,8 @@ def test_vllms_config_forms_and_defaults():
     ('{"num_speculative_tokens": 2, "model": "draft"}', TypeError, "model"),
     ("{not json", ValueError, "JSON"),
     ("[1]", ValueError, "JSON object"),
+    ('{"num_speculative_tokens": 2, "disable_by_batch_size": 0}', ValueError,
+     "disable_by_batch_size"),
 ])
 def test_bad_configs_say_what_is_wrong(value, error, match):
     with pytest.raises(error, match=match):

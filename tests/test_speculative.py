@@ -18,8 +18,10 @@ from spec_helpers import KnownContinuations
 
 from jaxserve import LLM, SamplingParams
 
-ENGINE = dict(dtype="float32", max_model_len=256, max_num_seqs=16, max_num_batched_tokens=128,
-              block_size=16, precompile=False)
+# The offline tests' shared shape (server_helpers.SMALL_ENGINE_ARGS): the plain engine's
+# compiles come from the executable cache.
+ENGINE = dict(dtype="float32", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128,
+              precompile=False)
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
         "prompt_lookup_max": 3}
 
@@ -52,16 +54,17 @@ def stats_delta(llm, before):
 def test_greedy_with_ngram_proposals_equals_plain_greedy(llms):
     plain, spec = llms
     prompts = repetitive_prompts()
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     want = tokens(plain.generate(prompts, params, use_tqdm=False))
     before = spec.engine.stats()
     got = tokens(spec.generate(prompts, params, use_tqdm=False))
     drafted, accepted = stats_delta(spec, before)
-    assert drafted > 50, "the repeated motifs should give the n-gram lookup proposals"
+    assert drafted > 30, "the repeated motifs should give the n-gram lookup proposals"
     assert got == want
 
 
-@pytest.mark.parametrize("temperature, top_p, top_k", [(1.0, 1.0, 0), (0.8, 0.9, 40)])
+@pytest.mark.parametrize("temperature, top_p, top_k", [
+    pytest.param(1.0, 1.0, 0, marks=pytest.mark.slow), (0.8, 0.9, 40)])
 def test_seeded_sampling_equals_plain_sampling_token_for_token(llms, monkeypatch, temperature,
                                                                top_p, top_k):
     """Each position is drawn as plain sampling draws it (the request's seed and the
@@ -92,8 +95,8 @@ def test_seeded_sampling_equals_plain_sampling_token_for_token(llms, monkeypatch
 
 def test_sampled_distribution_matches_plain_sampling(llms, monkeypatch):
     """Many seeded samples of one prompt (top_k=4 keeps the vocabulary small): the first
-    four tokens' frequencies with speculation (seeds 0..999) match plain sampling's (other
-    seeds, 1000..1999). The proposals are plain greedy's continuation, kept only when a
+    four tokens' frequencies with speculation (seeds 0..799) match plain sampling's (other
+    seeds, 1000..1799). The proposals are plain greedy's continuation, kept only when a
     draw matches it. Tolerance: a chi-square test of the two histograms per position
     (tokens seen fewer than 10 times pooled) must not reject equality at p = 0.001."""
     plain, spec = llms
@@ -103,7 +106,7 @@ def test_sampled_distribution_matches_plain_sampling(llms, monkeypatch):
     monkeypatch.setattr("jaxserve.scheduler.propose_ngram",
                         KnownContinuations([prompt + greedy[0].outputs[0].token_ids],
                                            corrupt=0.0))
-    samples = 1000
+    samples = 800
 
     def draws(llm, first_seed):
         params = [SamplingParams(temperature=1.0, top_k=4, seed=first_seed + i, max_tokens=4,
@@ -114,7 +117,7 @@ def test_sampled_distribution_matches_plain_sampling(llms, monkeypatch):
     before = spec.engine.stats()
     fast = draws(spec, 0)
     drafted, accepted = stats_delta(spec, before)
-    assert accepted > 200 and drafted - accepted > 100
+    assert accepted > 150 and drafted - accepted > 80
     for position in range(4):
         assert chi_square_p(base[:, position], fast[:, position]) > 1e-3, f"position {position}"
 
@@ -182,8 +185,10 @@ def test_requests_with_penalties_or_grammars_run_unspeculated_beside_others(llms
 
 
 def test_no_compilation_after_warm_up(tiny_checkpoints):
+    """Proposals fill the same (T, R) buckets as any step: after the warm-up (a small shape,
+    so that it compiles little) a speculating workload compiles nothing."""
     llm = LLM(str(tiny_checkpoints["llama"]), speculative_config=SPEC,
-              **{**ENGINE, "precompile": True, "max_num_seqs": 4, "max_num_batched_tokens": 32})
+              **{**ENGINE, "precompile": True, "max_num_seqs": 2, "max_num_batched_tokens": 16})
     compiled = llm.engine.num_compilations
     before = llm.engine.stats()
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
