@@ -543,9 +543,9 @@ class LLMEngine:
                 check_stop=req.num_output_tokens - later > req.params.min_tokens)
             if stop_str is None:
                 continue
-            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop_reason=stop_str)
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop_reason=stop_str,
+                                  num_tokens=req.num_tokens - later)
             if later:
-                req.drop_tokens_after(req.num_tokens - later)
                 if req.params.logprobs is not None:
                     entries = tracked.logprobs[child]
                     for token_id, entry in zip(tokens[i + 1:], entries[-later:]):

@@ -264,12 +264,16 @@ class Scheduler:
             request.state_slot = 0
 
     def finish(self, request: Request, status: RequestStatus,
-               stop_reason: int | str | None = None) -> None:
+               stop_reason: int | str | None = None, num_tokens: int | None = None) -> None:
         """Take a request out (finished or aborted) and free what it holds. stop_reason: the
-        stop string that ended it (a stop token is recorded by update_from_output)."""
+        stop string that ended it (a stop token is recorded by update_from_output);
+        num_tokens: where its tokens end (a stop string matched before the last of the
+        tokens a speculative step appended: the later ones are dropped)."""
         request.status = status
         if stop_reason is not None:
             request.stop_reason = stop_reason
+        if num_tokens is not None:
+            request.drop_tokens_after(num_tokens)
         if request in self.running:
             self.running.remove(request)
             self.kv_manager.free(request)

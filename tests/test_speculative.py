@@ -240,3 +240,23 @@ def test_metrics_export_vllms_spec_decode_counters():
     assert ('vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} '
             '1.0') in text
     assert "spec_decode" not in EngineMetrics("n").render().decode()
+
+
+@pytest.mark.slow  # two more engines to compile (the suite's time budget)
+def test_bfloat16_speculation_keeps_plain_decodings_tokens(tiny_checkpoints, monkeypatch,
+                                                           checkpoint_script):
+    """Real checkpoints are bfloat16. Verifying K+1 positions in one query rounds differently
+    from decoding them one by one, so a near-tie may flip (as in any speculative decoder);
+    on the check prompts (clear greedy margins) the outputs stay plain decoding's."""
+    folder = str(tiny_checkpoints["llama"])
+    engine = {**ENGINE, "dtype": "bfloat16"}
+    prompts = checkpoint_script.check_prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = tokens(LLM(folder, **engine).generate(prompts, params, use_tqdm=False))
+    proposer = KnownContinuations([p + w for p, w in zip(prompts, want)])
+    monkeypatch.setattr("jaxserve.scheduler.propose_ngram", proposer)
+    spec = LLM(folder, speculative_config=SPEC, **engine)
+    got = tokens(spec.generate(prompts, params, use_tqdm=False))
+    assert spec.engine.stats().spec_accepted_tokens > 50
+    agree = np.mean([g == w for gs, ws in zip(got, want) for g, w in zip(gs, ws)])
+    assert agree >= 0.95, agree
