@@ -118,6 +118,7 @@ def test_int8_in_bfloat16_stays_close_to_the_checkpoint(arch, tiny_checkpoints,
     assert (want[:, :4] == got[:, :4]).mean() >= 0.75
 
 
+@pytest.mark.slow  # three meshes in a subprocess (the suite's time budget)
 def test_int8_tokens_do_not_depend_on_the_mesh(mesh_checkpoints):
     """Scales are per output channel, computed before the kernels are split: 1x1, 1x4 (kv
     heads replicated) and 2x2 hold the same int8 model and give the same tokens."""
