@@ -104,11 +104,6 @@ class SpecDecodeStats:
         for position in range(accepted):
             self.accepted_per_pos[position] += 1
 
-    @property
-    def mean_accepted(self) -> float:
-        """Mean proposals kept per verifying row (tokens per step of a row: this + 1)."""
-        return self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
 
 def propose_ngram(tokens, min_n: int, max_n: int, k: int) -> np.ndarray:
     """Up to k tokens that followed an earlier occurrence of the longest suffix of `tokens`
