@@ -6,6 +6,12 @@ Both halves run per `model` shard inside one shard_map: each device holds the qu
 the attention kernel never see another device's heads and need no collective. Everything in
 the batch is replicated. On a one-device mesh the shard_map is skipped. attention_for picks
 the ragged paged attention implementation for an attention_backend setting and platform.
+
+A quantized cache (kv_cache_dtype fp8 / int8) comes per layer as (k_cache, v_cache, k_scale,
+v_scale), the scales f32[K'] split over `model` like the cache's kv heads: the step's keys
+and values are quantized before the write, and the scales folded into the queries and the
+output (kv_quant.attend_quantized), so every attention implementation reads plain one-byte
+values.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxserve.config import JAX_ATTENTION_BACKENDS
 from jaxserve.kernels_pallas import cpu_attention, ref
 from jaxserve.kernels_pallas.ref import write_kv
+from jaxserve.kv_quant import attend_quantized
 from jaxserve.mesh import KV_CACHE_SPEC, MODEL
 
 logger = logging.getLogger(__name__)
@@ -27,13 +34,21 @@ logger = logging.getLogger(__name__)
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 _HEADS = PartitionSpec(None, MODEL, None)  # [T, N | K', H]
 _CACHE = PartitionSpec(*KV_CACHE_SPEC)  # [P, S, K', H]
+KV_SCALE_SPEC = (MODEL,)  # a quantized cache's scales, f32[K']: split like its kv heads
+_SCALE = PartitionSpec(*KV_SCALE_SPEC)
 
 
-def make_attend(attention_fn: Callable, mesh: Mesh) -> Callable:
+def make_attend(attention_fn: Callable, mesh: Mesh, kv_dtype=None) -> Callable:
     """attend(q, k, v, kv_cache, batch, *, scale, sliding_window) -> (out, kv_cache) for the
-    models; attention_fn is a ragged paged attention with ref.py's signature."""
+    models; attention_fn is a ragged paged attention with ref.py's signature. kv_dtype: the
+    one-byte format of a quantized cache (kv_quant.value_dtype), whose layers come with
+    their scales; None: the model's dtype."""
 
-    def local(q, k, v, k_cache, v_cache, batch, *, scale, sliding_window):
+    def local(q, k, v, k_cache, v_cache, batch, *scales, scale, sliding_window):
+        if scales:
+            return attend_quantized(attention_fn, write_kv, q, k, v, k_cache, v_cache,
+                                    *scales, batch, scale=scale,
+                                    sliding_window=sliding_window, kv_dtype=kv_dtype)
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         out = attention_fn(q, k_cache, v_cache, batch, scale=scale,
                            sliding_window=sliding_window)
@@ -41,12 +56,14 @@ def make_attend(attention_fn: Callable, mesh: Mesh) -> Callable:
 
     def attend(q, k, v, kv_cache, batch, *, scale, sliding_window=None):
         fn = functools.partial(local, scale=scale, sliding_window=sliding_window)
+        caches, scales = kv_cache[:2], tuple(kv_cache[2:])
         if mesh.shape[MODEL] > 1:
             fn = jax.shard_map(fn, mesh=mesh,
-                               in_specs=(_HEADS, _HEADS, _HEADS, _CACHE, _CACHE, PartitionSpec()),
+                               in_specs=(_HEADS, _HEADS, _HEADS, _CACHE, _CACHE,
+                                         PartitionSpec()) + (_SCALE,) * len(scales),
                                out_specs=(_HEADS, _CACHE, _CACHE), check_vma=False)
-        out, k_cache, v_cache = fn(q, k, v, *kv_cache, batch)
-        return out, (k_cache, v_cache)
+        out, k_cache, v_cache = fn(q, k, v, *caches, batch, *scales)
+        return out, (k_cache, v_cache) + scales
 
     return attend
 

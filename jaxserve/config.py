@@ -60,6 +60,9 @@ class ModelConfig:
         return int(self.hf_config["vocab_size"])
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -67,8 +70,14 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # fraction of accelerator memory the engine may use
     kv_cache_memory_bytes: int | None = None  # explicit KV budget (the CPU default is 1 GiB)
     enable_prefix_caching: bool = True  # reuse the KV of full blocks shared by prompts
+    # auto: the model's dtype; fp8 (= fp8_e4m3) or int8: one byte per element with a
+    # float32 scale per layer and kv head, calibrated at start-up (docs/architecture.md)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}.")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
@@ -229,6 +238,7 @@ class EngineConfig:
         gpu_memory_utilization: float = 0.9,
         kv_cache_memory_bytes: int | None = None,
         enable_prefix_caching: bool = True,
+        kv_cache_dtype: str = "auto",
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         mesh: str | MeshShape | None = None,
@@ -274,7 +284,8 @@ class EngineConfig:
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               gpu_memory_utilization=gpu_memory_utilization,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching,
+                              kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len, policy=scheduling_policy),

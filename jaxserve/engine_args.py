@@ -18,6 +18,7 @@ from jaxserve.config import (
     ATTENTION_BACKENDS,
     BACKENDS,
     DTYPE_CHOICES,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     SCHEDULING_POLICIES,
 )
@@ -83,6 +84,10 @@ class EngineArgs:
         "CPU default is 1 GiB)")
     enable_prefix_caching: bool = _arg(
         True, "reuse the KV cache of shared prompt prefixes")
+    kv_cache_dtype: str = _arg(
+        "auto", "data type of the KV cache: auto (the model's dtype); fp8 (= fp8_e4m3) or "
+        "int8: one byte per element, twice the blocks of bfloat16, with a scale per layer "
+        "and kv head calibrated at start-up", choices=KV_CACHE_DTYPES)
     max_num_seqs: int | None = _arg(
         None, "most sequences in one step (default 256 on an accelerator, 128 on the CPU)")
     max_num_batched_tokens: int | None = _arg(
@@ -199,7 +204,8 @@ class EngineArgs:
             num_kv_blocks=self.num_gpu_blocks_override,
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-            enable_prefix_caching=self.enable_prefix_caching, max_num_seqs=self.max_num_seqs,
+            enable_prefix_caching=self.enable_prefix_caching,
+            kv_cache_dtype=self.kv_cache_dtype, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, mesh=self.mesh,
             tensor_parallel_size=self.tensor_parallel_size,
             data_parallel_size=self.data_parallel_size,

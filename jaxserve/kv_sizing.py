@@ -11,7 +11,7 @@ import dataclasses
 
 from jaxserve.config import CacheConfig
 
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "int8": 1}
 CPU_KV_BYTES = 1 << 30  # the KV budget on the host when nothing else is given
 
 
@@ -22,10 +22,20 @@ class KVBudget:
     source: str  # "num_kv_blocks", "kv_cache_memory_bytes", "device memory" or "host default"
 
 
+def cache_element(model_dtype: str, kv_cache_dtype: str) -> str:
+    """What one cache element is (a key of ITEMSIZE): the model's dtype for kv_cache_dtype
+    auto, else the quantized format (fp8 is fp8_e4m3)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    return "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
+
+
 def bytes_per_block(num_layers: int, block_size: int, kv_heads_per_device: int,
-                    head_dim: int, dtype: str) -> int:
-    """K and V of one block on one device (its share of the kv heads), every layer."""
-    return 2 * num_layers * block_size * kv_heads_per_device * head_dim * ITEMSIZE[dtype]
+                    head_dim: int, element: str) -> int:
+    """K and V of one block on one device (its share of the kv heads), every layer;
+    element: cache_element's. A quantized cache's scales (a float32 per layer and kv head)
+    are not per block."""
+    return 2 * num_layers * block_size * kv_heads_per_device * head_dim * ITEMSIZE[element]
 
 
 # Bytes per vocabulary entry of one sampler-state row (sampler.PenaltyState, on every device):

@@ -64,6 +64,12 @@ class Plan:
     token_buckets: tuple[int, ...]
     step_buckets: tuple[tuple[int, int], ...]
     quantization: str | None = None  # "int8": the linear layers' weights
+    kv_cache_dtype: str = "auto"  # CacheConfig.kv_cache_dtype
+
+    @property
+    def kv_element(self) -> str:
+        """One cache element (kv_sizing.cache_element): the dtype or the quantized format."""
+        return kv_sizing.cache_element(self.dtype, self.kv_cache_dtype)
 
     @property
     def weight_bytes_per_device(self) -> int:
@@ -115,7 +121,8 @@ def make_plan(config: EngineConfig, device_memory_bytes: int) -> Plan:
     weights = _weight_groups(hf, sharding, dtype, config.model.quantization)
     arch = model_family(hf).arch_from_hf(hf)
     cache, sched = config.cache, config.scheduler
-    per_block = _bytes_per_block(hf, sharding, cache.block_size, dtype)
+    element = kv_sizing.cache_element(dtype, cache.kv_cache_dtype)
+    per_block = _bytes_per_block(hf, sharding, cache.block_size, element)
     state = kv_sizing.sampler_state_bytes(sched.max_num_seqs, arch.vocab_size)
     used = sum(g.bytes_per_device for g in weights) + state
     usable = device_memory_bytes * cache.gpu_memory_utilization
@@ -128,7 +135,7 @@ def make_plan(config: EngineConfig, device_memory_bytes: int) -> Plan:
     kv_sizing.check_holds_one_sequence(blocks, cache.block_size, config.model.max_model_len)
     return Plan(
         model=config.model.model, architecture=resolve_architecture(hf), dtype=dtype,
-        quantization=config.model.quantization, mesh=mesh,
+        quantization=config.model.quantization, kv_cache_dtype=cache.kv_cache_dtype, mesh=mesh,
         sharding=sharding, num_layers=arch.num_layers, num_heads=dims.num_heads,
         num_kv_heads=dims.num_kv_heads, head_dim=arch.head_dim,
         intermediate_size=dims.intermediate_size, num_experts=dims.num_experts,
@@ -142,17 +149,19 @@ def make_plan(config: EngineConfig, device_memory_bytes: int) -> Plan:
         token_buckets=sched.token_buckets, step_buckets=sched.step_buckets)
 
 
-def _bytes_per_block(hf: dict, sharding: ShardingPlan, block_size: int, dtype: str) -> int:
-    """runner.bytes_per_block: K and V of one block, this device's share of the kv heads."""
+def _bytes_per_block(hf: dict, sharding: ShardingPlan, block_size: int, element: str) -> int:
+    """runner.bytes_per_block: K and V of one block, this device's share of the kv heads;
+    element: kv_sizing.cache_element's."""
     arch = model_family(hf).arch_from_hf(hf)
     return kv_sizing.bytes_per_block(arch.num_layers, block_size,
-                                     sharding.kv_heads_per_device, arch.head_dim, dtype)
+                                     sharding.kv_heads_per_device, arch.head_dim, element)
 
 
 def _no_fit_message(config: EngineConfig, memory: int, used: int, kv: int) -> str:
     """Why one replica's weights and KV cache do not fit on its devices, and what would."""
     cache, mesh = config.cache, config.parallel.mesh
     hf, dtype = config.model.hf_config, config.model.dtype
+    element = kv_sizing.cache_element(dtype, cache.kv_cache_dtype)
     usable = memory * cache.gpu_memory_utilization
     needed = kv_sizing.blocks_per_seq(config.model.max_model_len, cache.block_size) + 1
     state = kv_sizing.sampler_state_bytes(config.scheduler.max_num_seqs,
@@ -168,12 +177,15 @@ def _no_fit_message(config: EngineConfig, memory: int, used: int, kv: int) -> st
         weights = sum(g.bytes_per_device for g in _weight_groups(
             hf, sharding, dtype, config.model.quantization))
         if weights + state + needed * _bytes_per_block(hf, sharding, cache.block_size,
-                                                       dtype) <= usable:
+                                                       element) <= usable:
             hints.append(f"a model axis of {m} fits (--mesh {mesh.data}x{m}, "
                          f"{mesh.data * m} devices)")
             break
     if dtype == "float32":
         hints.append("--dtype bfloat16 halves the weights and the KV cache")
+    if kv_sizing.ITEMSIZE[element] > 1:
+        hints.append("--kv-cache-dtype fp8 (or int8) stores the KV cache in one byte per "
+                     "element")
     if used <= usable:
         hints.append("a lower --max-model-len (or --num-kv-blocks)")
     hints.append("devices with more memory")
@@ -313,8 +325,10 @@ def format_plan(plan: Plan) -> str:
         "",
         f"KV cache per device  {plan.bytes_per_token:,} B per token (2 x {plan.num_layers} "
         f"layers x {_count(s.kv_heads_per_device, 'kv head')} x {plan.head_dim} x "
-        f"{kv_sizing.ITEMSIZE[plan.dtype]} B); {plan.bytes_per_block:,} B ({_size(plan.bytes_per_block)}) "
-        f"per block of {plan.block_size} tokens",
+        f"{kv_sizing.ITEMSIZE[plan.kv_element]} B {plan.kv_element}); {plan.bytes_per_block:,} B "
+        f"({_size(plan.bytes_per_block)}) per block of {plan.block_size} tokens"
+        + ("" if plan.kv_cache_dtype == "auto"
+           else "; plus a float32 scale per layer and kv head"),
         f"  budget             {plan.kv_budget_bytes:,} B ({_size(plan.kv_budget_bytes)}), "
         + ("usable memory - weights - sampler state"
            if plan.kv_budget_source == "device memory"

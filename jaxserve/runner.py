@@ -37,9 +37,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve import kv_sizing
+from jaxserve import kv_quant, kv_sizing
 from jaxserve.accelerators import warn_if_cpu_fallback
-from jaxserve.attend import attention_for, make_attend
+from jaxserve.attend import KV_SCALE_SPEC, attention_for, make_attend
 from jaxserve.batch import Batch, SamplingInputs
 from jaxserve.compilation import (
     compilation_count,
@@ -159,7 +159,10 @@ class ModelRunner:
             model = load_params(abstract, config.model.model,
                                 functools.partial(family.param_path, arch=self.arch), np_dtype,
                                 self.mesh, spec_of)
-        self.attend = make_attend(self.attention_fn, self.mesh)
+        kv_cache_dtype = config.cache.kv_cache_dtype
+        kv_values = kv_quant.value_dtype(kv_cache_dtype, self.dtype)
+        self.attend = make_attend(self.attention_fn, self.mesh,
+                                  kv_values if kv_quant.is_quantized(kv_cache_dtype) else None)
         self.graphdef, self.params = nnx.split(model)
         self._log_placement()
         self.padding = PaddingStats()
@@ -171,11 +174,13 @@ class ModelRunner:
                                                 self.arch.vocab_size, self.replicated)
         self.num_blocks = self._num_kv_blocks()
         shape = (self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
-        # On the CPU a bf16 / f16 cache holds its bits as integers (ref.kv_storage_dtype).
-        self.cache_dtype = ref.kv_storage_dtype(self.dtype, self.mesh.devices.flat[0].platform)
+        # On the CPU a bf16 / f16 / fp8 cache holds its bits as integers (ref.kv_storage_dtype).
+        self.cache_dtype = ref.kv_storage_dtype(kv_values, self.mesh.devices.flat[0].platform)
         zeros = jax.jit(functools.partial(jnp.zeros, shape, self.cache_dtype),
                         out_shardings=NamedSharding(self.mesh, PartitionSpec(*KV_CACHE_SPEC)))
-        self.kv_caches = [(zeros(), zeros()) for _ in range(self.arch.num_layers)]
+        scales = self._calibrate_kv_scales() if kv_quant.is_quantized(kv_cache_dtype) else None
+        self.kv_caches = [(zeros(), zeros()) + (scales[i] if scales else ())
+                          for i in range(self.arch.num_layers)]
         self._step = jax.jit(self._step_fn, donate_argnums=(1, 2), static_argnames=("layout",))
         self._score = jax.jit(self._score_fn)
         self._set_bias = jax.jit(set_bias_row, donate_argnums=0)
@@ -204,9 +209,39 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         """KV bytes of one block on each device (its share of the kv heads)."""
+        element = kv_sizing.cache_element(self.config.model.dtype,
+                                          self.config.cache.kv_cache_dtype)
         return kv_sizing.bytes_per_block(self.arch.num_layers, self.block_size,
                                          self.plan.kv_heads_per_device, self.arch.head_dim,
-                                         self.config.model.dtype)
+                                         element)
+
+    def _calibrate_kv_scales(self) -> list[tuple[jax.Array, jax.Array]]:
+        """A quantized cache's (k_scale, v_scale) f32[K'] per layer, split like the cache's
+        kv heads, from the model's keys and values on the calibration text
+        (kv_formats.py)."""
+        from jaxserve.tokenizer import load_tokenizer
+
+        config = self.config
+        ids = kv_quant.calibration_token_ids(load_tokenizer(config.model.tokenizer),
+                                             self.arch.vocab_size, config.model.max_model_len)
+        num_tokens = len(ids)
+        none = np.zeros(1, np.int32)
+        batch = Batch(token_ids=ids, positions=np.arange(num_tokens, dtype=np.int32),
+                      slot_mapping=np.zeros(num_tokens, np.int32), cu_q_lens=none,
+                      kv_lens=none, block_tables=none[:, None], num_seqs=none,
+                      logits_indices=none)
+        batch = jax.tree.map(lambda x: place(x, self.replicated), batch)
+        scales = kv_quant.calibrate(self.graphdef, self.params, batch, self.arch.num_layers,
+                                    self.arch.num_kv_heads, config.cache.kv_cache_dtype,
+                                    self.replicated)
+        logger.info("KV cache: %s (%s values), scales per layer and kv head calibrated on %d "
+                    "tokens: keys %.3g..%.3g, values %.3g..%.3g.", config.cache.kv_cache_dtype,
+                    kv_quant.value_dtype(config.cache.kv_cache_dtype, self.dtype).name,
+                    num_tokens,
+                    scales[:, 0].min(), scales[:, 0].max(), scales[:, 1].min(),
+                    scales[:, 1].max())
+        split = NamedSharding(self.mesh, PartitionSpec(*KV_SCALE_SPEC))
+        return [(place(k, split), place(v, split)) for k, v in scales]
 
     def _num_kv_blocks(self) -> int:
         """kv_sizing's budget on this device (what is in use already counts: the weights)."""

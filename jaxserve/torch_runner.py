@@ -21,6 +21,7 @@ reference attention, or with the Triton kernels in interpret mode
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -34,10 +35,12 @@ from jaxserve.checkpoint import parameter_values
 from jaxserve.config import TORCH_ATTENTION_BACKENDS, EngineConfig
 from jaxserve.input_builder import build_step_inputs
 from jaxserve.kernels_triton import ref
+from jaxserve.kv_formats import calibration_token_ids, is_quantized
 from jaxserve.models import model_family
 from jaxserve.models.torch_llama import LlamaForCausalLM
 from jaxserve.runner_api import PaddingStats, RunnerStats, StepResult
 from jaxserve.scheduler import SchedulerOutput
+from jaxserve.torch_kv_quant import calibrate, quantized_attend, value_dtype
 from jaxserve.torch_sampler import (
     PenaltyState,
     SampleResult,
@@ -81,9 +84,11 @@ def torch_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def make_attend(backend: str, device: torch.device, head_dim: int):
+def make_attend(backend: str, device: torch.device, head_dim: int,
+                kv_cache_dtype: str = "auto"):
     """attend(q, k, v, kv_cache, batch, *, scale, sliding_window) -> out [T, N, H] for the
-    models: writes the layer's new K/V into its cache in place, then attends; the name of the
+    models: writes the layer's new K/V into its cache in place, then attends (a quantized
+    cache's layers bring their scales: torch_kv_quant.quantized_attend); the name of the
     implementation for the log; and whether a CUDA graph can capture it (the compiled
     Triton kernels read nothing on the host). ValueError for a backend this device cannot
     run."""
@@ -112,22 +117,23 @@ def make_attend(backend: str, device: torch.device, head_dim: int):
             logger.info("Attention: the Triton kernels cannot tile head_dim %d.", head_dim)
             use_triton = False
     if not use_triton:
-        def attend(q, k, v, kv_cache, batch, *, scale, sliding_window=None):
-            ref.write_kv(*kv_cache, k, v, batch.slot_mapping)
-            return ref.ragged_paged_attention(q, *kv_cache, batch, scale=scale,
-                                              sliding_window=sliding_window)
-
-        return attend, "the PyTorch reference (kernels_triton/ref.py)", False
-    interpret = backend == "triton-interpret"
+        write, attend_fn = ref.write_kv, ref.ragged_paged_attention
+        name, capturable = "the PyTorch reference (kernels_triton/ref.py)", False
+    else:
+        interpret = backend == "triton-interpret"
+        write = functools.partial(kv_write.write_kv, interpret=interpret)
+        attend_fn = functools.partial(attention.ragged_paged_attention, interpret=interpret)
+        mode = "in Triton interpret mode (slow)" if interpret else "compiled"
+        name = f"the Triton kernels (kernels_triton/), {mode}"
+        capturable = on_gpu and not interpret
+    if is_quantized(kv_cache_dtype):
+        return quantized_attend(write, attend_fn), name, capturable
 
     def attend(q, k, v, kv_cache, batch, *, scale, sliding_window=None):
-        kv_write.write_kv(*kv_cache, k, v, batch.slot_mapping, interpret=interpret)
-        return attention.ragged_paged_attention(q, *kv_cache, batch, scale=scale,
-                                                sliding_window=sliding_window,
-                                                interpret=interpret)
+        write(*kv_cache, k, v, batch.slot_mapping)
+        return attend_fn(q, *kv_cache, batch, scale=scale, sliding_window=sliding_window)
 
-    mode = "in Triton interpret mode (slow)" if interpret else "compiled"
-    return attend, f"the Triton kernels (kernels_triton/), {mode}", on_gpu and not interpret
+    return attend, name, capturable
 
 
 def _leave_a_core_to_the_host() -> None:
@@ -195,8 +201,9 @@ class TorchRunner:
         arch = model_family(hf).arch_from_hf(hf)
         self.arch = arch
         # Chosen first: a backend the device cannot run fails before the weights load.
-        self.attend, attention_name, capturable = make_attend(config.attention.backend,
-                                                              self.device, arch.head_dim)
+        kv_cache_dtype = config.cache.kv_cache_dtype
+        self.attend, attention_name, capturable = make_attend(
+            config.attention.backend, self.device, arch.head_dim, kv_cache_dtype)
         logger.info("Torch backend on %s; attention: %s.", self.device, attention_name)
         self.dtype = _DTYPES[config.model.dtype][0]
         with torch.no_grad():
@@ -205,9 +212,11 @@ class TorchRunner:
                                                 arch.vocab_size, self.device)
         self.num_blocks = self._num_kv_blocks()
         shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(arch.num_layers)]
+        self.cache_dtype = value_dtype(kv_cache_dtype, self.dtype)
+        scales = self._calibrate_kv_scales() if is_quantized(kv_cache_dtype) else None
+        self.kv_caches = [(torch.zeros(shape, dtype=self.cache_dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.cache_dtype, device=self.device))
+                          + (scales[i] if scales else ()) for i in range(arch.num_layers)]
         self.padding = PaddingStats()
         # CUDA graphs: the forward pass of each bucket, captured once. Only on a GPU with
         # the Triton kernels (the reference attention reads lengths on the host) and dense
@@ -219,9 +228,28 @@ class TorchRunner:
     # ---- sizing -------------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
+        element = kv_sizing.cache_element(self.config.model.dtype,
+                                          self.config.cache.kv_cache_dtype)
         return kv_sizing.bytes_per_block(self.arch.num_layers, self.block_size,
-                                         self.arch.num_kv_heads, self.arch.head_dim,
-                                         self.config.model.dtype)
+                                         self.arch.num_kv_heads, self.arch.head_dim, element)
+
+    def _calibrate_kv_scales(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A quantized cache's (k_scale, v_scale) f32[K] per layer, from the model's keys
+        and values on the calibration text (kv_formats.py)."""
+        from jaxserve.tokenizer import load_tokenizer
+
+        config = self.config
+        ids = calibration_token_ids(load_tokenizer(config.model.tokenizer),
+                                    self.arch.vocab_size, config.model.max_model_len)
+        scales = calibrate(self.model, torch.from_numpy(ids).to(self.device),
+                           self.arch.num_layers, self.arch.num_kv_heads,
+                           config.cache.kv_cache_dtype)
+        flat = torch.stack([torch.stack(pair) for pair in scales]).cpu()
+        logger.info("KV cache: %s (%s values), scales per layer and kv head calibrated on %d "
+                    "tokens: keys %.3g..%.3g, values %.3g..%.3g.", config.cache.kv_cache_dtype,
+                    str(self.cache_dtype).removeprefix("torch."), len(ids),
+                    flat[:, 0].min(), flat[:, 0].max(), flat[:, 1].min(), flat[:, 1].max())
+        return scales
 
     def _num_kv_blocks(self) -> int:
         """kv_sizing's budget: on a GPU its memory x gpu_memory_utilization minus what is

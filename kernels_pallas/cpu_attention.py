@@ -281,10 +281,12 @@ def _chunk_context_part(q, k_cache, v_cache, batch, pos, sliding_window, soft_ca
 
 
 def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
-                           sliding_window: int | None = None, soft_cap: float | None = None):
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           kv_dtype=None):
     """q: [T, N, H]; k_cache, v_cache: [P, S, K, H] holding this step's keys and values
-    already (written at slot_mapping), as q's dtype or its bits (ref.kv_storage_dtype);
-    returns [T, N, H], zeros for padding tokens."""
+    already (written at slot_mapping), of kv_dtype values (default q's dtype) or their bits
+    (ref.kv_storage_dtype); returns [T, N, H], zeros for padding tokens."""
+    kv_dtype = kv_dtype or q.dtype
     num_tokens, num_heads, head_dim = q.shape
     pages, block_size, num_kv, _ = k_cache.shape
     group = num_heads // num_kv
@@ -295,13 +297,14 @@ def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
 
     qg = q.reshape(num_tokens, num_kv, group, head_dim).astype(jnp.float32) * scale
     flat = (pages * block_size, num_kv, head_dim)
-    k_new = values(k_cache.reshape(flat)[batch.slot_mapping], q.dtype).astype(jnp.float32)
-    v_new = values(v_cache.reshape(flat)[batch.slot_mapping], q.dtype).astype(jnp.float32)
+    k_new = values(k_cache.reshape(flat)[batch.slot_mapping], kv_dtype).astype(jnp.float32)
+    v_new = values(v_cache.reshape(flat)[batch.slot_mapping], kv_dtype).astype(jnp.float32)
     parts = [
         _step_part(qg, k_new, v_new, seq, pos, valid, batch.cu_q_lens[seq], sliding_window,
                    soft_cap),
         _decode_context_part(qg, k_cache, v_cache, batch.block_tables[seq], context, pos,
-                             batch.kv_lens.shape[0], sliding_window, soft_cap, q.dtype),
-        _chunk_context_part(qg, k_cache, v_cache, batch, pos, sliding_window, soft_cap, q.dtype),
+                             batch.kv_lens.shape[0], sliding_window, soft_cap, kv_dtype),
+        _chunk_context_part(qg, k_cache, v_cache, batch, pos, sliding_window, soft_cap,
+                            kv_dtype),
     ]
     return _merge(parts).reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

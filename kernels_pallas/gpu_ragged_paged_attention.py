@@ -53,8 +53,10 @@ def supports(head_dim: int) -> bool:
 
 def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
-                           interpret: bool = False, block_sizes: BlockSizes | None = None):
-    """q: [T, N, H]; k_cache, v_cache: [P, S, K, H]; returns [T, N, H] (ref.py's contract)."""
+                           kv_dtype=None, interpret: bool = False,
+                           block_sizes: BlockSizes | None = None):
+    """q: [T, N, H]; k_cache, v_cache: [P, S, K, H] of kv_dtype values (default q's dtype)
+    or their bits; returns [T, N, H] (ref.py's contract)."""
     num_tokens, num_heads, head_dim = q.shape
     num_pages, block_size, num_kv_heads, _ = k_cache.shape
     num_rows, width = batch.block_tables.shape
@@ -75,7 +77,7 @@ def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
     kernel = functools.partial(
         _kernel, q_tokens=tq, group_p=group_p, pages_per_chunk=sizes.pages_per_chunk,
         width=width, num_rows=num_rows, splits=splits, scale=scale,
-        sliding_window=sliding_window, soft_cap=soft_cap)
+        sliding_window=sliding_window, soft_cap=soft_cap, kv_dtype=jnp.dtype(kv_dtype or q.dtype))
     cache_spec = pl.BlockSpec((num_pages, block_size, None, head_dim),
                               lambda qi, kh, sp: (0, 0, kh, 0))
     q_spec = pl.BlockSpec((None, rows, head_dim), lambda qi, kh, sp: (kh, qi, 0))
@@ -116,7 +118,7 @@ def _kernel(cu_ref, kv_lens_ref, tables_ref, num_seqs_ref,  # i32[R+1], [R], [R*
             o_ref,  # [M, H]: output (normalised by this split's l)
             m_ref, l_ref,  # f32[M]: this split's running max and denominator
             *, q_tokens, group_p, pages_per_chunk, width, num_rows, splits, scale,
-            sliding_window, soft_cap):
+            sliding_window, soft_cap, kv_dtype):
     split = pl.program_id(2)
     block_size, head_dim = k_ref.shape[1], k_ref.shape[2]
     chunk_len = pages_per_chunk * block_size
@@ -128,8 +130,9 @@ def _kernel(cu_ref, kv_lens_ref, tables_ref, num_seqs_ref,  # i32[R+1], [R], [R*
     def attend_chunk(s, c, state):
         index = jnp.minimum(c * pages_per_chunk + jnp.arange(pages_per_chunk), width - 1)
         pages = tables_ref[s * width + index]  # i32[C]
-        k = values(k_ref[pages], q.dtype).reshape(chunk_len, head_dim)  # bits on the CPU
-        v = values(v_ref[pages], q.dtype).reshape(chunk_len, head_dim)
+        # Bits on the CPU; a quantized cache's one-byte values become q's dtype here.
+        k = values(k_ref[pages], kv_dtype).astype(q.dtype).reshape(chunk_len, head_dim)
+        v = values(v_ref[pages], kv_dtype).astype(q.dtype).reshape(chunk_len, head_dim)
         v = zero_dead_keys(v, c, chunk_len, kv_lens_ref[s])
         return online_update(q, k, v, walk.mask(s, c, rows, group_p), state, scale=scale,
                              soft_cap=soft_cap)

@@ -46,8 +46,10 @@ from jaxserve.kernels_pallas.ref import values
 
 def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
-                           interpret: bool = False, block_sizes: BlockSizes | None = None):
-    """q: [T, N, H]; k_cache, v_cache: [P, S, K, H]; returns [T, N, H] (ref.py's contract)."""
+                           kv_dtype=None, interpret: bool = False,
+                           block_sizes: BlockSizes | None = None):
+    """q: [T, N, H]; k_cache, v_cache: [P, S, K, H] of kv_dtype values (default q's dtype)
+    or their bits; returns [T, N, H] (ref.py's contract)."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_rows, width = batch.block_tables.shape
@@ -61,7 +63,7 @@ def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
     kernel = functools.partial(
         _kernel, q_tokens=tq, group_p=group_p, pages_per_chunk=sizes.pages_per_chunk,
         width=width, num_rows=num_rows, scale=scale, sliding_window=sliding_window,
-        soft_cap=soft_cap)
+        soft_cap=soft_cap, kv_dtype=jnp.dtype(kv_dtype or q.dtype))
     tile = pl.BlockSpec((None, rows, head_dim), lambda kh, qi, *_: (kh, qi, 0))
     buffer = pltpu.VMEM((2, sizes.pages_per_chunk, block_size, head_dim), k_cache.dtype)
     call = pl.pallas_call(
@@ -95,7 +97,7 @@ def _kernel(cu_ref, kv_lens_ref, tables_ref, num_seqs_ref,  # SMEM: i32[R+1], [R
             m_ref, l_ref,  # VMEM f32[M, 128], every lane equal
             acc_ref,  # VMEM f32[M, H]
             *, q_tokens, group_p, pages_per_chunk, width, num_rows, scale, sliding_window,
-            soft_cap):
+            soft_cap, kv_dtype):
     kv_head = pl.program_id(0)
     block_size = k_buf.shape[2]
     chunk_len = pages_per_chunk * block_size
@@ -127,8 +129,9 @@ def _kernel(cu_ref, kv_lens_ref, tables_ref, num_seqs_ref,  # SMEM: i32[R+1], [R
             _when(exists, pair, "wait")
 
     def compute(s, c, slot):
-        k = values(k_buf[slot], q_ref.dtype).reshape(chunk_len, -1)  # bits on the CPU
-        v = values(v_buf[slot], q_ref.dtype).reshape(chunk_len, -1)
+        # Bits on the CPU; a quantized cache's one-byte values become q's dtype here.
+        k = values(k_buf[slot], kv_dtype).astype(q_ref.dtype).reshape(chunk_len, -1)
+        v = values(v_buf[slot], kv_dtype).astype(q_ref.dtype).reshape(chunk_len, -1)
         v = zero_dead_keys(v, c, chunk_len, kv_lens_ref[s])
         mask = walk.mask(s, c, q_ref.shape[0], group_p)
         state = (m_ref[...][:, :1], l_ref[...][:, :1], acc_ref[...])

@@ -63,12 +63,15 @@ def token_layout(batch, num_tokens: int):
 
 
 def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
-                           sliding_window: int | None = None, soft_cap: float | None = None):
-    """q: [T, N, H]; k_cache, v_cache: [P, S, K, H] (P pages of S slots), as q's dtype or
-    its bits (kv_storage_dtype); returns [T, N, H].
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           kv_dtype=None):
+    """q: [T, N, H]; k_cache, v_cache: [P, S, K, H] (P pages of S slots) of kv_dtype values
+    (default q's dtype; a quantized cache's one-byte format, kv_quant.py), or their bits
+    (kv_storage_dtype); returns [T, N, H].
 
     Rows of padding tokens (beyond cu_q_lens[num_seqs]) come out as zeros, never NaN.
     """
+    kv_dtype = kv_dtype or q.dtype
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -89,8 +92,8 @@ def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
     def body(i, carry):
         m, denom, acc = carry  # f32[T, K, G], f32[T, K, G], f32[T, K, G, H]
         pages = jax.lax.dynamic_slice_in_dim(tables, i * pages_per_step, pages_per_step, 1)
-        k = values(k_cache[pages], q.dtype).reshape(num_tokens, step_len, num_kv_heads, head_dim)
-        v = values(v_cache[pages], q.dtype).reshape(num_tokens, step_len, num_kv_heads, head_dim)
+        k = values(k_cache[pages], kv_dtype).reshape(num_tokens, step_len, num_kv_heads, head_dim)
+        v = values(v_cache[pages], kv_dtype).reshape(num_tokens, step_len, num_kv_heads, head_dim)
         s = jnp.einsum("tkgh,tlkh->tkgl", qg, k.astype(jnp.float32))
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -118,7 +121,8 @@ def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
     """Scatter the step's new keys/values ([T, K, H]) into the paged caches at slot_mapping
     (i32[T], flat slot = page * S + offset). Padding tokens point at the null page 0. A cache
-    of unsigned integers (kv_storage_dtype) takes the bits of k and v."""
+    of unsigned integers (kv_storage_dtype) takes the bits of k and v (of a quantized cache:
+    k and v already quantized, kv_quant.quantize)."""
     shape = k_cache.shape
     flat = (shape[0] * shape[1], *shape[2:])
 

@@ -131,12 +131,17 @@ def launch_warps(rows: int, head_dim: int) -> int:
     return 4 if rows * head_dim <= 1024 else 8
 
 
+ONE_BYTE_CACHES = (torch.float8_e4m3fn, torch.int8)  # kv_cache_dtype fp8, int8
+
+
 def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
                            interpret: bool = False,
                            block_sizes: BlockSizes | None = None) -> torch.Tensor:
-    """q: [T, N, H]; k_cache, v_cache: [P, S, K, H] in q's dtype; returns [T, N, H] in q.dtype
-    (ref.py's contract). interpret=True runs Triton's interpreter on the host."""
+    """q: [T, N, H]; k_cache, v_cache: [P, S, K, H] in q's dtype, or a quantized cache's
+    one-byte values (float8_e4m3fn, int8: torch_kv_quant.py folds their scales into q and
+    the output); returns [T, N, H] in q.dtype (ref.py's contract). interpret=True runs
+    Triton's interpreter on the host."""
     _check(q, k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -216,9 +221,10 @@ def _check(q, k_cache, v_cache) -> None:
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                          f"({num_kv_heads}).")
-    if not k_cache.dtype == v_cache.dtype == q.dtype:
-        raise ValueError(f"q and the caches must share a dtype, got {q.dtype}, "
-                         f"{k_cache.dtype}, {v_cache.dtype}.")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, *ONE_BYTE_CACHES):
+        raise ValueError(f"The caches must share q's dtype or be one of "
+                         f"{', '.join(map(str, ONE_BYTE_CACHES))} (a quantized cache); got q "
+                         f"{q.dtype}, caches {k_cache.dtype}, {v_cache.dtype}.")
 
 
 def _attention_kernel(

@@ -32,7 +32,8 @@ MAX_SCORES = 1 << 22  # float32 scores per matmul chunk (16 MiB): bounds a long 
 def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
                            sliding_window: int | None = None,
                            soft_cap: float | None = None) -> torch.Tensor:
-    """q: [T, N, H]; k_cache, v_cache: [P, S, K, H]; returns [T, N, H] in q.dtype.
+    """q: [T, N, H]; k_cache, v_cache: [P, S, K, H] (q's dtype, or a quantized cache's
+    float8_e4m3fn / int8 values, read as float32); returns [T, N, H] in q.dtype.
 
     Softmax in float32; rows of padding tokens are exactly zero."""
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]

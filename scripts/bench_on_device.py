@@ -5,7 +5,7 @@ On a GPU machine (one NVIDIA H200 in mind), from the repository root:
     pip install -e ".[cuda,torch]"    # jax with CUDA; torch (CUDA build): HF, torch backend
     python scripts/bench_on_device.py [--quick] [--json out.json]
 
-One command, at most 8 minutes (--quick: about 2; --max-seconds changes the budget). The
+One command, at most 10 minutes (--quick: about 3.5; --max-seconds changes the budget). The
 model is Llama-3-8B's shape (hidden 4096, 32 layers, 32 heads, 8 kv heads, intermediate
 14336, vocab 128256, rope_theta 500000) with random bfloat16 weights made on the device
 (load_format="dummy"): nothing is downloaded and no checkpoint is read. The model folder is a
@@ -55,6 +55,12 @@ What it measures, each printed and (with --json) written out:
    torch backend cannot start (a CPU-only torch on a GPU machine, a build error) the error is
    reported (exit status 1) and the JAX numbers stand. The HF section leaves the torch
    section the time it needs.
+
+5. quantized: the same model with int8 weights (quantization="int8") and with an fp8 KV
+   cache (kv_cache_dtype="fp8"), each in an engine of its own after the bf16 one is freed
+   (same memory budget: more KV blocks for both), shapes compiled on first use: KV blocks,
+   weight bytes and the decode step time at the two largest decode batches, with
+   vs_bf16 = bf16 step time / quantized step time (> 1: faster).
 
 The JAX GPU allocator is capped at XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 unless set (the HF
 baseline needs room on the same GPU). Compiling every shape bucket of the 8B model is most
@@ -122,11 +128,15 @@ class Plan:
         self.requests = args.requests or self.requests
         self.hf_requests = min(args.hf_requests or self.hf_requests, self.requests)
         self.hf_batch = args.hf_batch_size or self.hf_batch
-        self.budget_s = args.max_seconds or (120.0 if quick else 480.0)
+        self.budget_s = args.max_seconds or (210.0 if quick else 600.0)
         # Seconds a section needs at least to be worth starting.
-        self.need = ({"throughput": 5, "decode": 5, "hf": 10, "torch": 10} if tiny else
+        self.need = ({"throughput": 5, "decode": 5, "hf": 10, "torch": 10, "quantized": 10}
+                     if tiny else
                      {"throughput": 20, "decode": 15 if quick else 30,
-                      "hf": 30 if quick else 60, "torch": 45 if quick else 90})
+                      "hf": 30 if quick else 60, "torch": 45 if quick else 90,
+                      "quantized": 90 if quick else 150})
+        # The quantized engines' decode batches: the ones that show the bytes a step reads.
+        self.quantized_batches = self.decode_batches[-2:]
 
 
 class Clock:
@@ -515,6 +525,8 @@ def run_engine_sections(report: Report, folder: pathlib.Path, seed: int,
     floor_s = weight_bytes / data["bandwidth"]["bytes_per_s"]
     data["weights"] = {"bytes": weight_bytes, "params": sum(leaf.size for leaf in leaves),
                        "floor_s": floor_s}
+    data["kv_cache"] = {"blocks": engine.runner.num_blocks,
+                        "bytes_per_block": engine.runner.bytes_per_block}
     clock.say(f"engine ready in {data['warm_up_s']:.1f} s: {data['weights']['params'] / 1e9:.3f}"
               f" B parameters, {weight_bytes / 1e9:.3f} GB of weights -> weight-read floor "
               f"{1e3 * floor_s:.3f} ms per step")
@@ -529,9 +541,10 @@ def run_engine_sections(report: Report, folder: pathlib.Path, seed: int,
               f"{workload.prompt_tokens} prompt + {workload.output_tokens} output tokens "
               f"(ids in [{FIRST_REGULAR_ID}, {id_limit}))")
 
-    # The JAX and HF sections leave the torch backend's section (4.) the time it needs.
+    # The JAX and HF sections leave the torch backend's section (4.) and the quantized
+    # engines' (5.) the time they need.
     torch_why = torch_unavailable(data["backend"])
-    reserve = plan.need["torch"] if torch_why is None else 0.0
+    reserve = plan.need["quantized"] + (plan.need["torch"] if torch_why is None else 0.0)
     deadline = clock.deadline - reserve
 
     # 1. throughput, TTFT, ITL
@@ -573,10 +586,18 @@ def run_engine_sections(report: Report, folder: pathlib.Path, seed: int,
     # 4. the torch backend on the same model, workload and decode batches
     if torch_why is not None:
         report.skip("torch", torch_why)
-    elif report.fits("torch"):
+    elif report.fits("torch", plan.need["quantized"]):
         save()
         run_torch_section(report, folder, workload, jax_runner=engine.runner,
-                          id_limit=id_limit, seed=seed)
+                          id_limit=id_limit, seed=seed,
+                          deadline=clock.deadline - plan.need["quantized"])
+
+    # 5. int8 weights and an fp8 KV cache, each in an engine of its own (this one freed)
+    llm = engine = None
+    free_device_memory()
+    if report.fits("quantized"):
+        save()
+        run_quantized_section(report, folder, id_limit=id_limit, seed=seed)
 
 
 def add_floor(r: dict, plan: Plan, bandwidth: dict, floor_s: float) -> str:
@@ -590,6 +611,83 @@ def add_floor(r: dict, plan: Plan, bandwidth: dict, floor_s: float) -> str:
             f"{1e3 * floor_s:.3f} ms -> {r['ratio']:.2f}x; with KV reads (context "
             f"~{r['mean_context']:.0f}) {1e3 * (floor_s + kv_s):.3f} ms -> "
             f"{r['ratio_with_kv']:.2f}x; {r['output_tok_s']:.0f} tok/s")
+
+
+# ----------------------------------------------------------------------------- 5. quantized
+
+QUANTIZED = {"int8 weights": {"quantization": "int8"}, "fp8 kv": {"kv_cache_dtype": "fp8"}}
+
+
+def run_quantized_section(report: Report, folder: pathlib.Path, *, id_limit: int,
+                          seed: int) -> None:
+    """Decode step times of the bf16 engine's model with int8 weights and with an fp8 KV
+    cache, one engine at a time (the bf16 engine already freed, so each gets the same
+    memory budget: int8 weights leave more room for KV blocks, an fp8 cache holds twice the
+    blocks), shapes compiled on first use (before the timed steps); the same prompts as the
+    decode section. data["quantized"][variant]: weights, KV blocks, decode batches and
+    vs_bf16 = bf16 step time / this step time (> 1: faster). Failures are reported per
+    variant; the engine is freed after each."""
+    import jax
+
+    from jaxserve import LLM
+
+    plan, clock, data = report.plan, report.clock, report.data
+    section = data.setdefault("quantized", {})
+    bf16 = {b["batch"]: b["step_s"] for b in data.get("decode", {}).get("batches", [])}
+    share = plan.need["quantized"] / len(QUANTIZED)
+    for n, (name, extra) in enumerate(QUANTIZED.items()):
+        deadline = clock.deadline - share * (len(QUANTIZED) - n - 1)
+        entry = section.setdefault(name, {"engine_args": extra})
+        llm = None
+        try:
+            if deadline - time.perf_counter() < plan.need["decode"]:
+                raise TimeoutError("no time left in the budget")
+            clock.say(f"building the {name} engine (random weights, buckets on first use)")
+            start = time.perf_counter()
+            llm = LLM(str(folder), **dict(data["engine_args"], precompile=False, **extra))
+            runner = llm.engine.runner
+            entry["start_s"] = time.perf_counter() - start
+            leaves = jax.tree.leaves(runner.params)
+            weight_bytes = sum(leaf.nbytes for leaf in leaves)
+            floor_s = weight_bytes / data["bandwidth"]["bytes_per_s"]
+            entry.update(weights={"bytes": weight_bytes, "floor_s": floor_s},
+                         kv_blocks=runner.num_blocks, bytes_per_block=runner.bytes_per_block)
+            clock.say(f"{name}: {weight_bytes / 1e9:.3f} GB of weights, {runner.num_blocks} "
+                      f"KV blocks of {runner.bytes_per_block} B")
+            rng = np.random.default_rng(seed + 1)  # the decode section's prompts
+            entry["decode"] = {"batches": []}
+            for batch in plan.quantized_batches:
+                r = measure_decode(llm.engine, batch, plan.decode_prompt, plan.decode_steps,
+                                   rng, id_limit, deadline)
+                line = add_floor(r, plan, data["bandwidth"], floor_s)
+                if batch in bf16:
+                    r["vs_bf16"] = bf16[batch] / r["step_s"]
+                    line += f"; bf16 / {name} step time {r['vs_bf16']:.2f}x"
+                entry["decode"]["batches"].append(r)
+                clock.say(f"{name} decode batch {batch:3d}: {line}")
+        except TimeoutError as err:
+            entry["skipped"] = str(err)
+            data["skipped"][f"quantized {name}"] = str(err)
+            clock.say(f"SKIPPED {name}: {err}")
+        except Exception as err:  # noqa: BLE001 - the other numbers stand
+            report.failed(f"quantized {name}", err)
+        finally:
+            if llm is not None:
+                llm.engine.close()
+            llm = runner = None
+            free_device_memory()
+
+
+def free_device_memory() -> None:
+    """Delete every live JAX array and compiled function: the engine measured last is done
+    with, and the next one gets the whole memory budget (a reference cycle or a cache that
+    kept the old weights alive would leave it less)."""
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
+    for array in jax.live_arrays():
+        array.delete()
 
 
 # ----------------------------------------------------------------------------- 4. torch backend
@@ -807,6 +905,11 @@ def print_summary(report: dict) -> None:
         print(f"HF baseline: jaxserve {hf['jaxserve']['output_tok_s']:.1f} vs HF "
               f"{hf['transformers']['output_tok_s']:.1f} output tok/s on "
               f"{hf['requests']} requests: {hf['ratio']:.2f}x")
+    for name, q in report.get("quantized", {}).items():
+        for r in q.get("decode", {}).get("batches", []):
+            vs = f"; bf16 / {name}: {r['vs_bf16']:.2f}x" if "vs_bf16" in r else ""
+            print(f"{name} decode batch {r['batch']:3d}: {1e3 * r['step_s']:.3f} ms/step "
+                  f"({q['kv_blocks']} KV blocks){vs}")
     for section, why in {**report["skipped"], **report["errors"]}.items():
         print(f"{section}: {why}")
     sys.stdout.flush()

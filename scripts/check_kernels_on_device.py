@@ -16,6 +16,10 @@ hand, and prints the versions it ran with (Pallas moves between JAX releases):
   bf16) and mixed prefill + decode batches; achieved HBM bandwidth (K/V bytes read plus q
   and out) against the device's measured copy bandwidth, and the time of
   `jax.experimental.pallas.ops.gpu.paged_attention` on the decode shapes.
+* quantized KV caches (kv_cache_dtype fp8 / int8): each kernel over one-byte caches with
+  the engine's scales folded into q and out (kv_quant), against ref on the dequantized
+  values (the bfloat16 tolerance), with the error against the unquantized cache reported;
+  on a device, a decode batch (64 x 4096 context) timed with bf16, fp8 and int8 caches.
 * KV-cache write: ref.write_kv jitted with donated caches, for caches of 1x, 4x and 16x the
   pages at a fixed T: a flat time, the output in the input's buffer, and aliased bytes in
   the compiled memory analysis mean in place; the undonated call is timed beside it to
@@ -48,6 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve import kv_quant
 from jaxserve.batch import Batch
 from jaxserve.kernels_pallas import ref
 
@@ -73,6 +78,12 @@ FAR_BYTES = {"cpu": 1 << 20, "device": (1 << 32) + (1 << 28)}
 WRITE_KV = {"cpu": dict(base_pages=64, num_tokens=32, dims=(16, 2, 64), dtype="float32"),
             "device": dict(base_pages=8192, num_tokens=256, dims=(16, 8, 128), dtype="bfloat16")}
 BENCH = dict(block_size=16, kv_heads=8, q_heads=64, head_dim=128, dtype="bfloat16")
+# Quantized KV caches (kv_cache_dtype): (kind, S, K, N, H) in bfloat16, each with fp8 and
+# int8; device timing: a decode batch of QUANT_TIMING = (rows, context) with BENCH's dims.
+QUANT_CHECKS = {"cpu": [("decode", 16, 2, 8, 64), ("mixed", 16, 1, 4, 128)],
+                "device": [("decode", 16, 8, 64, 128), ("mixed", 16, 8, 64, 128)]}
+QUANT_FORMATS = ("fp8", "int8")
+QUANT_TIMING = (64, 4096)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -284,6 +295,113 @@ def check_verdict(r: dict) -> str:
     if r["informational"] and not r["ok"]:
         verdict += " (informational: jax's kernel, not ours)"
     return f"{verdict} [{r['seconds']:.1f}s]"
+
+
+# ----------------------------------------------------------------------------- quantized KV
+
+
+def quantize_case(case, fmt: str, platform_name: str):
+    """A case's caches quantized as the engine stores them (kv_quant, scales from each kv
+    head's largest value in the cache itself): (kernel inputs q, k_q, v_q, batch; k_scale, v_scale; the dequantized
+    float32 caches the kernel really reads; the value dtype)."""
+    q, k_cache, v_cache, batch = case
+    values = kv_quant.value_dtype(fmt, q.dtype)
+    storage = ref.kv_storage_dtype(values, platform_name)
+    flat = (-1,) + k_cache.shape[2:]
+    scales, stored, dequant = [], [], []
+    for cache in (k_cache, v_cache):
+        amax = jnp.abs(cache.astype(jnp.float32)).max((0, 1, 3))
+        scale = kv_quant.scales_from_amax(amax, fmt)
+        quant = kv_quant.quantize(cache.reshape(flat), scale, values).reshape(cache.shape)
+        dequant.append(quant.astype(jnp.float32) * scale[None, None, :, None])
+        stored.append(quant if storage == values else jax.lax.bitcast_convert_type(quant,
+                                                                                   storage))
+        scales.append(scale)
+    return (q, *stored, batch), scales, dequant, values
+
+
+def quantized_attention(kernel, k_scale, v_scale, values, **opts):
+    """The engine's attention over a quantized cache (kv_quant): scales folded into q and out."""
+    def run(q, k_cache, v_cache, batch):
+        out = kernel(kv_quant.scale_queries(q, k_scale), k_cache, v_cache, batch,
+                     kv_dtype=values, **opts)
+        return kv_quant.scale_output(out, v_scale)
+    return jax.jit(run)
+
+
+def run_quantized_checks(kernels: dict, cases, *, interpret: bool, rng, repeats: int,
+                         deadline: float) -> list:
+    """Each kernel over fp8 / int8 caches against ref on the dequantized float32 caches (the
+    values it reads: the bf16 tolerance), and against ref on the unquantized cache (what
+    quantization costs, reported); on a device, the decode time of each format beside bf16."""
+    ref_fn = jax.jit(ref.ragged_paged_attention, static_argnames=OPTS)
+    platform_name = "cpu" if interpret else platform_kind()
+    results = []
+    for kind, S, K, N, H in cases:
+        case = random_case(kind, jnp.bfloat16, S, K, N, H, rng, not interpret, 0)
+        opts = dict(scale=1.0 / math.sqrt(H))
+        with jax.default_matmul_precision("highest"):
+            plain = ref_fn(*(x.astype(jnp.float32) for x in case[:3]), case[3], **opts)
+        for fmt in QUANT_FORMATS:
+            inputs, (k_scale, v_scale), (kd, vd), values = quantize_case(case, fmt,
+                                                                         platform_name)
+            with jax.default_matmul_precision("highest"):
+                want = ref_fn(case[0].astype(jnp.float32), kd, vd, case[3], **opts)
+            for name, kernel in kernels.items():
+                result = dict(kernel=name, kind=kind, dtype=f"bf16+{fmt}-kv", S=S, K=K, N=N,
+                              H=H, T=case[0].shape[0], R=case[3].kv_lens.shape[0],
+                              sliding_window=None, soft_cap=None, tol=TOL["bfloat16"],
+                              informational=False)
+                print(check_label(result), end=" ", flush=True)
+                start = time.perf_counter()
+                try:
+                    got = quantized_attention(kernel, k_scale, v_scale, values, **opts)(
+                        *inputs)
+                    result["error"] = relative_error(got, want, case[3])
+                    result["error_vs_unquantized"] = relative_error(got, plain, case[3])
+                    result["ok"] = result["error"] <= TOL["bfloat16"]
+                except Exception as exc:  # noqa: BLE001
+                    result.update(ok=False, exception=f"{type(exc).__name__}: {exc}"[:400])
+                result["seconds"] = time.perf_counter() - start
+                verdict = check_verdict(result)
+                if "error_vs_unquantized" in result:
+                    verdict += f"; vs unquantized {result['error_vs_unquantized']:.2e}"
+                print(verdict, flush=True)
+                results.append(result)
+    if interpret:
+        return results
+    rows, context = QUANT_TIMING
+    dims = BENCH
+    specs = [(1, context)] * rows
+    for name, kernel in kernels.items():
+        if time.monotonic() > deadline:
+            print("quantized timing: skipped (time budget)")
+            break
+        batch, pages = make_batch(specs, block_size=dims["block_size"], num_tokens=rows,
+                                  num_rows=rows, rng=rng)
+        shape = (pages, dims["block_size"], dims["kv_heads"], dims["head_dim"])
+        keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 3)
+        q = jax.random.normal(keys[0], (rows, dims["q_heads"], dims["head_dim"]),
+                              jnp.bfloat16)
+        case = (q, fill_cache(keys[1], shape, jnp.bfloat16),
+                fill_cache(keys[2], shape, jnp.bfloat16), batch)
+        opts = dict(scale=1.0 / math.sqrt(dims["head_dim"]))
+        row = dict(kernel=name, kind="quantized-timing", rows=rows, context=context)
+        row["bf16_s"] = time_call(jax.jit(functools.partial(kernel, **opts)), case, repeats)
+        line = f"time {name:8} decode {rows} x ctx {context}: bf16 {1e3 * row['bf16_s']:.3f} ms"
+        for fmt in QUANT_FORMATS:
+            try:
+                inputs, scales, _, values = quantize_case(case, fmt, platform_name)
+                row[f"{fmt}_s"] = time_call(quantized_attention(kernel, *scales, values,
+                                                                **opts), inputs, repeats)
+                line += (f", {fmt} {1e3 * row[f'{fmt}_s']:.3f} ms "
+                         f"({row['bf16_s'] / row[f'{fmt}_s']:.2f}x)")
+            except Exception as exc:  # noqa: BLE001
+                row[f"{fmt}_error"] = f"{type(exc).__name__}: {exc}"[:400]
+                line += f", {fmt} FAILED {row[f'{fmt}_error']}"
+        print(line, flush=True)
+        results.append(row)
+    return results
 
 
 # ----------------------------------------------------------------------------- timing
@@ -564,6 +682,10 @@ def main() -> int:
                                    long=not interpret, with_pa=with_pa, interpret=interpret,
                                    far_bytes=FAR_BYTES["cpu" if interpret else "device"],
                                    rng=rng)
+    print("\nquantized KV caches (fp8, int8) vs ref on the values they hold")
+    report["quantized"] = run_quantized_checks(
+        kernels, QUANT_CHECKS["cpu" if interpret else "device"], interpret=interpret, rng=rng,
+        repeats=args.repeats, deadline=deadline)
     report["write_kv"] = check_write_kv(**WRITE_KV["cpu" if interpret else "device"],
                                         repeats=args.repeats, rng=rng)
     if not interpret and kind in kernels:
@@ -573,6 +695,8 @@ def main() -> int:
     failed = [c for c in report["checks"] if not c["ok"] and not c["informational"]]
     failed += [w for w in report["write_kv"] if not w["ok"]]
     failed += [a for a in report["attention"] if "error" in a]
+    failed += [q for q in report["quantized"] if q.get("ok") is False
+               or any(k.endswith("_error") for k in q)]
     if args.json:  # the JAX part, in case the torch part takes the process down
         write_report(args.json, {**report, "triton": {"status": "running"}})
     report["triton"], triton_failed = run_triton_section(args)

@@ -1,19 +1,21 @@
-"""How much int8 weights (`quantization="int8"`) change a model's outputs, in one process.
+"""How much quantization changes a model's outputs, in one process.
 
-    python scripts/eval_quantization.py [--json OUT]
+    python scripts/eval_quantization.py [--variants int8 kv-fp8 kv-int8] [--json OUT]
 
-Each against the same model without quantization, in float32 and in bfloat16:
+Variants: int8 weights (quantization="int8"), and a KV cache of fp8 or int8
+(kv_cache_dtype). Each against the same model without quantization, in float32 and in
+bfloat16:
   perplexity  the built-in model on held-out Python (the standard library packages it never
               trained on: email, json, xmlrpc, wsgiref), --windows windows of 128 tokens,
               scored with prompt_logprobs;
   agreement   greedy tokens of --prompts prompts x --tokens tokens: the fraction of positions
-              where the int8 output equals the unquantized one (a position after the first
+              where the quantized output equals the unquantized one (a position after the first
               difference counts only if the tokens happen to be equal again), and the mean
               length of the common prefix; for the built-in model (prompts: the first 64
               tokens of held-out windows) and for the small benchmark Llama (random weights,
-              random prompts). For scale, the same agreement between the small model in
-              float32 and in bfloat16, both unquantized: how much a dtype change alone moves
-              its greedy tokens (its random weights give near-ties everywhere).
+              random prompts). For scale, the same agreement between each model in float32
+              and in bfloat16, both unquantized: how much a dtype change alone moves its
+              greedy tokens (the small model's random weights give near-ties everywhere).
 """
 
 from __future__ import annotations
@@ -69,8 +71,16 @@ def agreement(want: np.ndarray, got: np.ndarray) -> tuple[float, float]:
     return float((want == got).mean()), float(np.mean(prefix))
 
 
+VARIANTS = {  # name -> the engine arguments it adds
+    "int8": {"quantization": "int8"},
+    "kv-fp8": {"kv_cache_dtype": "fp8"},
+    "kv-int8": {"kv_cache_dtype": "int8"},
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--windows", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
@@ -82,43 +92,48 @@ def main() -> None:
 
     report: dict = {}
     small_tokens: dict[str, np.ndarray] = {}
+    builtin_tokens: dict[str, np.ndarray] = {}
     small = str(ensure_small_checkpoint())
     for dtype in args.dtypes:
         common = dict(dtype=dtype, precompile=False, max_model_len=512)
         base = LLM(**common)  # the built-in model
         windows = held_out_windows(base.get_tokenizer(), args.windows, 128, args.seed)
-        ppl = perplexity(base, windows)
-        del base
-        ppl_int8 = perplexity(LLM(quantization="int8", **common), windows)
-        rise = ppl_int8 / ppl - 1
-        print(f"{dtype}: built-in model held-out perplexity {ppl:.3f}, int8 {ppl_int8:.3f} "
-              f"({100 * rise:+.2f}%) over {args.windows} windows of 128 tokens", flush=True)
-
         code = [w[:64] for w in windows[: args.prompts]]
-        agree, prefix = agreement(greedy(LLM(**common), code, args.tokens),
-                                  greedy(LLM(quantization="int8", **common), code, args.tokens))
-        print(f"{dtype}: built-in model greedy agreement {100 * agree:.1f}% of "
-              f"{len(code) * args.tokens} positions; common prefix {prefix:.1f} of "
-              f"{args.tokens} tokens on average", flush=True)
-        report.setdefault(dtype, {}).update(builtin_agreement=agree,
-                                            builtin_common_prefix=prefix)
-
+        ppl, builtin = perplexity(base, windows), greedy(base, code, args.tokens)
+        builtin_tokens[dtype] = builtin
+        del base
         rng = np.random.default_rng(args.seed)
         prompts = [rng.integers(5, 32000, int(n)).tolist()
                    for n in rng.integers(16, 128, args.prompts)]
-        want = small_tokens[dtype] = greedy(LLM(small, **common), prompts, args.tokens)
-        got = greedy(LLM(small, quantization="int8", **common), prompts, args.tokens)
-        agree, prefix = agreement(want, got)
-        print(f"{dtype}: small model greedy agreement {100 * agree:.1f}% of "
-              f"{want.size} positions; common prefix {prefix:.1f} of "
-              f"{args.tokens} tokens on average", flush=True)
-        report[dtype].update(perplexity=ppl, perplexity_int8=ppl_int8, rise=rise,
-                             agreement=agree, mean_common_prefix=prefix)
+        small_base = small_tokens[dtype] = greedy(LLM(small, **common), prompts, args.tokens)
+        print(f"{dtype}: built-in model held-out perplexity {ppl:.3f} over {args.windows} "
+              "windows of 128 tokens", flush=True)
+        report[dtype] = {"perplexity": ppl}
+        for name in args.variants:
+            options = dict(common, **VARIANTS[name])
+            llm = LLM(**options)
+            ppl_q = perplexity(llm, windows)
+            agree, prefix = agreement(builtin, greedy(llm, code, args.tokens))
+            del llm
+            small_agree, small_prefix = agreement(
+                small_base, greedy(LLM(small, **options), prompts, args.tokens))
+            rise = ppl_q / ppl - 1
+            print(f"{dtype} {name}: built-in model perplexity {ppl_q:.3f} ({100 * rise:+.2f}%); "
+                  f"greedy agreement {100 * agree:.1f}% of {builtin.size} positions (common "
+                  f"prefix {prefix:.1f} of {args.tokens}); small model greedy agreement "
+                  f"{100 * small_agree:.1f}% of {small_base.size} positions (common prefix "
+                  f"{small_prefix:.1f})", flush=True)
+            report[dtype][name] = dict(
+                perplexity=ppl_q, rise=rise, builtin_agreement=agree,
+                builtin_common_prefix=prefix, small_agreement=small_agree,
+                small_common_prefix=small_prefix)
     if len(small_tokens) == 2:
-        agree, prefix = agreement(*small_tokens.values())
-        print(f"for scale: small model float32 vs bfloat16, both unquantized: agreement "
-              f"{100 * agree:.1f}%; common prefix {prefix:.1f} tokens", flush=True)
-        report["small_float32_vs_bfloat16"] = {"agreement": agree, "mean_common_prefix": prefix}
+        for name, tokens in (("built-in", builtin_tokens), ("small", small_tokens)):
+            agree, prefix = agreement(*tokens.values())
+            print(f"for scale: {name} model float32 vs bfloat16, both unquantized: agreement "
+                  f"{100 * agree:.1f}%; common prefix {prefix:.1f} tokens", flush=True)
+            report[f"{name}_float32_vs_bfloat16"] = {"agreement": agree,
+                                                     "mean_common_prefix": prefix}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

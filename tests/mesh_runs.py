@@ -2,7 +2,8 @@
 
 test_mesh.py runs this file in a subprocess (the device count is fixed when JAX starts):
     python tests/mesh_runs.py CHECKPOINT MESH [MESH ...]
-(MESH like 2x4, 1x8:ep for expert parallelism, 1x4:int8 for int8 weights, 1x8:ep,int8) and reads one JSON line per mesh: the
+(MESH like 2x4, 1x8:ep for expert parallelism, 1x4:int8 for int8 weights, 1x8:ep,int8,
+1x4:fp8kv or 1x4:int8kv for a quantized KV cache) and reads one JSON line per mesh: the
 greedy token ids of every prompt (the tiny checkpoints' check prompts), and per
 data-parallel replica the requests routed to it and the device steps it ran.
 """
@@ -34,13 +35,15 @@ def run(folder: str, mesh: str) -> dict:
     options = options.split(",")
     llm = LLM(folder, dtype="float32", max_model_len=64, precompile=False, mesh=shape,
               expert_parallel="ep" in options, max_num_seqs=2, max_num_batched_tokens=16,
-              quantization="int8" if "int8" in options else None)
+              quantization="int8" if "int8" in options else None,
+              kv_cache_dtype=next((o[:-2] for o in options if o.endswith("kv")), "auto"))
     replicas = getattr(llm.engine, "replicas", [llm.engine])
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate(prompts(), params, use_tqdm=False)
     return {"mesh": mesh, "tokens": [o.outputs[0].token_ids for o in outputs],
             "routed": getattr(llm.engine, "routed", [NUM_PROMPTS]), "steps": [r.runner.padding.steps for r in replicas],
-            "devices": [[d.id for d in r.runner.mesh.devices.flat] for r in replicas]}
+            "devices": [[d.id for d in r.runner.mesh.devices.flat] for r in replicas],
+            "cache_dtype": str(replicas[0].runner.cache_dtype)}
 
 
 if __name__ == "__main__":

@@ -94,6 +94,19 @@ def test_cpu_run_reports_every_section(tmp_path):
         {"1", "4", "8"}
     assert "torch / JAX speed" in out.stdout
 
+    quantized = data["quantized"]  # int8 weights and an fp8 KV cache, each its own engine
+    assert set(quantized) == {"int8 weights", "fp8 kv"}
+    assert quantized["int8 weights"]["weights"]["bytes"] < data["weights"]["bytes"]
+    fp8 = quantized["fp8 kv"]
+    assert fp8["weights"]["bytes"] == data["weights"]["bytes"]
+    assert 2 * fp8["bytes_per_block"] == data["kv_cache"]["bytes_per_block"]
+    assert fp8["kv_blocks"] >= data["kv_cache"]["blocks"]
+    for q in quantized.values():
+        assert [b["batch"] for b in q["decode"]["batches"]] == [4, 8]
+        assert all(b["tokens_per_step"] == b["batch"] and b["vs_bf16"] > 0
+                   for b in q["decode"]["batches"])
+    assert "fp8 kv decode batch" in out.stdout
+
 
 def test_gpu_plan_is_llama3_8b_with_accelerator_engine_defaults(tmp_path):
     from jaxserve.config import EngineConfig
@@ -103,9 +116,9 @@ def test_gpu_plan_is_llama3_8b_with_accelerator_engine_defaults(tmp_path):
                                      max_seconds=None)
     plan = script.Plan(tiny=False, quick=False, args=args)
     assert plan.requests == 256 and plan.decode_batches == (1, 32, 256)
-    assert plan.budget_s == 480 and plan.copy_bytes == 2 << 30
+    assert plan.budget_s == 600 and plan.copy_bytes == 2 << 30
     quick = script.Plan(tiny=False, quick=True, args=args)
-    assert quick.budget_s == 120 and quick.requests < plan.requests
+    assert quick.budget_s == 210 and quick.requests < plan.requests
 
     folder = script.write_model_folder(tmp_path, plan.model_config)
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
@@ -124,9 +137,11 @@ def test_gpu_plan_is_llama3_8b_with_accelerator_engine_defaults(tmp_path):
         (4096, 32, 32, 8, 14336, 128256)
     # Llama-3-8B holds 128 KiB of bf16 K and V per token.
     assert script.kv_bytes_per_token(plan.model_config) == 128 * 1024
-    # The torch backend's section keeps its time within the same budgets.
-    assert quick.need["torch"] + quick.need["hf"] < quick.budget_s
-    assert plan.need["torch"] + plan.need["hf"] < plan.budget_s
+    # The torch backend's and the quantized engines' sections keep their time within the
+    # same budgets.
+    for p in (quick, plan):
+        assert p.need["torch"] + p.need["hf"] + p.need["quantized"] < p.budget_s
+    assert plan.quantized_batches == (32, 256)
 
 
 def test_percentiles():
