@@ -191,7 +191,8 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             active_requests=self.async_engine.num_in_flight, is_paused=self.state.draining,
             last_receive_timestamp=self.last_receive,
             uptime_seconds=time.time() - self.state.started, server_type="vllm-grpc",
-            data_parallel_size=1, kv_cache_dtype="auto", block_size=config.cache.block_size,
+            data_parallel_size=1, kv_cache_dtype=config.cache.kv_cache_dtype,
+            block_size=config.cache.block_size,
             attention_backend="" if config.attention.backend == "auto"
             else config.attention.backend,
             model_dtype=config.model.dtype, max_num_seqs=config.scheduler.max_num_seqs,

@@ -257,6 +257,7 @@ def test_model_server_info_and_loads(stub, llm, tiny_checkpoints):
     assert server.server_type == "vllm-grpc" and server.data_parallel_size == 1
     assert server.max_num_seqs == SMALL_ENGINE_ARGS["max_num_seqs"]
     assert server.block_size > 0 and server.uptime_seconds > 0 and not server.is_paused
+    assert server.kv_cache_dtype == llm.engine.config.cache.kv_cache_dtype == "auto"
     response = stub.GetLoads(pb.GetLoadsRequest(include=["core"]), timeout=10)
     assert response.dp_rank_count == 1 and len(response.loads) == 1
     datetime.datetime.fromisoformat(response.timestamp)

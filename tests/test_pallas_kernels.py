@@ -129,9 +129,12 @@ def abstract_case(num_tokens, num_rows, num_heads, num_kv_heads, head_dim, block
 
 
 # (T, R, N, K, H, S, P, B, dtype, options): decode, mixed and prefill buckets, GQA 8:1 and
-# 3:1 (padded to 4), bf16 and f32, window and soft cap.
+# 3:1 (padded to 4), bf16 and f32, window and soft cap, fp8 and int8 caches (kv_dtype: the
+# cache's dtype; kv_cache_dtype, kv_quant.py).
 LOWERING = [
     (256, 256, 32, 4, 128, 16, 4096, 128, "bfloat16", {}),
+    (256, 256, 32, 4, 128, 16, 4096, 128, "bfloat16", {"kv_dtype": jnp.float8_e4m3fn}),
+    (512, 64, 32, 8, 128, 32, 1024, 64, "bfloat16", {"kv_dtype": jnp.int8}),
     (16, 1, 32, 4, 128, 16, 4096, 2048, "bfloat16", {}),
     (512, 64, 32, 8, 128, 32, 1024, 64, "bfloat16", {"sliding_window": 256, "soft_cap": 30.0}),
     (1024, 8, 12, 4, 64, 16, 1024, 128, "float32", {}),
@@ -139,11 +142,15 @@ LOWERING = [
 
 
 @pytest.mark.parametrize("platform,kernel_name", [("tpu", "tpu"), ("cuda", "gpu")])
-@pytest.mark.parametrize("shape", LOWERING, ids=lambda s: f"T{s[0]}-R{s[1]}-{s[8]}")
+@pytest.mark.parametrize("shape", LOWERING, ids=lambda s: f"T{s[0]}-R{s[1]}-{s[8]}" + (
+    f"-{jnp.dtype(s[9]['kv_dtype']).name}" if "kv_dtype" in s[9] else ""))
 def test_lowers_for_the_hardware(platform, kernel_name, shape):
     """Mosaic (TPU) or Triton (CUDA) lowering of the real kernel, run here without a device."""
     *dims, dtype, options = shape
     args = abstract_case(*dims, jnp.dtype(dtype))
+    if "kv_dtype" in options:  # a quantized cache: one-byte values
+        cache = jax.ShapeDtypeStruct(args[1].shape, options["kv_dtype"])
+        args = (args[0], cache, cache, args[3])
     head_dim = dims[4]
     fn = jax.jit(functools.partial(KERNELS[kernel_name], scale=1 / math.sqrt(head_dim),
                                    **options))
