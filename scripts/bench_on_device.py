@@ -600,9 +600,12 @@ def run_engine_sections(report: Report, folder: pathlib.Path, seed: int,
         run_quantized_section(report, folder, id_limit=id_limit, seed=seed)
 
 
-def add_floor(r: dict, plan: Plan, bandwidth: dict, floor_s: float) -> str:
-    """Add the weight-bandwidth floor and the ratios to a decode batch's result; its line."""
-    kv_s = r["batch"] * r["mean_context"] * kv_bytes_per_token(plan.model_config) / \
+def add_floor(r: dict, plan: Plan, bandwidth: dict, floor_s: float,
+              kv_itemsize: int = 2) -> str:
+    """Add the weight-bandwidth floor and the ratios to a decode batch's result; its line.
+    kv_itemsize: bytes per KV-cache element (2: bf16; 1: an fp8 cache)."""
+    kv_s = r["batch"] * r["mean_context"] * kv_bytes_per_token(plan.model_config,
+                                                               kv_itemsize) / \
         bandwidth["bytes_per_s"]
     r.update(floor_s=floor_s, ratio=r["step_s"] / floor_s, floor_with_kv_s=floor_s + kv_s,
              ratio_with_kv=r["step_s"] / (floor_s + kv_s),
@@ -654,12 +657,13 @@ def run_quantized_section(report: Report, folder: pathlib.Path, *, id_limit: int
                          kv_blocks=runner.num_blocks, bytes_per_block=runner.bytes_per_block)
             clock.say(f"{name}: {weight_bytes / 1e9:.3f} GB of weights, {runner.num_blocks} "
                       f"KV blocks of {runner.bytes_per_block} B")
-            rng = np.random.default_rng(seed + 1)  # the decode section's prompts
+            rng = np.random.default_rng(seed + 1)  # prompts drawn as the decode section's
             entry["decode"] = {"batches": []}
             for batch in plan.quantized_batches:
                 r = measure_decode(llm.engine, batch, plan.decode_prompt, plan.decode_steps,
                                    rng, id_limit, deadline)
-                line = add_floor(r, plan, data["bandwidth"], floor_s)
+                line = add_floor(r, plan, data["bandwidth"], floor_s,
+                                 kv_itemsize=1 if "kv_cache_dtype" in extra else 2)
                 if batch in bf16:
                     r["vs_bf16"] = bf16[batch] / r["step_s"]
                     line += f"; bf16 / {name} step time {r['vs_bf16']:.2f}x"

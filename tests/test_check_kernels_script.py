@@ -40,7 +40,7 @@ def load_triton_script():
     return load_script(TRITON_SCRIPT, "check_triton_kernels")
 
 
-@pytest.mark.slow  # ~25 s; the kernels themselves are tested in test_pallas_kernels.py
+@pytest.mark.slow  # ~95 s; the kernels themselves are tested in test_pallas_kernels.py
 def test_cpu_run_checks_every_kernel_in_interpret_mode(tmp_path):
     report = tmp_path / "report.json"
     out = subprocess.run([sys.executable, str(SCRIPT), "--json", str(report)],
@@ -59,8 +59,13 @@ def test_cpu_run_checks_every_kernel_in_interpret_mode(tmp_path):
         assert any(c["sliding_window"] and c["soft_cap"] for c in mine)
         assert all(c["ok"] for c in mine)
     assert [c["ok"] for c in checks if c["kernel"] == "jax-paged-attention"] == [True]
+    quantized = data["quantized"]  # fp8 / int8 caches, each kernel, vs ref on their values
+    assert {(q["kernel"], q["dtype"]) for q in quantized} == {
+        (k, f"bf16+{f}-kv") for k in ("gpu", "tpu") for f in ("fp8", "int8")}
+    assert all(q["ok"] and 0 < q["error_vs_unquantized"] < 0.1 for q in quantized)
     lines = [line for line in out.stdout.splitlines() if line.startswith("check ")]
-    assert len(lines) == len(checks) and all(line.split()[-2] == "ok" for line in lines)
+    assert len(lines) == len(checks) + len(quantized)
+    assert all(" ok [" in line for line in lines)
     writes = data["write_kv"]
     assert [w["pages"] for w in writes] == [64, 256, 1024]
     assert all(w["ok"] and w["same_buffer"] for w in writes)

@@ -208,17 +208,23 @@ def test_speculative_config_forms_and_errors(tiny_checkpoints):
         LLM(folder, speculative_config=SPEC, backend="torch", **ENGINE)
 
 
+CLI = [sys.executable, "-m", "jaxserve.cli"]
+CLI_ENGINE = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "128"]
+
+
+@pytest.mark.slow  # a generation in a subprocess, ~25 s cold (the suite's time budget)
 def test_cli_flag_takes_vllms_json(tiny_checkpoints):
-    script = [sys.executable, "-m", "jaxserve.cli"]
-    small = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "128"]
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2})
-    out = subprocess.run([*script, "generate", str(tiny_checkpoints["llama"]), *small,
+    out = subprocess.run([*CLI, "generate", str(tiny_checkpoints["llama"]), *CLI_ENGINE,
                           "--speculative-config", spec, "--max-tokens", "6", "--ignore-eos",
                           "--json", "def f(x): return f(x)"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert len(json.loads(out.stdout)["outputs"][0]["token_ids"]) == 6
-    bad = subprocess.run([*script, "generate", str(tiny_checkpoints["llama"]), *small,
+
+
+def test_cli_flag_refuses_a_bad_config(tiny_checkpoints):
+    bad = subprocess.run([*CLI, "generate", str(tiny_checkpoints["llama"]), *CLI_ENGINE,
                           "--speculative-config", '{"num_speculative_tokens": 0}', "hi"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "num_speculative_tokens" in bad.stderr
