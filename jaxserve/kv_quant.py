@@ -19,17 +19,24 @@ docs/architecture.md: T tokens, N query heads, K kv heads, G = N / K, H head dim
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.batch import Batch
 from jaxserve.kv_formats import cache_element, calibration_token_ids, is_quantized, largest
 from jaxserve.kv_formats import scales_from_amax as host_scales
+from jaxserve.weights import place
+
+logger = logging.getLogger(__name__)
 
 FORMATS = {"fp8_e4m3": jnp.float8_e4m3fn, "int8": jnp.int8}
 
-__all__ = ["attend_quantized", "calibrate", "calibration_token_ids", "is_quantized",
-           "quantize", "scale_output", "scale_queries", "scales_from_amax", "value_dtype"]
+__all__ = ["attend_quantized", "calibrate", "calibrated_scales", "calibration_token_ids",
+           "is_quantized", "quantize", "scale_output", "scale_queries", "scales_from_amax",
+           "value_dtype"]
 
 
 def value_dtype(kv_cache_dtype: str, model_dtype) -> jnp.dtype:
@@ -126,3 +133,27 @@ def calibrate(graphdef, params, batch, num_layers: int, num_kv_heads: int,
         amax = amax.addressable_data(0)
     amax = np.asarray(jax.device_get(amax))
     return host_scales(amax, kv_cache_dtype)
+
+
+def calibrated_scales(config, graphdef, params, num_layers: int, num_kv_heads: int,
+                      vocab_size: int, replicated) -> np.ndarray:
+    """f32[layers, 2 (k, v), K] scales of config's kv_cache_dtype for the model (graphdef,
+    params) on the calibration text, tokenized by config's tokenizer; logged."""
+    from jaxserve.tokenizer import load_tokenizer
+
+    kv_cache_dtype = config.cache.kv_cache_dtype
+    ids = calibration_token_ids(load_tokenizer(config.model.tokenizer), vocab_size,
+                                config.model.max_model_len)
+    num_tokens = len(ids)
+    none = np.zeros(1, np.int32)
+    batch = Batch(token_ids=ids, positions=np.arange(num_tokens, dtype=np.int32),
+                  slot_mapping=np.zeros(num_tokens, np.int32), cu_q_lens=none, kv_lens=none,
+                  block_tables=none[:, None], num_seqs=none, logits_indices=none)
+    batch = jax.tree.map(lambda x: place(x, replicated), batch)  # every host: its devices
+    scales = calibrate(graphdef, params, batch, num_layers, num_kv_heads, kv_cache_dtype,
+                       replicated)
+    logger.info("KV cache: %s (%s values), scales per layer and kv head calibrated on %d "
+                "tokens: keys %.3g..%.3g, values %.3g..%.3g.", kv_cache_dtype,
+                value_dtype(kv_cache_dtype, jnp.float32).name, num_tokens,
+                scales[:, 0].min(), scales[:, 0].max(), scales[:, 1].min(), scales[:, 1].max())
+    return scales

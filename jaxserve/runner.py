@@ -216,30 +216,11 @@ class ModelRunner:
                                          element)
 
     def _calibrate_kv_scales(self) -> list[tuple[jax.Array, jax.Array]]:
-        """A quantized cache's (k_scale, v_scale) f32[K'] per layer, split like the cache's
-        kv heads, from the model's keys and values on the calibration text
-        (kv_formats.py)."""
-        from jaxserve.tokenizer import load_tokenizer
-
-        config = self.config
-        ids = kv_quant.calibration_token_ids(load_tokenizer(config.model.tokenizer),
-                                             self.arch.vocab_size, config.model.max_model_len)
-        num_tokens = len(ids)
-        none = np.zeros(1, np.int32)
-        batch = Batch(token_ids=ids, positions=np.arange(num_tokens, dtype=np.int32),
-                      slot_mapping=np.zeros(num_tokens, np.int32), cu_q_lens=none,
-                      kv_lens=none, block_tables=none[:, None], num_seqs=none,
-                      logits_indices=none)
-        batch = jax.tree.map(lambda x: place(x, self.replicated), batch)
-        scales = kv_quant.calibrate(self.graphdef, self.params, batch, self.arch.num_layers,
-                                    self.arch.num_kv_heads, config.cache.kv_cache_dtype,
-                                    self.replicated)
-        logger.info("KV cache: %s (%s values), scales per layer and kv head calibrated on %d "
-                    "tokens: keys %.3g..%.3g, values %.3g..%.3g.", config.cache.kv_cache_dtype,
-                    kv_quant.value_dtype(config.cache.kv_cache_dtype, self.dtype).name,
-                    num_tokens,
-                    scales[:, 0].min(), scales[:, 0].max(), scales[:, 1].min(),
-                    scales[:, 1].max())
+        """A quantized cache's (k_scale, v_scale) f32[K'] per layer (kv_quant's
+        calibration), split like the cache's kv heads."""
+        scales = kv_quant.calibrated_scales(self.config, self.graphdef, self.params,
+                                            self.arch.num_layers, self.arch.num_kv_heads,
+                                            self.arch.vocab_size, self.replicated)
         split = NamedSharding(self.mesh, PartitionSpec(*KV_SCALE_SPEC))
         return [(place(k, split), place(v, split)) for k, v in scales]
 
