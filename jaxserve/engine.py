@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -83,7 +84,8 @@ class LLMEngine:
         self._by_child: dict[str, TrackedRequest] = {}
         # The step dispatched to the device and not collected yet, as (batch, handle) parts:
         # one part, unless suspects or a failed dispatch split the step.
-        self._in_flight: list[tuple[SchedulerOutput, object]] = []
+        # (batch, runner handle, when it was dispatched)
+        self._in_flight: list[tuple[SchedulerOutput, object, float]] = []
         # Children whose step failed on the device -> the computed length up to which they
         # run alone (the end of that step): a culprit fails alone before it catches up.
         self._suspects: dict[str, int] = {}
@@ -130,7 +132,7 @@ class LLMEngine:
         """The batch of the step running on the device, not collected yet (None if none)."""
         if not self._in_flight:
             return None
-        parts = [out for out, _ in self._in_flight]
+        parts = [out for out, _, _ in self._in_flight]
         return SchedulerOutput([r for p in parts for r in p.requests],
                                [n for p in parts for n in p.num_scheduled_tokens],
                                [r for p in parts for r in p.preempted])
@@ -408,7 +410,7 @@ class LLMEngine:
                 if not req.finished:
                     self._dispatch(SchedulerOutput([req], [count], []))
             return
-        self._in_flight.append((out, handle))
+        self._in_flight.append((out, handle, time.perf_counter()))
 
     def _grammar_masks(self, out: SchedulerOutput) -> list[tuple[int, np.ndarray]] | None:
         """The next-token bitmask of each constrained request that samples in this step."""
@@ -435,7 +437,7 @@ class LLMEngine:
         length). Returns the (request, new tokens) pairs sampled."""
         parts, self._in_flight = self._in_flight, []
         appended = []
-        for out, handle in parts:
+        for out, handle, started in parts:
             try:
                 result = self.runner.fetch(handle)
             except BaseException as err:
@@ -444,6 +446,8 @@ class LLMEngine:
                     raise  # Ctrl-C, exit
                 self._step_failed(out, err)
                 continue
+            if len(parts) == 1:  # a step that shared the device times nothing
+                self.scheduler.observe_step(out, time.perf_counter() - started)
             appended += self._fold(out, result)
             if self._suspects:  # a suspect that ran alone up to its failed step is cleared
                 for req in out.requests:

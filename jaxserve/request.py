@@ -84,6 +84,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.num_proposed = 0  # proposals in its last scheduled step (speculative decoding)
+        self.spec_drafts = 0  # its steps that verified proposals
+        self.spec_first_kept = 0  # of those, the ones that kept the first proposal
         self.state_slot = 0  # row of the device-side penalty state; 0 = none held
         self.needs_state_reset = False  # set when a row is handed out, cleared once it ran
         self.cumulative_logprob = 0.0  # of the output tokens, when logprobs are asked for

@@ -13,11 +13,12 @@ scheduled and charged to the token budget.
 
 Speculative decoding (n-gram, spec_decode.py): a decoding request that may speculate gets
 up to K proposals from its own tokens, scheduled after its last token (they count against
-the budget and get KV slots like any token). Proposals never push a step into a bigger
-token bucket than they fill: past the last bucket boundary they reach (or the padding of the
-step's bucket without them), the deepest ones are dropped (_fit_proposals). The step emits
-the accepted proposals plus one token; the computed count then drops back past the
-rejected ones, whose KV slots the next step overwrites.
+the budget and get KV slots like any token, but only the budget left by the running
+requests' own tokens and the prompts admitted). spec_policy.py then keeps those that pay for
+the bucket they need, from the step times the engine measures (observe_step) and the
+acceptance seen so far; the others are dropped before the step runs. The step emits the accepted proposals plus one token; the
+computed count then drops back past the rejected ones, whose KV slots the next step
+overwrites.
 
 Every change to requests and blocks goes through here: schedule, then update_from_output
 with the step's sampled tokens (computed tokens, appended tokens, stop tokens, EOS, length),
@@ -34,6 +35,7 @@ from jaxserve.config import SchedulerConfig
 from jaxserve.kv_cache_manager import KVCacheManager
 from jaxserve.request import Request, RequestStatus
 from jaxserve.spec_decode import SpecDecodeStats, SpeculativeConfig, propose_ngram
+from jaxserve.spec_policy import AcceptanceRates, StepTimes, proposals_to_keep
 
 
 @dataclasses.dataclass
@@ -60,6 +62,8 @@ class Scheduler:
         self.spec_stats = SpecDecodeStats.empty(
             speculative.num_speculative_tokens if speculative else 0)
         self._speculating = False  # this step makes proposals (see schedule)
+        self._acceptance = AcceptanceRates(len(self.spec_stats.accepted_per_pos))
+        self._step_times = StepTimes(config.token_buckets)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -93,11 +97,14 @@ class Scheduler:
         self._speculating = spec is not None and (spec.disable_by_batch_size is None or len(
             self.running) <= spec.disable_by_batch_size)
 
+        # The running requests' own tokens come before any proposal.
+        reserved = sum(r.num_tokens - r.num_computed_tokens for r in self.running[:max_seqs])
         index = 0
         while index < len(self.running) and budget > 0 and index < max_seqs:
             request = self.running[index]
             remaining = request.num_tokens - request.num_computed_tokens
-            request.num_proposed = self._propose(request, budget - remaining)
+            reserved -= remaining
+            request.num_proposed = self._propose(request, budget - remaining - reserved)
             num_new = min(remaining + request.num_proposed, budget)
             if request.num_proposed and not self.kv_manager.allocate_slots(request, num_new):
                 request.num_proposed = 0  # no room for proposals: never preempt for them
@@ -120,9 +127,20 @@ class Scheduler:
             budget -= num_new
             index += 1
 
-        budget += self._fit_proposals(scheduled, counts)
+        # Waiting requests' prompt tokens come before proposals too: proposals keep only the
+        # budget admission leaves (a prompt token is always used, a proposal only if kept).
+        proposed = sum(r.num_proposed for r in scheduled)
+        budget = self._admit(budget + proposed, max_seqs, scheduled, counts, preempted)
+        if proposed:
+            budget -= self._choose_proposals(scheduled, counts, budget)
+            # The head of the queue may have been refused blocks for a bigger chunk.
+            self._admit(budget, max_seqs, scheduled, counts, preempted)
+        return SchedulerOutput(scheduled, counts, preempted)
 
-        # Admit waiting requests only when nothing had to give way this step.
+    def _admit(self, budget: int, max_seqs: int, scheduled: list[Request], counts: list[int],
+               preempted: list[Request]) -> int:
+        """Admit waiting requests in order while the budget, the sequence limit and the KV
+        pool allow, and only when nothing had to give way this step; the budget left."""
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < max_seqs):
             request = self.waiting[0]
@@ -146,7 +164,7 @@ class Scheduler:
             scheduled.append(request)
             counts.append(num_new)
             budget -= num_new
-        return SchedulerOutput(scheduled, counts, preempted)
+        return budget
 
     def _propose(self, request: Request, room: int) -> int:
         """Propose up to K tokens for a decoding request (written after its tokens, see
@@ -162,29 +180,29 @@ class Scheduler:
         request.set_proposals(proposals)
         return len(proposals)
 
-    def _fit_proposals(self, scheduled: list[Request], counts: list[int]) -> int:
-        """Drop the deepest proposals (the least likely to be kept) until the step's tokens
-        end at a token-bucket boundary, or fill the bucket the step needs without them: a
-        bigger bucket would pad the proposals' step with tokens nobody uses. Returns the
-        tokens dropped."""
+    def _choose_proposals(self, scheduled: list[Request], counts: list[int],
+                          room: int) -> int:
+        """Keep at most `room` proposals, those that pay for the token bucket they need
+        (spec_policy.py); drop the rest, the least likely to be kept first. Returns how many
+        are kept."""
         proposed = sum(r.num_proposed for r in scheduled)
-        if not proposed:
-            return 0
-        tokens = sum(counts)
-        buckets = self.config.token_buckets
-        below = [b for b in buckets if b <= tokens]
-        plain = next((b for b in buckets if b >= tokens - proposed), tokens)
-        excess = tokens - max(below[-1] if below else 0, plain)
-        dropped = 0
-        while excess > 0:
-            deepest = max(r.num_proposed for r in scheduled)
-            for i, request in enumerate(scheduled):
-                if excess and request.num_proposed == deepest:
-                    request.num_proposed -= 1
-                    counts[i] -= 1
-                    excess -= 1
-                    dropped += 1
-        return dropped
+        rows = [i for i, r in enumerate(scheduled) if r.num_proposed]
+        gains = [self._acceptance.gains(scheduled[i].spec_drafts, scheduled[i].spec_first_kept,
+                                        scheduled[i].num_proposed) for i in rows]
+        plain = sum(counts) - proposed
+        floor = self.config.pick_bucket(plain, len(scheduled))[0]
+        keep = proposals_to_keep(plain, floor, gains, self._step_times, room)
+        for i, kept in zip(rows, keep):
+            counts[i] -= scheduled[i].num_proposed - kept
+            scheduled[i].num_proposed = kept
+        return sum(keep)
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """Step `out` took `seconds` from dispatch to results: what the proposal choice
+        weighs a bigger token bucket by (speculative decoding only)."""
+        if self.speculative is not None and out.requests:
+            bucket = self.config.pick_bucket(out.total_num_scheduled_tokens, len(out.requests))
+            self._step_times.observe(bucket[0], seconds)
 
     def update_from_output(self, out: SchedulerOutput, sampled,
                            num_emitted=None) -> list[tuple[Request, list[int]]]:
@@ -217,6 +235,9 @@ class Scheduler:
             if proposed:
                 request.num_computed_tokens -= proposed - (emitted - 1)
                 self.spec_stats.record(proposed, emitted - 1)
+                self._acceptance.record(proposed, emitted - 1)
+                request.spec_drafts += 1
+                request.spec_first_kept += emitted > 1
             taken = []
             for index in range(first, first + emitted):
                 request.append_token(int(sampled.token_ids[index]))

@@ -16,6 +16,10 @@ bfloat16:
               random prompts). For scale, the same agreement between each model in float32
               and in bfloat16, both unquantized: how much a dtype change alone moves its
               greedy tokens (the small model's random weights give near-ties everywhere).
+  next-token  the same positions with the unquantized greedy output given (teacher forcing):
+              the fraction where the quantized model's most likely next token is the one the
+              unquantized model chose. Each position is judged on the same context, so one
+              near-tie costs one position, not the rest of its sequence.
 """
 
 from __future__ import annotations
@@ -63,6 +67,20 @@ def greedy(llm, prompts, tokens: int) -> np.ndarray:
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     return np.array([o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                    use_tqdm=False)])
+
+
+def next_token_agreement(llm, prompts, reference: np.ndarray) -> float:
+    """Fraction of the reference's positions (greedy outputs of the unquantized model after
+    `prompts`) where llm's most likely next token, given the reference before it, is the
+    reference's token (its rank among prompt_logprobs is 1)."""
+    from jaxserve import SamplingParams
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    sequences = [list(p) + r.tolist() for p, r in zip(prompts, reference)]
+    outputs = llm.generate(sequences, params, use_tqdm=False)
+    ranks = [entry[token].rank for out, prompt, seq in zip(outputs, prompts, sequences)
+             for entry, token in zip(out.prompt_logprobs[len(prompt):], seq[len(prompt):])]
+    return float(np.mean(np.asarray(ranks) == 1))
 
 
 def agreement(want: np.ndarray, got: np.ndarray) -> tuple[float, float]:
@@ -114,26 +132,39 @@ def main() -> None:
             llm = LLM(**options)
             ppl_q = perplexity(llm, windows)
             agree, prefix = agreement(builtin, greedy(llm, code, args.tokens))
+            forced = next_token_agreement(llm, code, builtin)
             del llm
+            small_llm = LLM(small, **options)
             small_agree, small_prefix = agreement(
-                small_base, greedy(LLM(small, **options), prompts, args.tokens))
+                small_base, greedy(small_llm, prompts, args.tokens))
+            small_forced = next_token_agreement(small_llm, prompts, small_base)
+            del small_llm
             rise = ppl_q / ppl - 1
             print(f"{dtype} {name}: built-in model perplexity {ppl_q:.3f} ({100 * rise:+.2f}%); "
                   f"greedy agreement {100 * agree:.1f}% of {builtin.size} positions (common "
-                  f"prefix {prefix:.1f} of {args.tokens}); small model greedy agreement "
-                  f"{100 * small_agree:.1f}% of {small_base.size} positions (common prefix "
-                  f"{small_prefix:.1f})", flush=True)
+                  f"prefix {prefix:.1f} of {args.tokens}), next-token {100 * forced:.1f}%; "
+                  f"small model greedy agreement {100 * small_agree:.1f}% of "
+                  f"{small_base.size} positions (common prefix {small_prefix:.1f}), "
+                  f"next-token {100 * small_forced:.1f}%", flush=True)
             report[dtype][name] = dict(
                 perplexity=ppl_q, rise=rise, builtin_agreement=agree,
-                builtin_common_prefix=prefix, small_agreement=small_agree,
-                small_common_prefix=small_prefix)
+                builtin_common_prefix=prefix, builtin_next_token_agreement=forced,
+                small_agreement=small_agree, small_common_prefix=small_prefix,
+                small_next_token_agreement=small_forced)
     if len(small_tokens) == 2:
-        for name, tokens in (("built-in", builtin_tokens), ("small", small_tokens)):
+        for name, tokens, model, inputs in (("built-in", builtin_tokens, None, code),
+                                            ("small", small_tokens, small, prompts)):
             agree, prefix = agreement(*tokens.values())
-            print(f"for scale: {name} model float32 vs bfloat16, both unquantized: agreement "
-                  f"{100 * agree:.1f}%; common prefix {prefix:.1f} tokens", flush=True)
-            report[f"{name}_float32_vs_bfloat16"] = {"agreement": agree,
-                                                     "mean_common_prefix": prefix}
+            want, other = list(tokens)
+            llm = LLM(model, dtype=other, precompile=False, max_model_len=512)
+            forced = next_token_agreement(llm, inputs, tokens[want])
+            del llm
+            print(f"for scale: {name} model {want} vs {other}, both unquantized: agreement "
+                  f"{100 * agree:.1f}%; common prefix {prefix:.1f} tokens; next-token "
+                  f"{100 * forced:.1f}%", flush=True)
+            report[f"{name}_{want}_vs_{other}"] = {"agreement": agree,
+                                                   "mean_common_prefix": prefix,
+                                                   "next_token_agreement": forced}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

@@ -177,3 +177,24 @@ def test_refused_values_name_the_argument(tiny_checkpoints, tmp_path):
                           "--quantization", "int4", "hi"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and "--quantization" in out.stderr
+
+
+def test_eval_scripts_next_token_agreement_counts_the_models_own_choices(tiny_checkpoints):
+    """eval_quantization.py's teacher-forced measure: a model agrees with its own greedy
+    output everywhere; a reference whose last token is not the model's choice loses exactly
+    that position."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "eval_quantization.py"
+    spec = importlib.util.spec_from_file_location("eval_quantization", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    llm = LLM(str(tiny_checkpoints["llama"]), dtype="float32", **ENGINE)
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    reference = module.greedy(llm, prompts, 8)
+    assert reference.shape == (2, 8)
+    assert module.next_token_agreement(llm, prompts, reference) == 1.0
+    wrong = reference.copy()
+    wrong[:, -1] = (wrong[:, -1] + 1) % llm.engine.config.model.vocab_size
+    assert module.next_token_agreement(llm, prompts, wrong) == 14 / 16
