@@ -16,9 +16,9 @@ up to K proposals from its own tokens, scheduled after its last token (they coun
 the budget and get KV slots like any token, but only the budget left by the running
 requests' own tokens and the prompts admitted). spec_policy.py then keeps those that pay for
 the bucket they need, from the step times the engine measures (observe_step) and the
-acceptance seen so far; the others are dropped before the step runs. The step emits the accepted proposals plus one token; the
-computed count then drops back past the rejected ones, whose KV slots the next step
-overwrites.
+acceptance seen so far; the others are dropped before the step runs. The step emits the
+accepted proposals plus one token; the computed count then drops back past the rejected
+ones, whose KV slots the next step overwrites.
 
 Every change to requests and blocks goes through here: schedule, then update_from_output
 with the step's sampled tokens (computed tokens, appended tokens, stop tokens, EOS, length),
