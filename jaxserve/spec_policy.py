@@ -122,7 +122,7 @@ def proposals_to_keep(plain_tokens: int, floor: int, gains: list[list[float]],
                 prefix -= order[taken][0]
                 taken += 1
             step = max(times.bucket(plain_tokens + count), floor)
-            rate = (plain_tokens + prefix) / times.estimate(step)
+            rate = (plain_tokens + prefix) / max(times.estimate(step), 1e-9)
             if rate >= best_rate:  # ties: the more proposals
                 best, best_rate = count, rate
     else:  # nothing measured: fill the plain step's bucket, or end at a bucket boundary
