@@ -469,13 +469,19 @@ def sigterm_while_streaming(model, log_dir, timeout: float, max_tokens: int) -> 
 
         async def main():
             async with aclient() as own:
+                # The same four requests, two tokens each, first: with cold caches the server
+                # compiles their buckets now (--precompile lazy), slowly on a loaded machine,
+                # and not while the streams below are timed.
+                await asyncio.gather(*(own.post(srv.api + path, json=body, timeout=900)
+                                       for path, body in (request(
+                                           i % 2 == 1, f"request {i} says", 2, ignore_eos=True)
+                                           for i in range(4))))
                 firsts = [asyncio.Event() for _ in range(4)]
                 tasks = [asyncio.create_task(stream(own, srv.api, *request(
                     i % 2 == 1, f"request {i} says", max_tokens, ignore_eos=True,
                     stream_options={"include_usage": True}), first_chunk=firsts[i]))
                     for i in range(4)]
-                # Until every stream has its first token: with cold caches the server compiles
-                # its first buckets now (--precompile lazy), slowly on a loaded machine.
+                # Until every stream has its first token (prefix-cache hits: the prompts ran).
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 240)
                 children = child_pids(srv.process.pid)
                 srv.process.send_signal(signal.SIGTERM)
@@ -489,7 +495,11 @@ def sigterm_while_streaming(model, log_dir, timeout: float, max_tokens: int) -> 
                 streams = await asyncio.wait_for(asyncio.gather(*tasks), timeout + 30)
                 return signalled, during, streams, children
 
-        signalled, during, streams, children = run_async(main(), timeout + 300)
+        try:
+            signalled, during, streams, children = run_async(main(), timeout + 1200)
+        except TimeoutError as err:
+            raise AssertionError("timed out; the server's log ends:\n" +
+                                 srv.log()[-3000:]) from err
         try:
             returncode = srv.process.wait(timeout + 20)
         except subprocess.TimeoutExpired:
