@@ -82,9 +82,8 @@ class LLMEngine:
         self.outputs = OutputBuilder(self.tokenizer)
         self._tracked: dict[str, TrackedRequest] = {}
         self._by_child: dict[str, TrackedRequest] = {}
-        # The step dispatched to the device and not collected yet, as (batch, handle) parts:
-        # one part, unless suspects or a failed dispatch split the step.
-        # (batch, runner handle, when it was dispatched)
+        # The step dispatched to the device and not collected yet, as (batch, runner handle,
+        # dispatch time) parts: one part, unless suspects or a failed dispatch split the step.
         self._in_flight: list[tuple[SchedulerOutput, object, float]] = []
         # Children whose step failed on the device -> the computed length up to which they
         # run alone (the end of that step): a culprit fails alone before it catches up.
