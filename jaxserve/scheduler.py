@@ -35,7 +35,7 @@ from jaxserve.config import SchedulerConfig
 from jaxserve.kv_cache_manager import KVCacheManager
 from jaxserve.request import Request, RequestStatus
 from jaxserve.spec_decode import SpecDecodeStats, SpeculativeConfig, propose_ngram
-from jaxserve.spec_policy import AcceptanceRates, StepTimes, proposals_to_keep
+from jaxserve.spec_policy import StepTimes, expected_gains, proposals_to_keep
 
 
 @dataclasses.dataclass
@@ -62,7 +62,6 @@ class Scheduler:
         self.spec_stats = SpecDecodeStats.empty(
             speculative.num_speculative_tokens if speculative else 0)
         self._speculating = False  # this step makes proposals (see schedule)
-        self._acceptance = AcceptanceRates(len(self.spec_stats.accepted_per_pos))
         self._step_times = StepTimes(config.token_buckets)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -187,8 +186,9 @@ class Scheduler:
         are kept."""
         proposed = sum(r.num_proposed for r in scheduled)
         rows = [i for i, r in enumerate(scheduled) if r.num_proposed]
-        gains = [self._acceptance.gains(scheduled[i].spec_drafts, scheduled[i].spec_first_kept,
-                                        scheduled[i].num_proposed) for i in rows]
+        gains = [expected_gains(self.spec_stats, scheduled[i].spec_drafts,
+                                scheduled[i].spec_first_kept, scheduled[i].num_proposed)
+                 for i in rows]
         plain = sum(counts) - proposed
         floor = self.config.pick_bucket(plain, len(scheduled))[0]
         keep = proposals_to_keep(plain, floor, gains, self._step_times, room)
@@ -235,7 +235,6 @@ class Scheduler:
             if proposed:
                 request.num_computed_tokens -= proposed - (emitted - 1)
                 self.spec_stats.record(proposed, emitted - 1)
-                self._acceptance.record(proposed, emitted - 1)
                 request.spec_drafts += 1
                 request.spec_first_kept += emitted > 1
             taken = []

@@ -92,10 +92,12 @@ class SpecDecodeStats:
     num_draft_tokens: int  # proposals verified
     num_accepted_tokens: int  # of those, kept
     accepted_per_pos: list[int]  # kept proposals by their position 0..K-1
+    # drafts that verified position j with 0..j-1 all kept (spec_policy's rates)
+    reached_per_pos: list[int]
 
     @classmethod
     def empty(cls, k: int) -> SpecDecodeStats:
-        return cls(0, 0, 0, [0] * k)
+        return cls(0, 0, 0, [0] * k, [0] * k)
 
     def record(self, proposed: int, accepted: int) -> None:
         self.num_drafts += 1
@@ -103,6 +105,8 @@ class SpecDecodeStats:
         self.num_accepted_tokens += accepted
         for position in range(accepted):
             self.accepted_per_pos[position] += 1
+        for position in range(min(proposed, accepted + 1)):
+            self.reached_per_pos[position] += 1
 
 
 def propose_ngram(tokens, min_n: int, max_n: int, k: int) -> np.ndarray:

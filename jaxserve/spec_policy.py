@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import bisect
 
+from jaxserve.spec_decode import SpecDecodeStats
+
 SMOOTHING = 0.3  # weight of a new step time in its bucket's moving average
 PRIOR_DRAFTS = 4  # a request's first-proposal rate counts the engine's as this many drafts
 
@@ -68,34 +70,24 @@ class StepTimes:
         return self._seconds[bigger] * bucket / bigger
 
 
-class AcceptanceRates:
-    """How often proposals are kept, by position, over the engine's verified drafts."""
+def keep_rate(stats: SpecDecodeStats, position: int) -> float:
+    """P(the proposal at `position` is kept | the ones before it were), over the engine's
+    verified drafts, with one kept and one rejected assumed."""
+    return (stats.accepted_per_pos[position] + 1) / (stats.reached_per_pos[position] + 2)
 
-    def __init__(self, k: int):
-        self.reached = [0] * k  # drafts that verified position j with 0..j-1 all kept
-        self.kept = [0] * k  # of those, position j kept too
 
-    def record(self, proposed: int, accepted: int) -> None:
-        for position in range(min(proposed, accepted + 1)):
-            self.reached[position] += 1
-            if position < accepted:
-                self.kept[position] += 1
-
-    def rate(self, position: int) -> float:
-        """P(position kept | the ones before kept), with one kept and one rejected assumed."""
-        return (self.kept[position] + 1) / (self.reached[position] + 2)
-
-    def gains(self, drafts: int, first_kept: int, count: int) -> list[float]:
-        """Expected kept tokens from each of a request's `count` proposals (decreasing), from
-        its history: `drafts` verified, of which `first_kept` kept the first proposal."""
-        prior = self.rate(0)
-        gain = (first_kept + PRIOR_DRAFTS * prior) / (drafts + PRIOR_DRAFTS)
-        gains = []
-        for position in range(count):
-            if position:
-                gain *= self.rate(position)
-            gains.append(gain)
-        return gains
+def expected_gains(stats: SpecDecodeStats, drafts: int, first_kept: int,
+                   count: int) -> list[float]:
+    """Expected kept tokens from each of a request's `count` proposals (decreasing), from
+    its history: `drafts` verified, of which `first_kept` kept the first proposal."""
+    prior = keep_rate(stats, 0)
+    gain = (first_kept + PRIOR_DRAFTS * prior) / (drafts + PRIOR_DRAFTS)
+    gains = []
+    for position in range(count):
+        if position:
+            gain *= keep_rate(stats, position)
+        gains.append(gain)
+    return gains
 
 
 def proposals_to_keep(plain_tokens: int, floor: int, gains: list[list[float]],

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from test_scheduler import Harness, oracle
 
-from jaxserve.spec_decode import SpeculativeConfig
-from jaxserve.spec_policy import AcceptanceRates, StepTimes, proposals_to_keep
+from jaxserve.spec_decode import SpecDecodeStats, SpeculativeConfig
+from jaxserve.spec_policy import StepTimes, expected_gains, keep_rate, proposals_to_keep
 
 BUCKETS = (16, 32, 64, 128, 256, 512)
 
@@ -80,16 +80,16 @@ def test_rows_that_need_a_bigger_bucket_than_their_tokens_count_from_there():
 
 
 def test_acceptance_rates_by_position_and_a_requests_own_history():
-    rates = AcceptanceRates(4)
-    assert rates.gains(0, 0, 2) == pytest.approx([0.5, 0.25])  # nothing seen: even odds
+    rates = SpecDecodeStats.empty(4)
+    assert expected_gains(rates, 0, 0, 2) == pytest.approx([0.5, 0.25])  # nothing seen: even odds
     for _ in range(98):
         rates.record(4, 4)  # all kept
     for _ in range(98):
         rates.record(4, 0)  # the first rejected: positions 1..3 not reached
-    assert rates.rate(0) == pytest.approx(0.5)
-    assert rates.rate(1) == pytest.approx(99 / 100)
+    assert keep_rate(rates, 0) == pytest.approx(0.5)
+    assert keep_rate(rates, 1) == pytest.approx(99 / 100)
     # A request that kept its first proposal in 10 of 10 drafts, and one that never did.
-    good, bad = rates.gains(10, 10, 4), rates.gains(10, 0, 4)
+    good, bad = expected_gains(rates, 10, 10, 4), expected_gains(rates, 10, 0, 4)
     assert good[0] == pytest.approx(12 / 14) and bad[0] == pytest.approx(2 / 14)
     assert good == sorted(good, reverse=True) and good[3] == pytest.approx(
         good[0] * (99 / 100) ** 3)
