@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -191,9 +192,22 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="admission cap: beyond it new requests get 429")
-    p.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
-    p.add_argument("--max-prompts-per-request", type=int, default=256,
-                   help="most prompts one batched completion request may carry")
+    p.add_argument("--max-n", type=int, default=None,
+                   help="largest n a request may ask for (default 16; the request limit "
+                   "max_n, also settable in --request-limits)")
+    p.add_argument("--max-prompts-per-request", type=int, default=None,
+                   help="most prompts one batched completion request may carry (default 256; "
+                   "the request limit max_prompts)")
+    p.add_argument("--limit-concurrency", type=int, default=None,
+                   help="connections and requests at once (uvicorn's; beyond it, 503), and "
+                   "gRPC calls at once (default: what the process's open-file limit allows, "
+                   "at most 4096)")
+    p.add_argument("--max-preparing-requests", type=int, default=256,
+                   help="requests being parsed, tokenized and compiled at once; beyond it "
+                   "a request gets 503 with Retry-After")
+    p.add_argument("--stream-write-timeout", type=float, default=60.0,
+                   help="seconds a client may leave its response unread (the connection's "
+                   "send buffer full) before the connection is cut and its request aborted")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
     p.add_argument("--request-read-timeout", type=float, default=30.0,
@@ -228,10 +242,10 @@ def _model_of(args: argparse.Namespace) -> str | None:
 
 def _run_serve(args: argparse.Namespace) -> int:
     from jaxserve.model_path import resolve_model
+    from jaxserve.request_limits import RequestLimits
     from jaxserve.server.app import ServerConfig
     from jaxserve.server.launch import serve
     from jaxserve.server.openai_serving import ChatSettings
-    from jaxserve.server.protocol import RequestLimits
 
     model = resolve_model(_model_of(args), logging.getLogger("jaxserve.serve"))
     names = tuple(args.served_model_name or [args.model or "jaxserve-default"])
@@ -247,7 +261,13 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
         shutdown_timeout=args.shutdown_timeout, request_read_timeout=args.request_read_timeout,
         keep_alive_timeout=args.keep_alive_timeout,
-        limits=RequestLimits(max_n=args.max_n, max_prompts=args.max_prompts_per_request))
+        stream_write_timeout=args.stream_write_timeout,
+        limit_concurrency=args.limit_concurrency or _default_concurrency(),
+        max_preparing_requests=args.max_preparing_requests)
+    # --max-n and --max-prompts-per-request are request limits, as --request-limits holds.
+    limits = RequestLimits.parse(args.request_limits).replace(
+        max_n=args.max_n, max_prompts=args.max_prompts_per_request)
+    args.request_limits = dataclasses.asdict(limits)
     grpc_config = _grpc_config(args, server_config)
     if _join_hosts(args, args.model, "background"):
         return 0  # a worker host: it ran host 0's steps until host 0 stopped
@@ -269,7 +289,19 @@ def _grpc_config(args: argparse.Namespace, server_config):
 
     return GrpcConfig(port=args.grpc_port, host=args.grpc_host or server_config.host,
                       ssl_certfile=args.grpc_ssl_certfile, ssl_keyfile=args.grpc_ssl_keyfile,
-                      max_receive_bytes=server_config.max_body_bytes)
+                      max_receive_bytes=server_config.max_body_bytes,
+                      max_concurrent_rpcs=server_config.limit_concurrency)
+
+
+def _default_concurrency() -> int:
+    """Connections and requests at once: what the open-file limit leaves room for (each
+    connection is a file descriptor; the engine needs some of its own), at most 4096."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 4096
+    return max(16, min(4096, soft - 128))
 
 
 def _tool_call_parser(args: argparse.Namespace) -> str | None:

@@ -16,6 +16,7 @@ from jaxserve.generation_config import sampling_defaults
 from jaxserve.mesh import MeshShape, ModelDims, parse_mesh, plan_sharding
 from jaxserve.models import resolve_architecture
 from jaxserve.quantization import check_quantization
+from jaxserve.request_limits import RequestLimits
 from jaxserve.spec_decode import SpeculativeConfig
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -202,6 +203,8 @@ class EngineConfig:
     # first bucket at start-up, the others in a thread while steps run on compiled ones
     precompile: bool | str = True
     speculative: SpeculativeConfig | None = None  # n-gram speculative decoding (None: off)
+    # What one request may ask for: every front end checks it (admission.py).
+    limits: RequestLimits = RequestLimits()
 
     def __post_init__(self) -> None:
         if self.precompile not in PRECOMPILE:
@@ -253,6 +256,7 @@ class EngineConfig:
         scheduling_policy: str = "fcfs",
         speculative_config: SpeculativeConfig | dict | str | None = None,
         quantization: str | None = None,
+        request_limits: RequestLimits | dict | str | None = None,
         on_accelerator: bool = False,
     ) -> EngineConfig:
         """Resolve defaults against the model folder's config.json and validate everything."""
@@ -296,6 +300,7 @@ class EngineConfig:
             compilation_cache_dir=compilation_cache_dir,
             precompile=precompile,
             speculative=SpeculativeConfig.parse(speculative_config),
+            limits=RequestLimits.parse(request_limits),
         )
 
 

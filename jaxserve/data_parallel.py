@@ -93,28 +93,26 @@ class DataParallelEngine:
         stats = self.stats()
         return PrefixCacheStats(stats.prefix_cache_queries, stats.prefix_cache_hits)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.replicas[0].validate(prompt_token_ids, params)
-
-    def compile_grammar(self, params: SamplingParams):
-        return self.replicas[0].compile_grammar(params)
-
-    def check_priority(self, priority: int) -> None:
-        self.replicas[0].check_priority(priority)
-
-    def truncate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
-        return self.replicas[0].truncate_prompt(prompt_token_ids, params)
+    @property
+    def processor(self):
+        """The admission path (replica 0's: every replica has the same model and limits)."""
+        return self.replicas[0].processor
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0,
                     cache_salt: str | None = None) -> None:
-        if request_id in self._owner:
-            raise ValueError(f"request_id {request_id!r} is already in use.")
+        params = self.processor.check_params(params)
+        self.add_processed(self.processor.process(request_id, prompt, prompt_token_ids, params,
+                                                  priority, cache_salt))
+
+    def add_processed(self, request) -> None:
+        """Queue an admitted request (admission.EngineRequest) on the least-loaded replica."""
+        if request.request_id in self._owner:
+            raise ValueError(f"request_id {request.request_id!r} is already in use.")
         rank = min(range(len(self.replicas)),
                    key=lambda i: self.replicas[i].num_unfinished_requests)
-        self.replicas[rank].add_request(request_id, prompt, prompt_token_ids, params, priority,
-                                        cache_salt)
-        self._owner[request_id] = self.replicas[rank]
+        self.replicas[rank].add_processed(request)
+        self._owner[request.request_id] = self.replicas[rank]
         self.routed[rank] += 1
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

@@ -13,8 +13,13 @@ whose decoding depends on left context, e.g. sentencepiece's leading space,
 come out right); decode `window` and `window[:read]`, and the difference is the
 new text. While the window's text ends in U+FFFD (an incomplete multi-byte
 sequence) the window is not advanced: the complete characters before it are
-emitted and the rest waits for later tokens. It uses only
-`tokenizer.decode`, so any transformers tokenizer (fast or slow) works.
+emitted and the rest waits for later tokens. A character has at most 4 bytes,
+so once more than a few tokens wait the window is advanced anyway, past all
+but the last few tokens (their text is final: only the last U+FFFD of a decode
+can still become a character), or, failing that, as if complete; otherwise
+tokens that never complete a character would make every step decode a growing
+window. It uses only `tokenizer.decode`, so any transformers tokenizer (fast or
+slow) works.
 
 Host side: plain Python, no jax, no numpy.
 """
@@ -25,8 +30,14 @@ import operator
 from collections.abc import Sequence
 
 _REPLACEMENT_CHAR = "\ufffd"
-# Prompt tokens kept as left context for the first output tokens.
-_PROMPT_CONTEXT_TOKENS = 5
+# Tokens kept as left context: from the prompt for the first output tokens, and at most
+# this many of the emitted ones after advancing (a long run read at once stays out).
+_CONTEXT_TOKENS = 5
+# Tokens past window[:read] that may wait for an incomplete character before the window
+# is advanced anyway; and how many trailing tokens are tried to hold its bytes (a UTF-8
+# character has at most 4 bytes, so an incomplete one at most 3, in at most 3 tokens).
+_MAX_PENDING_TOKENS = 8
+_MAX_INCOMPLETE_TOKENS = 4
 
 
 def _validate_stop(stop: Sequence[str]) -> tuple[str, ...]:
@@ -102,7 +113,7 @@ class IncrementalDetokenizer:
         self._streamed = 0  # chars of _text returned by delta get_next_output_text calls
 
         prompt = _as_token_ids(prompt_token_ids, "prompt_token_ids")
-        self._window = prompt[-_PROMPT_CONTEXT_TOKENS:]
+        self._window = prompt[-_CONTEXT_TOKENS:]
         self._read = len(self._window)  # window[:read] is emitted text or context
         self._prefix_text: str | None = None  # decode(window[:read]), computed lazily
         self._pending_chars = 0  # chars of the text past window[:read] already in _text
@@ -212,18 +223,39 @@ class IncrementalDetokenizer:
             # window stays short; the context before them is kept.
             del window[self._read:]
             return ""
-        complete = flush or not tail.endswith(_REPLACEMENT_CHAR)
-        safe = tail if complete else tail.rstrip(_REPLACEMENT_CHAR)
-        out = safe[self._pending_chars:]
-        if complete:
-            # Advance: what was new becomes the left context of the next step.
-            del window[:self._read]
-            self._read = len(window)
+        end = advance = len(tail)  # chars of tail that are final / that advancing emits
+        split: int | None = len(window)  # advance the window to window[:split]
+        if not flush and tail.endswith(_REPLACEMENT_CHAR):
+            end, split = len(tail.rstrip(_REPLACEMENT_CHAR)), None
+            if len(window) - self._read > _MAX_PENDING_TOKENS:
+                # Too long to be one character still being completed: keep only the
+                # last few tokens waiting (or none), so each step stays short.
+                split, advance = self._final_split(full) or (len(window), len(tail))
+                end = max(end, advance)
+        out = tail[self._pending_chars:end]
+        self._pending_chars = max(self._pending_chars, end)
+        if split is not None:
+            # Advance: what was emitted becomes the left context of the next step; chars
+            # of the tokens left waiting that were already emitted stay counted.
+            pending = self._pending_chars - advance if split < len(window) else 0
+            start = max(self._read, split - _CONTEXT_TOKENS)
+            del window[:start]
+            self._read = split - start
             self._prefix_text = None
-            self._pending_chars = 0
-        else:
-            self._pending_chars = max(self._pending_chars, len(safe))
+            self._pending_chars = pending
         return out
+
+    def _final_split(self, full: str) -> tuple[int, int] | None:
+        """(split, n): window[:split] decodes to a prefix of `full` that later tokens
+        cannot change (only a decode's last U+FFFD may become part of a character), and
+        n chars of it are past window[:read]. None if no split near the end is one."""
+        window, prefix = self._window, len(self._prefix_text)
+        for split in range(len(window) - 1,
+                           max(self._read, len(window) - _MAX_INCOMPLETE_TOKENS - 1), -1):
+            text = self._decode(window[:split])
+            if prefix <= len(text) < len(full) and full.startswith(text):
+                return split, len(text) - prefix
+        return None
 
     def _check_stop(self, offset: int) -> str | None:
         """Looks for stop strings in the text added after `offset`, plus the overlap a

@@ -27,10 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxserve.admission import EngineRequest, InputProcessor
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.engine_stats import EngineStats
-from jaxserve.input_builder import MAX_BANNED_IDS, samples_this_step
+from jaxserve.input_builder import samples_this_step
 from jaxserve.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request, RequestStatus
@@ -40,7 +41,6 @@ from jaxserve.runners import create_runner
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.structured_output import GrammarCompiler
-from jaxserve.token_constraints import TokenConstraints
 from jaxserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,10 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.speculative)
         self.grammars = GrammarCompiler(self.tokenizer, config.model.vocab_size,
                                         self.eos_token_ids)
+        # The admission path (checks, templates, tokenization, grammars): every front end
+        # hands the engine what it made.
+        self.processor = InputProcessor(config.model, config.scheduler.policy, self.tokenizer,
+                                        self.eos_token_ids, self.grammars, config.limits)
         max_len = config.model.max_model_len
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at "
                     "max_model_len=%d: %.2f; prefix caching %s", blocks - 1, size,
@@ -97,8 +101,10 @@ class LLMEngine:
         return self.runner.stats().compilations
 
     def close(self) -> None:
-        """Stop the runner's background work (warm-up) and release worker hosts."""
+        """Stop the runner's background work (warm-up), release worker hosts, and stop the
+        grammar sandbox's processes."""
         self.runner.close()
+        self.grammars.close()
 
     @property
     def compiling(self) -> int:
@@ -145,140 +151,51 @@ class LLMEngine:
         """Tokens looked up in the prefix cache and tokens served from it, so far."""
         return self.kv_manager.stats
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError naming the field for anything the engine cannot run."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params)}.")
-        max_len, vocab = self.config.model.max_model_len, self.config.model.vocab_size
-        if len(prompt_token_ids) == 0:
-            raise ValueError("prompt must not be empty (it has 0 tokens).")
-        if len(prompt_token_ids) >= max_len:
-            raise ValueError(f"prompt is {len(prompt_token_ids)} tokens long, but must be shorter "
-                             f"than max_model_len={max_len} to leave room for output.")
-        ids = np.asarray(prompt_token_ids)
-        if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab:
-            bad = [t for t in prompt_token_ids if not (isinstance(t, (int, np.integer))
-                                                       and 0 <= t < vocab)][:3]
-            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}) (the model's "
-                             f"vocabulary); got {bad}.")
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got "
-                             f"{params.stop_token_ids}.")
-        if params.structured_outputs is not None:
-            self.compile_grammar(params)
-            if params.structured_outputs.starts_after is not None:
-                self._single_token(params.structured_outputs.starts_after,
-                                   "structured_outputs.starts_after")
-        constraints = self._constraints(params)
-        stops = len(self.eos_token_ids | set(params.stop_token_ids)) if params.min_tokens else 0
-        if stops > MAX_BANNED_IDS:
-            raise ValueError(f"min_tokens works with at most {MAX_BANNED_IDS} stop_token_ids "
-                             "(EOS included).")
-        if constraints is not None:
-            bad = [t for t in constraints.token_ids() if not 0 <= t < vocab][:3]
-            if bad:
-                field = ("logit_bias" if any(t in (params.logit_bias or {}) for t in bad) else
-                         "allowed_token_ids")
-                raise ValueError(f"{field} must name token ids in [0, {vocab}) (the model's "
-                                 f"vocabulary); got {bad}.")
-            if stops + len(constraints.bad_sequences) > MAX_BANNED_IDS:
-                raise ValueError(f"bad_words: at most {MAX_BANNED_IDS - stops} words of several "
-                                 f"tokens (each spelling counts), got "
-                                 f"{len(constraints.bad_sequences)}.")
-
-    def compile_grammar(self, params: SamplingParams):
-        """A matcher for params.structured_outputs (compiled once, then copied); ValueError
-        naming structured_outputs when the schema, regex or grammar cannot be used."""
-        try:
-            return self.grammars.compile(params.structured_outputs)
-        except ValueError as err:
-            raise ValueError(f"structured_outputs: {err}") from None
-
-    def _grammar_start(self, params: SamplingParams, prompt: list[int]) -> int | None:
-        """The token a constraint waits for (structured_outputs.starts_after), or None when
-        it applies at once: none is set, or the prompt already holds it after the last
-        opening "<think>" (a template that turned thinking off)."""
-        after = params.structured_outputs.starts_after
-        if after is None:
-            return None
-        end = self._single_token(after, "structured_outputs.starts_after")
-        start = self._single_token(after.replace("/", "", 1), None) if "/" in after else None
-        last_end = max((i for i, t in enumerate(prompt) if t == end), default=-1)
-        last_start = max((i for i, t in enumerate(prompt) if t == start), default=-1)
-        return None if last_end > last_start else end
-
-    def _single_token(self, text: str, field: str | None) -> int | None:
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) != 1:
-            if field is None:
-                return None
-            raise ValueError(f"{field} must be one token of the vocabulary; {text!r} is "
-                             f"{len(ids)} tokens.")
-        return ids[0]
-
-    def check_priority(self, priority: int) -> None:
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r:.40}.")
-        if priority != 0 and self.config.scheduler.policy != "priority":
-            raise ValueError(f"priority {priority} needs priority scheduling: start the engine "
-                             "with scheduling_policy='priority' (--scheduling-policy "
-                             "priority).")
-
-    def truncate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
-        """The prompt as params.truncate_prompt_tokens keeps it, as vLLM: k tokens (-1:
-        max_model_len - 1), the last k unless truncation_side is "right"."""
-        k = params.truncate_prompt_tokens
-        if k is None:
-            return prompt_token_ids
-        max_len = self.config.model.max_model_len
-        if k == -1:
-            k = max_len - 1
-        if k > max_len:
-            raise ValueError(f"truncate_prompt_tokens={k} cannot be greater than "
-                             f"max_model_len={max_len}; request a smaller truncation size.")
-        if params.truncation_side == "right":
-            return list(prompt_token_ids[:k])
-        return list(prompt_token_ids[-k:])
-
-    def _constraints(self, params: SamplingParams) -> TokenConstraints | None:
-        return TokenConstraints.from_params(params, self.tokenizer)
-
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0,
                     cache_salt: str | None = None) -> None:
-        """priority: lower runs first (needs the priority scheduling policy); cache_salt:
-        the request shares cached prefix blocks only with requests of the same salt."""
-        if request_id in self._tracked:
-            raise ValueError(f"request_id {request_id!r} is already in use.")
-        if isinstance(params, SamplingParams):
-            prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
-        self.validate(prompt_token_ids, params)
-        self.check_priority(priority)
-        prompt_token_ids = [int(t) for t in prompt_token_ids]
-        constraints = self._constraints(params)
+        """Admit a request through the admission path (self.processor: limits, the model's
+        checks, bad words, the grammar) and queue it; ValueError naming the field for
+        anything it refuses. priority: lower runs first (needs the priority scheduling
+        policy); cache_salt: the request shares cached prefix blocks only with requests of
+        the same salt."""
+        params = self.processor.check_params(params)
+        self.add_processed(self.processor.process(request_id, prompt, prompt_token_ids, params,
+                                                  priority, cache_salt))
+
+    def add_processed(self, request: EngineRequest) -> None:
+        """Queue a request the admission path made (InputProcessor.process; with its grammar
+        compiled when it has a structured output). Only the id is checked here: nothing
+        else can have changed since admission."""
+        assert isinstance(request, EngineRequest), type(request)
+        params, ids = request.params, request.prompt_token_ids
+        assert 0 < len(ids) < self.config.model.max_model_len, len(ids)
+        assert (params.structured_outputs is None) == (request.grammar is None), \
+            "a structured output's grammar is compiled before the request is added"
+        if request.request_id in self._tracked:
+            raise ValueError(f"request_id {request.request_id!r} is already in use.")
         children, detoks = [], []
         for i in range(params.n):
             seed = (params.seed + i if params.seed is not None
                     else int(self._rng.integers(0, 2**32)))
-            grammar = (self.compile_grammar(params) if params.structured_outputs is not None
-                       else None)
-            child = Request(f"{request_id}#{i}", prompt_token_ids, params, seed=seed % 2**32,
+            grammar = (None if request.grammar is None else
+                       self.grammars.new_matcher(request.grammar))
+            child = Request(f"{request.request_id}#{i}", ids, params, seed=seed % 2**32,
                             max_model_len=self.config.model.max_model_len,
-                            eos_token_ids=self.eos_token_ids, priority=priority,
-                            constraints=constraints, grammar=grammar)
-            if grammar is not None:
-                child.grammar_waits_for = self._grammar_start(params, prompt_token_ids)
-            if cache_salt is not None:
-                child.extra_keys = ("cache_salt", str(cache_salt))
+                            eos_token_ids=self.eos_token_ids, priority=request.priority,
+                            constraints=request.constraints, grammar=grammar)
+            child.grammar_waits_for = request.grammar_start
+            if request.cache_salt is not None:
+                child.extra_keys = ("cache_salt", str(request.cache_salt))
             children.append(child)
             detoks.append(IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids, stop=params.stop,
+                self.tokenizer, ids, stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 skip_special_tokens=params.skip_special_tokens,
                 spaces_between_special_tokens=params.spaces_between_special_tokens))
-        tracked = TrackedRequest(request_id, prompt, prompt_token_ids, params, children, detoks,
-                           [None] if params.prompt_logprobs is not None else None)
-        self._tracked[request_id] = tracked
+        tracked = TrackedRequest(request.request_id, request.prompt, ids, params, children,
+                                 detoks, [None] if params.prompt_logprobs is not None else None)
+        self._tracked[request.request_id] = tracked
         for child in children:
             self._by_child[child.request_id] = tracked
             self.scheduler.add(child)
@@ -393,8 +310,8 @@ class LLMEngine:
         """Start a step on the device. If it cannot start, nothing of it ran: start its
         requests one at a time, and fail one that cannot start alone."""
         try:
-            handle = self.runner.dispatch(out, self._prompt_score_targets(out),
-                                          self._grammar_masks(out))
+            masks, broken = self._grammar_masks(out)
+            handle = self.runner.dispatch(out, self._prompt_score_targets(out), masks)
         except BaseException as err:
             self._drop_cached_blocks()
             if not isinstance(err, Exception):
@@ -410,15 +327,33 @@ class LLMEngine:
                     self._dispatch(SchedulerOutput([req], [count], []))
             return
         self._in_flight.append((out, handle, time.perf_counter()))
+        self._fail_masks(broken)
 
-    def _grammar_masks(self, out: SchedulerOutput) -> list[tuple[int, np.ndarray]] | None:
-        """The next-token bitmask of each constrained request that samples in this step."""
+    def _grammar_masks(self, out: SchedulerOutput):
+        """The next-token bitmask of each constrained request that samples in this step
+        (None when none does), and the requests whose matcher failed to give one (out of its
+        per-step fuel: they fail alone, once the step is dispatched; their rows sample
+        freely meanwhile and their results are dropped)."""
         rows = [req for req, count in zip(out.requests, out.num_scheduled_tokens)
                 if req.grammar_active and samples_this_step(req, count)]
         if not rows:
-            return None
+            return None, []
         masks = self.grammars.fill_masks([req.grammar for req in rows])
-        return [(req.state_slot, masks[i]) for i, req in enumerate(rows)]
+        broken = []
+        for i, req in enumerate(rows):
+            if req.grammar.is_error():
+                masks[i] = -1
+                broken.append(req)
+        return [(req.state_slot, masks[i]) for i, req in enumerate(rows)], broken
+
+    def _fail_masks(self, broken: list[Request]) -> None:
+        for req in broken:
+            logger.info("Request %s failed: its structured output's next-token mask could not "
+                        "be computed within the per-step budget", req.request_id[:64])
+            self._fail(self._by_child[req.request_id], RuntimeError(
+                f"its structured output's next-token mask failed (over the per-step budget): "
+                f"{req.grammar.get_error()[:200]}"), "while computing its structured output's "
+                "next-token mask", log=False)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (vLLM's reset_prefix_cache): later prompts hit nothing

@@ -137,6 +137,11 @@ class EngineArgs:
         "\"ngram\", \"num_speculative_tokens\": K, \"prompt_lookup_min\": a, "
         "\"prompt_lookup_max\": b}; each step verifies up to K tokens proposed from the "
         "sequence's own earlier tokens (JAX backend)", parse=str, metavar="JSON")
+    request_limits: dict | str | None = _arg(
+        None, "what one request may ask for, as JSON of limit names to values, e.g. "
+        "{\"max_n\": 32, \"max_stop_strings\": 64} (the others keep their defaults; the "
+        "names and defaults: docs/architecture.md, 'Admission'); every front end checks "
+        "them", parse=str, metavar="JSON")
 
     # ---- from keywords and from the command line ----------------------------------------
     @classmethod
@@ -215,7 +220,7 @@ class EngineArgs:
             generation_config=self.generation_config,
             scheduling_policy=self.scheduling_policy,
             speculative_config=self.speculative_config, quantization=self.quantization,
-            on_accelerator=on_accelerator)
+            request_limits=self.request_limits, on_accelerator=on_accelerator)
 
 
 _TYPES = {"int": int, "float": float, "str": str}

@@ -15,7 +15,6 @@ from jaxserve.model_path import resolve_model
 from jaxserve.outputs import RequestOutput
 from jaxserve.runners import on_accelerator
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.tokenizer import apply_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -71,16 +70,13 @@ class LLM:
         lists, or {"prompt": ...} / {"prompt_token_ids": ...} dicts. Outputs come back in the
         order of the prompts. Every prompt is checked before any is scheduled."""
         items = _normalise_prompts(prompts)
-        params = _per_prompt(sampling_params, len(items), self.get_default_sampling_params)
+        params = self._checked_params(sampling_params, len(items))
+        if priority is not None and len(priority) != len(items):
+            raise ValueError(f"priority has {len(priority)} entries for {len(items)} prompts; "
+                             "give one per prompt.")
         tokenized = [(text, ids if ids is not None else self._encode(text))
                      for text, ids in items]
-        if priority is not None:
-            if len(priority) != len(items):
-                raise ValueError(f"priority has {len(priority)} entries for {len(items)} "
-                                 "prompts; give one per prompt.")
-            for value in priority:
-                self.engine.check_priority(value)
-        return self._run(self._checked(tokenized, params), params, use_tqdm, priority)
+        return self._run(self._admitted(tokenized, params, priority), use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] |
              None = None, *, use_tqdm: bool = True, add_generation_prompt: bool = True,
@@ -94,29 +90,44 @@ class LLM:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message=True needs add_generation_prompt=False.")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.engine.tokenizer
+        params = self._checked_params(sampling_params, len(conversations))
         kwargs = dict(chat_template_kwargs or {})
         if documents is not None:
             kwargs["documents"] = documents
         tokenized = []
         for conversation in conversations:
-            ids = apply_chat_template(tokenizer, list(conversation),
-                                      add_generation_prompt=add_generation_prompt,
-                                      continue_final_message=continue_final_message,
-                                      chat_template=chat_template, **kwargs)
-            tokenized.append((tokenizer.decode(ids), ids))
-        params = _per_prompt(sampling_params, len(tokenized), self.get_default_sampling_params)
-        return self._run(self._checked(tokenized, params), params, use_tqdm, None)
+            ids = self.engine.processor.render_chat(
+                list(conversation), add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=chat_template,
+                **kwargs)
+            tokenized.append((self.engine.tokenizer.decode(ids), ids))
+        return self._run(self._admitted(tokenized, params, None), use_tqdm)
 
-    def _checked(self, tokenized, params):
-        """The prompts as truncate_prompt_tokens keeps them, each checked against its
-        params before any is scheduled."""
+    def _checked_params(self, sampling_params, count: int) -> list[SamplingParams]:
+        """One SamplingParams per prompt, each through the request limits (admission.py)
+        before any prompt is tokenized."""
+        processor = self.engine.processor
+        params = _per_prompt(sampling_params, count, self.get_default_sampling_params)
+        checked: dict[int, SamplingParams] = {}  # the same object for many prompts: once
+        for p in params:
+            if id(p) not in checked:
+                checked[id(p)] = processor.check_params(p)
+        return [checked[id(p)] for p in params]
+
+    def _admitted(self, tokenized, params, priority) -> list:
+        """Every prompt through the admission path (truncation, the model's checks, its
+        grammar) before any is scheduled."""
+        processor = self.engine.processor
+        grammars: dict[int, object] = {}  # one compile per SamplingParams object
         out = []
-        for (text, ids), p in zip(tokenized, params):
-            if isinstance(p, SamplingParams):
-                ids = self.engine.truncate_prompt(ids, p)
-            self.engine.validate(ids, p)
-            out.append((text, ids))
+        for i, ((text, ids), p) in enumerate(zip(tokenized, params)):
+            request = processor.process(str(next(self._ids)), text, ids, p,
+                                        priority[i] if priority else 0, compile_grammar=False)
+            if p.structured_outputs is not None:
+                if id(p) not in grammars:
+                    grammars[id(p)] = processor.compile_grammar(p)
+                request = request.with_grammar(grammars[id(p)])
+            out.append(request)
         return out
 
     def _encode(self, text: str) -> list[int]:
@@ -124,19 +135,19 @@ class LLM:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(text)}.")
         if not text:
             raise ValueError("prompt must not be empty (got the empty string).")
-        return self.engine.tokenizer.encode(text)
+        return self.engine.processor.encode(text)
 
-    def _run(self, tokenized, params, use_tqdm, priority) -> list[RequestOutput]:
+    def _run(self, requests, use_tqdm) -> list[RequestOutput]:
         engine = self.engine
-        order = [str(next(self._ids)) for _ in tokenized]
+        order = [request.request_id for request in requests]
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm,
                    dynamic_ncols=True)
         start = time.perf_counter()
         prompt_tokens = output_tokens = 0
         try:
-            for i, (request_id, (text, ids), p) in enumerate(zip(order, tokenized, params)):
-                engine.add_request(request_id, text, ids, p, priority[i] if priority else 0)
+            for request in requests:
+                engine.add_processed(request)
             while engine.has_unfinished_requests():
                 for output in engine.step(final_only=True):
                     if output.finished:

@@ -7,9 +7,12 @@ bitmask (one bit per vocabulary entry, packed in int32 words) goes to the device
 masks the logits of that row before sampling. EOS is allowed only where the grammar may end,
 and a grammar that has reached its end finishes the request with "stop".
 
-Grammars are compiled and checked once (LRU cache) in the caller's thread (the server's
-worker threads), with llguidance's fuel limits bounding the work a pathological schema can
-cause; engine threads only copy the compiled matcher.
+A new grammar is first compiled, and its first mask computed (which builds its lexer), in
+the sandbox process (grammar_sandbox.py) under a wall-clock limit, after the structural caps
+of grammar_checks.py; only then is it compiled in the caller's thread (the server's grammar
+threads) and cached by its text (so are refusals). Engine threads only copy compiled
+matchers. llguidance's fuel limits bound each later mask: a matcher that runs out of its
+per-step fuel is in error, and the engine fails that request alone.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from collections import OrderedDict
 from typing import Any
 
 import numpy as np
+
+from jaxserve import bounded_json
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +95,8 @@ class GrammarCompiler:
     """Compiles StructuredOutputsParams into llguidance grammars for one tokenizer, and
     fills next-token bitmasks. Thread-safe."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, *,
+                 sandbox_workers: int = 2) -> None:
         self._hf = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
@@ -98,7 +104,10 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._tokenizer = None
         self._executor = None
-        self._grammars: OrderedDict[str, Any] = OrderedDict()  # key -> compiled matcher
+        self._sandbox = None
+        self._sandbox_workers = sandbox_workers
+        self._grammars: OrderedDict[str, Any] = OrderedDict()  # text -> compiled matcher
+        self._refused: OrderedDict[str, str] = OrderedDict()  # text -> why it cannot be used
 
     @property
     def ll_tokenizer(self):
@@ -121,10 +130,7 @@ class GrammarCompiler:
         if kind in ("json", "json_object"):
             schema = {"type": "object"} if kind == "json_object" else params.json
             if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except ValueError as err:
-                    raise ValueError(f"the JSON schema is not valid JSON: {err}") from None
+                schema = bounded_json.loads(schema, "the JSON schema")
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be a JSON object.")
             # Compact JSON (one space after ":" and ","), unless a whitespace_pattern says
@@ -144,28 +150,68 @@ class GrammarCompiler:
             return llguidance.grammar_from("choice", json.dumps(list(params.choice)))
         return llguidance.grammar_from("grammar", params.grammar)
 
-    def compile(self, params: StructuredOutputsParams):
-        """A fresh matcher for params; ValueError saying what is wrong with the grammar.
-        The first call for a grammar compiles and checks it; later ones copy the result."""
-        key = params.key()
+    def compile(self, params: StructuredOutputsParams, timeout: float = 10.0):
+        """The compiled matcher of params (copy it per sequence: new_matcher); ValueError
+        saying what is wrong with the grammar. The first call for a grammar tries it in the
+        sandbox (up to `timeout` seconds), then compiles it here and builds its lexer; later
+        calls, and those for a grammar already refused, answer from the cache."""
+        text = self.grammar(params)
         with self._lock:
-            template = self._grammars.get(key)
+            template = self._grammars.get(text)
+            why = self._refused.get(text)
             if template is not None:
-                self._grammars.move_to_end(key)
-        if template is None:
-            import llguidance
+                self._grammars.move_to_end(text)
+        if template is not None:
+            return template
+        if why is None:
+            why = self.sandbox.check(text, timeout)
+        if why is None:
+            template, why = self._compile_here(text)
+        with self._lock:
+            if why is not None:
+                self._refused[text] = why
+                _trim(self._refused)
+            else:
+                self._grammars[text] = template
+                _trim(self._grammars)
+        if why is not None:
+            raise ValueError(f"the {params.kind} constraint cannot be used: {_short(why)}")
+        return template
 
-            text = self.grammar(params)
-            template = llguidance.LLMatcher(self.ll_tokenizer, text, log_level=0,
-                                            limits=_limits())
-            if template.is_error():
-                raise ValueError(f"the {params.kind} constraint cannot be used: "
-                                 f"{_short(template.get_error())}")
-            with self._lock:
-                self._grammars[key] = template
-                while len(self._grammars) > _CACHE_SIZE:
-                    self._grammars.popitem(last=False)
+    def _compile_here(self, text: str):
+        """(matcher, None), or (None, why): compiled in this process, its first mask filled
+        so that the lexer is built here rather than at the request's first step."""
+        import llguidance
+        import llguidance.numpy as llnp
+
+        template = llguidance.LLMatcher(self.ll_tokenizer, text, log_level=0, limits=_limits())
+        if not template.is_error():
+            llnp.fill_next_token_bitmask(template, np.zeros((1, self.words), np.int32), 0)
+        if template.is_error():
+            return None, template.get_error()
+        return template, None
+
+    @staticmethod
+    def new_matcher(template):
+        """A fresh matcher for one sequence, from a compiled one."""
         return template.deep_copy()
+
+    @property
+    def sandbox(self):
+        with self._lock:
+            if self._sandbox is None:
+                from jaxserve.grammar_sandbox import GrammarSandbox
+
+                self._sandbox = GrammarSandbox(self._hf, self.vocab_size, self.eos_token_ids,
+                                               workers=self._sandbox_workers)
+            return self._sandbox
+
+    def close(self) -> None:
+        """Stop the sandbox's worker processes."""
+        with self._lock:
+            sandbox, self._sandbox = self._sandbox, None
+        if sandbox is not None:
+            sandbox.close()
 
     def fill_masks(self, matchers: list) -> np.ndarray:
         """i32[len(matchers), W]: each matcher's next-token bitmask (bit t of word t // 32:
@@ -186,11 +232,18 @@ class GrammarCompiler:
 
 
 def _limits():
-    """Fuel limits: a pathological schema or grammar fails to compile (or a step's mask gives
-    up) instead of stalling its thread (llguidance's defaults bound both to milliseconds)."""
+    """Fuel limits, the sandbox's: a pathological schema or grammar fails to compile (or a
+    step's mask gives up, failing its request) instead of stalling its thread."""
     import llguidance
 
-    return llguidance.LLParserLimits()
+    from jaxserve.grammar_sandbox import PARSER_LIMITS
+
+    return llguidance.LLParserLimits(**PARSER_LIMITS)
+
+
+def _trim(cache: OrderedDict) -> None:
+    while len(cache) > _CACHE_SIZE:
+        cache.popitem(last=False)
 
 
 def _no_additional_properties(schema):

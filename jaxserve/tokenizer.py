@@ -1,11 +1,23 @@
-"""Tokenizer and chat template, loaded from the model folder through transformers."""
+"""Tokenizer and chat template, loaded from the model folder through transformers; prompts and
+rendered chats encoded without switching the tokenizer that every worker thread shares."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import threading
+import weakref
 from pathlib import Path
+from typing import Any
+
+from jaxserve.chat_template import (
+    check_messages,
+    check_template_kwargs,
+    escaped_inputs,
+    special_texts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +60,19 @@ def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_promp
                         chat_template: str | None = None, **kwargs) -> list[int]:
     """Render a conversation with the tokenizer's template and tokenize it.
 
-    Special-token strings inside message contents are tokenized as plain text, so a user
-    cannot forge a turn boundary: only the template's own markup becomes special tokens.
+    Only the template's own markup becomes special tokens: a special-token text in any string
+    the caller supplies (messages, tools, documents, other template variables) is tokenized as
+    plain text (`jaxserve.chat_template`). Roles outside chat_template.KNOWN_ROLES and keywords
+    that would replace the tokenizer's special-token variables (bos_token, ...) are refused.
+    A conversation whose strings hold no special-token text is rendered and encoded in one
+    piece, exactly as `tokenizer.apply_chat_template(..., tokenize=True)` does.
     """
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("This model's tokenizer has no chat template; pass chat_template= or "
                          "use generate() with a plain prompt.")
-    for message in messages:
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts.")
+    check_messages(messages)
+    check_template_kwargs(tokenizer, kwargs)
+    messages, kwargs, escaper = escaped_inputs(tokenizer, messages, kwargs)
     from jinja2 import TemplateError
 
     try:
@@ -67,46 +83,140 @@ def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_promp
     except TemplateError as err:  # the template refused the conversation (raise_exception)
         raise ValueError(f"messages: the chat template refused this conversation: "
                          f"{str(err)[:200]}") from None
-    return tokenize_rendered_chat(tokenizer, text, messages)
+    if escaper is None:
+        return _encode_many(tokenizer, [text], parse_special=True)[0]
+    return tokenize_rendered(tokenizer, text, escaper.restore)
 
 
-def tokenize_rendered_chat(tokenizer, text: str, messages: list[dict]) -> list[int]:
-    """Tokenize a rendered chat, treating special-token text that came from message contents
-    as plain text: the template's markup is split out, and contents are encoded without
-    special-token parsing."""
-    contents = [m["content"] for m in messages if isinstance(m.get("content"), str)]
-    specials = [t for t in tokenizer.all_special_tokens if t]
-    specials += [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
-                 if getattr(t, "special", False)]
-    if not any(s in c for c in contents for s in specials):
-        return _encode(tokenizer, text, parse_special=True)
-    ids: list[int] = []
-    cursor = 0
-    for content in contents:
-        at = text.find(content, cursor) if content else -1
-        if at < 0:
-            continue
-        ids += _encode(tokenizer, text[cursor:at], parse_special=True)
-        ids += _encode(tokenizer, content, parse_special=False)
-        cursor = at + len(content)
-    ids += _encode(tokenizer, text[cursor:], parse_special=True)
+def tokenize_rendered(tokenizer, text: str, restore=None) -> list[int]:
+    """Tokenize a rendered chat: the special-token texts in it become their tokens, and the
+    text between them, after restore(piece) (the escaped request strings put back), is encoded
+    with special-token parsing off. An added token's lstrip / rstrip (it swallows the
+    whitespace beside it) is kept, as a one-piece encode would."""
+    specials = special_texts(tokenizer)
+    pieces: list[str] = []
+    tokens: list[int] = []
+    cursor, strip_next = 0, False
+    for match in specials.pattern.finditer(text):
+        piece = text[cursor:match.start()]
+        if strip_next:
+            piece = piece.lstrip()
+        if match.group() in specials.lstrip:
+            piece = piece.rstrip()
+        pieces.append(piece)
+        tokens.append(specials.ids[match.group()])
+        cursor, strip_next = match.end(), match.group() in specials.rstrip
+    last = text[cursor:]
+    pieces.append(last.lstrip() if strip_next else last)
+    if restore is not None:
+        pieces = [restore(p) for p in pieces]
+    encoded = _encode_many(tokenizer, pieces, parse_special=False)
+    forged = set(specials.ids.values()).intersection(i for ids in encoded for i in ids)
+    if forged:  # a special text the tokenizer matches even with parsing off: fail closed
+        raise ValueError("messages: this tokenizer cannot encode the special-token text in the "
+                         "request as plain text.")
+    ids = list(encoded[0])
+    for token, piece_ids in zip(tokens, encoded[1:]):
+        ids.append(token)
+        ids += piece_ids
     return ids
 
 
-def _encode(tokenizer, text: str, parse_special: bool) -> list[int]:
-    """parse_special: special-token strings in text become their tokens (False: they are
-    encoded as plain text, what Hugging Face calls split_special_tokens=True)."""
-    if not text:
-        return []
-    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=not parse_special)
+def encode_prompt(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """tokenizer.encode(text, add_special_tokens=...) for a completion prompt (special-token
+    texts parsed, unless the tokenizer is configured with split_special_tokens), with the GIL
+    released while the Rust tokenizer runs: a long prompt encoded in a worker thread does
+    not stall the event loop."""
+    encoders = _rust_encoders(tokenizer) if _plain_fast_class(tokenizer) else None
+    if encoders is None:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    encoder = encoders.plain if getattr(tokenizer, "split_special_tokens", False) \
+        else encoders.parse
+    return _rust_encode(encoder, [text], add_special_tokens)[0]
+
+
+def _encode_many(tokenizer, texts: list[str], parse_special: bool) -> list[list[int]]:
+    """Each text's ids, without the tokenizer's added BOS/EOS. parse_special: special-token
+    texts become their tokens (False: they are plain text, what Hugging Face calls
+    split_special_tokens=True). Fast tokenizers encode on private copies of the Rust
+    tokenizer, so nothing shared is switched (see _RustEncoders)."""
+    encoders = _rust_encoders(tokenizer)
+    if encoders is not None:
+        encoder = encoders.parse if parse_special else encoders.plain
+        nonempty = [t for t in texts if t]
+        found = iter(_rust_encode(encoder, nonempty, False) if nonempty else [])
+        return [next(found) if t else [] for t in texts]
+    return [tokenizer.encode(t, add_special_tokens=False, split_special_tokens=not parse_special)
+            if t else [] for t in texts]
+
+
+@dataclasses.dataclass(frozen=True)
+class _RustEncoders:
+    """Two private copies of a fast tokenizer's Rust tokenizer, one per special-token mode.
+    transformers switches split_special_tokens by setting encode_special_tokens on the one
+    Rust tokenizer every thread shares, so a plain-text encode in one thread could flip a
+    template encode in another (or fail it: the Rust object is borrowed while it encodes)."""
+
+    parse: Any  # tokenizers.Tokenizer, encode_special_tokens=False
+    plain: Any  # encode_special_tokens=True
+    size: int   # vocabulary with added tokens when copied: a grown one is copied again
+
+
+_ENCODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ENCODERS_LOCK = threading.Lock()
+
+
+def _rust_encoders(tokenizer) -> _RustEncoders | None:
+    """The tokenizer's private Rust copies; None for a slow (Python) tokenizer."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) \
+        if getattr(tokenizer, "is_fast", False) else None
+    if backend is None:
+        return None
+    size = backend.get_vocab_size(with_added_tokens=True)
+    with _ENCODERS_LOCK:
+        found = _ENCODERS.get(tokenizer)
+        if found is None or found.size != size:
+            state = backend.to_str()
+            found = _RustEncoders(_rust_copy(state, False), _rust_copy(state, True), size)
+            _ENCODERS[tokenizer] = found
+    return found
+
+
+def _rust_copy(state: str, plain: bool):
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(state)
+    copy.no_truncation()
+    copy.no_padding()
+    copy.encode_special_tokens = plain
+    return copy
+
+
+def _rust_encode(encoder, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """encode_batch releases the GIL while it runs (Tokenizer.encode holds it); the _fast
+    variant skips character offsets, which are not needed."""
+    batch = getattr(encoder, "encode_batch_fast", None) or encoder.encode_batch
+    return [e.ids for e in batch(texts, add_special_tokens=add_special_tokens)]
+
+
+def _plain_fast_class(tokenizer) -> bool:
+    """Whether tokenizer.encode is the generic fast tokenizer's (some model classes add
+    steps to it; encode_prompt then calls it)."""
+    from transformers import PreTrainedTokenizerFast
+
+    cls = type(tokenizer)
+    return isinstance(tokenizer, PreTrainedTokenizerFast) and all(
+        getattr(cls, name, None) is getattr(PreTrainedTokenizerFast, name, None)
+        for name in ("encode", "encode_plus", "__call__", "_call_one", "_encode_plus",
+                     "_batch_encode_plus", "tokenize"))
 
 
 def with_special_tokens(tokenizer, ids: list[int]) -> list[int]:
     """ids wrapped in the special tokens the tokenizer adds to an encoded text (a BOS for
     Llama-style tokenizers; nothing for many others), as add_special_tokens=True would."""
     probe = "a"
-    plain = tokenizer.encode(probe, add_special_tokens=False)
-    wrapped = tokenizer.encode(probe, add_special_tokens=True)
+    plain = encode_prompt(tokenizer, probe, add_special_tokens=False)
+    wrapped = encode_prompt(tokenizer, probe, add_special_tokens=True)
     for start in range(len(wrapped) - len(plain) + 1):
         if wrapped[start: start + len(plain)] == plain:
             return wrapped[:start] + list(ids) + wrapped[start + len(plain):]

@@ -7,7 +7,8 @@
 - mistral: [TOOL_CALLS] followed by a JSON list of {"name", "arguments"}, or (newer
   tokenizers) by name[ARGS]{...} pairs.
 
-A call that does not parse is left in the content, as text. For streaming, safe_prefix says
+A call that does not parse is left in the content, as text: whatever the model wrote (JSON
+nested thousands deep included), parsing never raises. For streaming, safe_prefix says
 how much of the text so far is certainly content (it never changes once sent); the calls
 are read from the whole text when it ends, so the streamed pieces join up to exactly the
 non-streamed answer.
@@ -19,6 +20,11 @@ import dataclasses
 import json
 import re
 import uuid
+
+from jaxserve import bounded_json
+
+# What reading a model's text can raise: it is then content, never a failed response.
+_PARSE_ERRORS = (ValueError, RecursionError, TypeError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,13 +38,19 @@ class ToolCall:
                 "function": {"name": self.name, "arguments": self.arguments}}
 
 
+def load_json(text: str):
+    """json.loads of model text; ValueError when it is not JSON or nests deeper than
+    bounded_json's limit (never RecursionError)."""
+    return bounded_json.loads(text, "model output")
+
+
 def _call(obj, args_key: str) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = load_json(args)
         except ValueError:
             return None
     if not isinstance(args, dict):
@@ -59,6 +71,13 @@ class ToolParser:
     name = ""
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a finished answer; (text, []) when its calls cannot be read."""
+        try:
+            return self._parse(text)
+        except _PARSE_ERRORS:
+            return text, []
+
+    def _parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         raise NotImplementedError
 
     def safe_prefix(self, text: str) -> int:
@@ -76,7 +95,7 @@ class _MarkerParser(ToolParser):
             return at
         return len(text) - held_tail(text, self.marker)
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def _parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         at = text.find(self.marker)
         if at < 0:
             return text, []
@@ -101,7 +120,7 @@ class HermesParser(_MarkerParser):
                 return None  # text between calls: not a clean list of calls
             body = match.group(1) if match.group(1) is not None else match.group(2)
             try:
-                call = _call(json.loads(body), "arguments")
+                call = _call(load_json(body), "arguments")
             except ValueError:
                 return None
             if call is None:
@@ -126,7 +145,7 @@ class MistralParser(_MarkerParser):
                 if not sep:
                     return None
                 try:
-                    call = _call({"name": name.strip(), "arguments": json.loads(args)},
+                    call = _call({"name": name.strip(), "arguments": load_json(args)},
                                  "arguments")
                 except ValueError:
                     return None
@@ -135,7 +154,7 @@ class MistralParser(_MarkerParser):
                 calls.append(call)
             return calls
         try:
-            items = json.loads(body)
+            items = load_json(body)
         except ValueError:
             return None
         items = items if isinstance(items, list) else [items]
@@ -160,9 +179,9 @@ class Llama3JsonParser(ToolParser):
             return 0  # could still be (or is) a call: hold it
         return len(text)
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def _parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         body = self._body(text)
-        if body is None:
+        if body is None or bounded_json.too_deep(body):  # raw_decode below recurses like json.loads
             return text, []
         calls = []
         decoder = json.JSONDecoder()

@@ -2,8 +2,11 @@
 
 Built by create_app() around a started AsyncLLMEngine; `jaxserve serve` runs it with uvicorn.
 Request bodies are read in full (up to max_body_bytes, within request_read_timeout) before a
-route runs; parsing, validation and tokenization then run in a worker thread, so neither a
-slow client nor a large request stalls the event loop that every other client shares.
+route runs; the admission path (parsing, limits, templates, tokenization) then runs on the
+prepare threads and grammar compiles on threads of their own, and large responses are
+encoded on the encoding threads, so neither a slow client nor a large request stalls the
+event loop that every other client shares. At most max_preparing_requests requests are
+being prepared at once: beyond that a request gets 503 with Retry-After.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
+import json
 import logging
 import os
 import time
@@ -28,7 +32,6 @@ import jaxserve
 from jaxserve.server.async_engine import AsyncLLMEngine
 from jaxserve.server.errors import APIError, from_validation_error
 from jaxserve.server.openai_serving import REQUEST_ID_KEY, ChatSettings, OpenAIServing
-from jaxserve.server.protocol import RequestLimits
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +54,13 @@ class ServerConfig:
     # A request's headers, then its body, must each arrive within this many seconds.
     request_read_timeout: float = 30.0
     keep_alive_timeout: float = 5.0  # an idle keep-alive connection is closed after this
-    limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
+    # A response whose client has not read what was sent for this many seconds is cut (its
+    # request aborted, its blocks freed).
+    stream_write_timeout: float = 60.0
+    # Connections and requests at once (uvicorn's limit_concurrency; gRPC calls too);
+    # beyond it, 503.
+    limit_concurrency: int | None = None
+    max_preparing_requests: int = 256  # requests being parsed / tokenized / compiled at once
     chat: ChatSettings = dataclasses.field(default_factory=ChatSettings)
 
     @property
@@ -74,30 +83,52 @@ class ServerConfig:
         for name in ("shutdown_timeout", "keep_alive_timeout"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}.")
-        if not self.request_read_timeout > 0:
-            raise ValueError(f"request_read_timeout must be > 0, got "
-                             f"{self.request_read_timeout}.")
-        if self.limits.max_prompts < 1:
-            raise ValueError(f"max_prompts_per_request must be >= 1, got "
-                             f"{self.limits.max_prompts}.")
+        for name in ("request_read_timeout", "stream_write_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}.")
+        for name in ("limit_concurrency", "max_preparing_requests"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}.")
 
 
 class ServerState:
-    """What the routes share: the engine, the config, and whether the server is draining."""
+    """What the routes share: the engine, the config, the thread pools, how many requests
+    are being prepared, and whether the server is draining."""
 
     def __init__(self, engine: AsyncLLMEngine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
-        self.serving = OpenAIServing(engine, config.served_names, config.limits, config.chat)
+        threads = min(4, os.cpu_count() or 1)
+        # Parsing, chat templates and tokenization (the tokenizer releases the GIL).
+        self.workers = ThreadPoolExecutor(threads, thread_name_prefix="jaxserve-prepare")
+        # Grammar compiles (each waits for the sandbox process): never the threads above.
+        self.grammar_workers = ThreadPoolExecutor(2, thread_name_prefix="jaxserve-grammar")
+        # Large responses to JSON / protobuf.
+        self.encoders = ThreadPoolExecutor(2, thread_name_prefix="jaxserve-encode")
+        self.serving = OpenAIServing(engine, config.served_names, config.chat,
+                                     grammar_pool=self.grammar_workers, encoders=self.encoders)
         self.draining = False
         self.started = time.time()
-        # Parsing, chat templates and tokenization (the tokenizer releases the GIL).
-        self.workers = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
-                                          thread_name_prefix="jaxserve-prepare")
+        self.num_preparing = 0  # requests in the admission path (event-loop thread only)
 
     async def off_loop(self, fn, *args):
-        """Run fn(*args) in a worker thread and await its result."""
+        """Run fn(*args) in a prepare thread and await its result."""
         return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
+
+    @contextlib.asynccontextmanager
+    async def preparing(self):
+        """Count a request while it is prepared (SIGTERM's drain waits for it); a 503 with
+        Retry-After when max_preparing_requests are already being prepared."""
+        if self.num_preparing >= self.config.max_preparing_requests:
+            raise APIError(503, f"{self.num_preparing} requests are being prepared (the cap "
+                           f"is {self.config.max_preparing_requests}); retry later.",
+                           code="overloaded", headers={"Retry-After": "1"})
+        self.num_preparing += 1
+        try:
+            yield
+        finally:
+            self.num_preparing -= 1
 
 
 def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
@@ -117,7 +148,7 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 def _install_errors(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, err: APIError):
-        return err.response()
+        return err.response(err.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, err: RequestValidationError):
@@ -235,6 +266,15 @@ def _replay(messages: list, receive):
     return replay
 
 
+def _encoded(fn, *args) -> bytes:
+    """fn(*args) as JSON bytes (in a worker thread: a long prompt's ids are megabytes)."""
+    return json.dumps(fn(*args), ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def _json(content: bytes) -> Response:
+    return Response(content, media_type="application/json")
+
+
 def _too_large(config: ServerConfig) -> JSONResponse:
     return APIError(413, f"The request body is larger than {config.max_body_bytes} bytes.",
                     code="body_too_large").response()
@@ -245,14 +285,25 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     engine = state.engine
     config = state.config
 
+    def request_ids(request: Request) -> tuple[str | None, str]:
+        """(the X-Request-Id header or None, this HTTP request's own id)."""
+        return (request.headers.get("x-request-id") or None,
+                request.scope.get("state", {}).get(REQUEST_ID_KEY) or uuid.uuid4().hex)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
-        prepared = await state.off_loop(serving.prepare_completion, await request.body())
+        async with state.preparing():
+            prepared = await state.off_loop(serving.prepare_completion, await request.body(),
+                                            request_ids(request))
+            prepared = await serving.with_grammar(prepared)
         return await serving.respond(prepared, request)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        prepared = await state.off_loop(serving.prepare_chat, await request.body())
+        async with state.preparing():
+            prepared = await state.off_loop(serving.prepare_chat, await request.body(),
+                                            request_ids(request))
+            prepared = await serving.with_grammar(prepared)
         return await serving.respond(prepared, request)
 
     @app.get("/v1/models")
@@ -265,11 +316,14 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        return await state.off_loop(serving.tokenize, await request.body())
+        async with state.preparing():
+            return _json(await state.off_loop(_encoded, serving.tokenize, await request.body()))
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        return await state.off_loop(serving.detokenize, await request.body())
+        async with state.preparing():
+            return _json(await state.off_loop(_encoded, serving.detokenize,
+                                              await request.body()))
 
     @app.get("/health")
     async def health():

@@ -1,10 +1,13 @@
 """AsyncLLMEngine: the engine stepping in one background thread, shared by many requests.
 
 The HTTP side lives on an asyncio loop; the engine (JAX calls that block) runs in a thread of
-its own. Requests and aborts cross to the engine thread through a queue; each request's
-outputs come back through its own asyncio.Queue. Every step serves every connection at once
-(continuous batching across connections). A request whose consumer goes away (client
-disconnect, cancelled task) is aborted and its KV blocks are freed on the next loop turn.
+its own. Requests (admitted: admission.EngineRequest, made off the event loop) and aborts
+cross to the engine thread through a queue. Each request's outputs come back coalesced: a
+RequestOutput is cumulative, so the stream keeps only the latest one (or a final error) until
+its consumer takes it, and a slow reader holds one output, never a queue of them. Every step
+serves every connection at once (continuous batching across connections). A request whose
+consumer goes away (client disconnect, cancelled task) is aborted and its KV blocks are freed
+on the next loop turn.
 """
 
 from __future__ import annotations
@@ -17,10 +20,10 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+from jaxserve.admission import EngineRequest
 from jaxserve.engine import EngineDeadError, LLMEngine
 from jaxserve.engine_stats import EngineStats
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -42,7 +45,6 @@ class RequestFailedError(RuntimeError):
 @dataclasses.dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
     arrival: float
     num_prompt_tokens: int
     n: int = 1
@@ -50,6 +52,37 @@ class _Stream:
     first_token: float | None = None
     last_token: float | None = None
     num_tokens: int = 0
+    # The output (or error) its consumer has not taken yet: the engine thread replaces it
+    # with each newer one (an error is final), and wakes the consumer once per take.
+    latest: RequestOutput | BaseException | None = None
+    wake_pending: bool = False
+    ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def put(self, item) -> bool:
+        """Engine thread: make item the latest; False when the consumer's loop is gone."""
+        with self.lock:
+            if not isinstance(self.latest, BaseException):
+                self.latest = item
+            if self.wake_pending:
+                return True
+            self.wake_pending = True
+        try:
+            self.loop.call_soon_threadsafe(self.ready.set)
+        except RuntimeError:  # "Event loop is closed": nobody reads it any more
+            return False
+        return True
+
+    async def take(self):
+        """Event loop: the latest output or error, once there is one."""
+        while True:
+            await self.ready.wait()
+            with self.lock:
+                item, self.latest = self.latest, None
+                self.wake_pending = False
+                self.ready.clear()
+            if item is not None:
+                return item
 
 
 class AsyncLLMEngine:
@@ -111,45 +144,40 @@ class AsyncLLMEngine:
             return len(self._streams)
 
     # ---- the HTTP side ------------------------------------------------------------------
-    def submit(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-               params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Queue one request now (raising ValueError, OverloadedError or EngineDeadError at
-        once) and return the iterator of its outputs. Leaving the iteration before the
-        request finishes aborts it. Call from the event loop."""
-        return self.submit_many([(request_id, prompt, prompt_token_ids)], params)[0]
+    def submit(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Queue one admitted request now (raising OverloadedError, EngineDeadError or
+        ValueError for an id in use, at once) and return the iterator of its outputs.
+        Leaving the iteration before the request finishes aborts it. Call from the event
+        loop."""
+        return self.submit_many([request])[0]
 
-    def submit_many(self, prompts: list[tuple[str, str | None, list[int]]],
-                    params: SamplingParams, *, priority: int = 0,
-                    cache_salt: str | None = None) -> list[AsyncIterator[RequestOutput]]:
-        """Queue several requests, (request id, prompt text, prompt token ids) each, all or
-        none: each is validated, and the admission cap is checked for all of them at once, so
-        refusing a large request never refuses or aborts anyone else's. priority and
-        cache_salt: as LLMEngine.add_request."""
+    def submit_many(self, requests: list[EngineRequest]) -> list[AsyncIterator[RequestOutput]]:
+        """Queue several admitted requests (the prompts of one user request) all or none:
+        the admission cap is checked for all of them at once, so refusing a large request
+        never refuses or aborts anyone else's. Nothing heavy runs here (the admission path
+        did the work off the event loop)."""
         if not self.is_running:
             raise EngineDeadError(self.dead_reason or "the engine loop has stopped")
-        self.engine.check_priority(priority)
-        for _, _, ids in prompts:
-            self.engine.validate(ids, params)
         loop = asyncio.get_running_loop()
         max_len = self.engine.config.model.max_model_len
-        streams = [_Stream(loop, asyncio.Queue(), time.monotonic(), len(ids), params.n,
-                           min(params.max_tokens or max_len, max_len - len(ids)))
-                   for _, _, ids in prompts]
-        sequences = len(prompts) * params.n
+        streams = [_Stream(loop, time.monotonic(), len(r.prompt_token_ids), r.params.n,
+                           min(r.params.max_tokens or max_len,
+                               max_len - len(r.prompt_token_ids)))
+                   for r in requests]
+        sequences = sum(r.params.n for r in requests)
+        ids = [r.request_id for r in requests]
         with self._lock:
             waiting = self._stats.waiting + self._pending
             if waiting + sequences > self.max_waiting_requests:
                 raise OverloadedError(
                     f"{waiting} sequences are already waiting and this request adds "
                     f"{sequences} (the cap is {self.max_waiting_requests}); retry later")
-            ids = [request_id for request_id, _, _ in prompts]
             if len(set(ids)) != len(ids) or any(i in self._streams for i in ids):
                 raise ValueError("request_id must be unique: this one is already in use")
             self._streams.update(zip(ids, streams))
             self._pending += sequences
-        for request_id, prompt, prompt_token_ids in prompts:
-            self._inbox.put(("add", (request_id, prompt, prompt_token_ids, params, priority,
-                                     cache_salt)))
+        for request in requests:
+            self._inbox.put(("add", request))
         self._wake.set()
         return [self._outputs(request_id, stream) for request_id, stream in zip(ids, streams)]
 
@@ -157,7 +185,7 @@ class AsyncLLMEngine:
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.take()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -176,14 +204,22 @@ class AsyncLLMEngine:
         """End a request now and hand its consumer the final output (finish_reason
         "abort"), as vLLM's abort does to a stream that is still read; unknown ids are
         ignored."""
-        self._inbox.put(("abort-report", request_id))
-        self._wake.set()
+        self.stop_requests([request_id])
+
+    def stop_requests(self, request_ids) -> int:
+        """stop_request for several ids at once: only the known ones cross to the engine
+        thread, in one message. Returns how many were known."""
+        with self._lock:
+            known = [i for i in dict.fromkeys(request_ids) if i in self._streams]
+        if known:
+            self._inbox.put(("abort-report", known))
+            self._wake.set()
+        return len(known)
 
     def abort_all(self) -> None:
         with self._lock:
             ids = list(self._streams)
-        for request_id in ids:
-            self.stop_request(request_id)
+        self.stop_requests(ids)
 
     async def reset_prefix_cache(self) -> None:
         """Forget every cached prefix, on the engine thread (running requests keep their
@@ -235,11 +271,11 @@ class AsyncLLMEngine:
                     self._publish_stats(taken)
                 return
             if kind == "add":
-                request_id, params = payload[0], payload[3]
+                request_id, params = payload.request_id, payload.params
                 with self._lock:
                     stream = self._streams.get(request_id)
                 try:
-                    self.engine.add_request(*payload)
+                    self.engine.add_processed(payload)
                 except ValueError as err:
                     self._close(request_id, err)
                     continue
@@ -259,10 +295,11 @@ class AsyncLLMEngine:
                 stream = self._forget(payload)
                 if output is not None and stream is not None:
                     self._record_finish(output, stream, time.monotonic())
-            elif kind == "abort-report":  # end the request and tell its consumer
-                output = self.engine.abort_request(payload)
-                if output is not None:
-                    self._deliver(output, time.monotonic())
+            elif kind == "abort-report":  # end the requests and tell their consumers
+                for request_id in payload:
+                    output = self.engine.abort_request(request_id)
+                    if output is not None:
+                        self._deliver(output, time.monotonic())
             elif kind == "reset-prefix-cache":
                 self.engine.reset_prefix_cache()
                 _resolve(payload)
@@ -378,11 +415,7 @@ def _resolve(future: asyncio.Future) -> None:
 
 
 def _send(stream: _Stream, item) -> bool:
-    """Hand an output (or an error) to the stream's event loop; False when that loop has
+    """Hand an output (or an error) to the stream's consumer; False when its event loop has
     closed (its consumer is gone: a client of a short-lived loop, a server shutting down),
     which must never stop the engine thread."""
-    try:
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-    except RuntimeError:  # "Event loop is closed"
-        return False
-    return True
+    return stream.put(item)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import Field
 
+from jaxserve import bounded_json
 from jaxserve.server.schema_base import Body, ParamError
 
 
@@ -63,11 +63,11 @@ def _template_tool_call(call: ToolCall, index: int) -> dict:
     """Chat templates read a call's arguments as an object (vLLM parses the JSON string)."""
     arguments = call.function.arguments
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError:
-            raise ParamError("messages", f"tool_calls[{index}].function.arguments is not valid "
-                             "JSON.") from None
+        try:  # JSON inside a string: the body's depth bound applies to it too
+            arguments = bounded_json.loads(arguments, f"tool_calls[{index}].function."
+                                           "arguments") if arguments.strip() else {}
+        except ValueError as err:
+            raise ParamError("messages", f"messages: {err}") from None
     out = {"type": "function", "function": {"name": call.function.name, "arguments": arguments}}
     if call.id is not None:
         out["id"] = call.id

@@ -23,9 +23,10 @@ _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|function-\w+|\w+\[.*\])$
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers  # sent with the response (Retry-After)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": _TYPES.get(self.status, "error"),

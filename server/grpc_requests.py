@@ -65,9 +65,9 @@ def check_unsupported(request: pb.GenerateRequest) -> None:
         raise BadRequest("input: give tokenized (input_ids) or text.")
 
 
-def prompt_of(request: pb.GenerateRequest, tokenizer) -> GrpcPrompt:
+def prompt_of(request: pb.GenerateRequest, encode) -> GrpcPrompt:
     """The prompt as token ids: tokenized.input_ids as given, or the text tokenized with the
-    model's special tokens (as a completion prompt)."""
+    model's special tokens (as a completion prompt) by encode(text)."""
     if request.WhichOneof("input") == "tokenized":
         ids = list(request.tokenized.input_ids)
         if not ids:
@@ -75,7 +75,7 @@ def prompt_of(request: pb.GenerateRequest, tokenizer) -> GrpcPrompt:
         return GrpcPrompt(request.tokenized.original_text or None, ids)
     if not request.text:
         raise BadRequest("text must not be empty.")
-    return GrpcPrompt(request.text, tokenizer.encode(request.text))
+    return GrpcPrompt(request.text, encode(request.text))
 
 
 def sampling_params(proto: pb.SamplingParams, *, starts_after: str | None = None
@@ -145,6 +145,9 @@ class ChoiceStream:
         self.sent: dict[int, int] = {}  # choice index -> tokens sent
         self.prompt_sent: set[int] = set()
         self.completed: set[int] = set()
+        # The prompt logprobs message, built once and shared by every choice that carries it
+        # (n choices of a 2,000-token prompt would otherwise build n copies).
+        self._input: tuple[int, pb.InputLogProbs] | None = None
 
     def responses(self, output: RequestOutput, stream: bool) -> list[pb.GenerateResponse]:
         out = []
@@ -206,6 +209,12 @@ class ChoiceStream:
         return out
 
     def _input_logprobs(self, output: RequestOutput) -> pb.InputLogProbs:
+        entries = len(output.prompt_logprobs)
+        if self._input is None or self._input[0] != entries:
+            self._input = (entries, self._build_input_logprobs(output))
+        return self._input[1]
+
+    def _build_input_logprobs(self, output: RequestOutput) -> pb.InputLogProbs:
         k = self.params.prompt_logprobs
         out = pb.InputLogProbs(token_ids=self.prompt_token_ids)
         for token, entry in zip(self.prompt_token_ids, output.prompt_logprobs):

@@ -36,6 +36,10 @@ class GrpcConfig:
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     max_receive_bytes: int = 4 * 1024 * 1024  # a request's size cap (HTTP's body cap)
+    # Calls at once (beyond: RESOURCE_EXHAUSTED; --limit-concurrency) and HTTP/2 streams per
+    # connection.
+    max_concurrent_rpcs: int | None = None
+    max_concurrent_streams: int = 1024
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -49,6 +53,9 @@ class GrpcConfig:
                 raise ValueError(f"--grpc-{name.replace('_', '-')}: no file at {path!r}.")
         if self.max_receive_bytes < 1024:
             raise ValueError(f"max_receive_bytes must be >= 1024, got {self.max_receive_bytes}.")
+        if self.max_concurrent_rpcs is not None and self.max_concurrent_rpcs < 1:
+            raise ValueError(f"max_concurrent_rpcs must be >= 1, got "
+                             f"{self.max_concurrent_rpcs}.")
 
     @property
     def address(self) -> str:
@@ -64,9 +71,12 @@ class GrpcServer:
         self.state, self.config = state, config
         self.health = health.aio.HealthServicer()
         interceptors = [_ApiKeyCheck(state.config.api_keys)] if state.config.api_keys else []
-        self.server = grpc.aio.server(interceptors=interceptors, options=[
+        self.server = grpc.aio.server(interceptors=interceptors,
+                                      maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+                                      options=[
             ("grpc.max_receive_message_length", config.max_receive_bytes),
             ("grpc.max_send_message_length", _SEND_CAP_BYTES),
+            ("grpc.max_concurrent_streams", config.max_concurrent_streams),
             # Routers ping idle connections (the SMG gateway every 30 s): allow it.
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),

@@ -2,8 +2,9 @@
 
 The same AsyncLLMEngine as the HTTP API serves it, on the same event loop, so gRPC and HTTP
 requests share every step, the admission cap, the Prometheus metrics and the request log.
-Requests are prepared (validated, tokenized, grammar compiled) in the HTTP side's worker
-threads. Status codes: a bad request is INVALID_ARGUMENT naming the field, the admission cap
+Requests go through the engine's admission path (jaxserve/admission.py: the request limits,
+tokenization, the grammar) on the HTTP side's prepare and grammar threads, never on the event
+loop. Status codes: a bad request is INVALID_ARGUMENT naming the field, the admission cap
 RESOURCE_EXHAUSTED, a draining server or a dead engine UNAVAILABLE, a request the engine
 failed INTERNAL; a call past its deadline is aborted (its blocks freed) and answered
 DEADLINE_EXCEEDED, and a cancelled call aborts its request.
@@ -31,10 +32,10 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 import jaxserve
 from jaxserve.reasoning_parsers import END as REASONING_END
 from jaxserve.server.async_engine import EngineDeadError, OverloadedError
+from jaxserve.server.errors import APIError
 from jaxserve.server.grpc_requests import (
     BadRequest,
     ChoiceStream,
-    GrpcPrompt,
     check_unsupported,
     prompt_of,
     sampling_params,
@@ -64,25 +65,26 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         self.last_receive = 0.0  # wall time of the last Generate
 
     # ---- Generate --------------------------------------------------------------------------
-    async def Generate(self, request: pb.GenerateRequest, context):
+    async def Generate(self, request: pb.GenerateRequest, context) -> None:
+        """Responses are written one at a time; a client that takes none for
+        --stream-write-timeout seconds has its request aborted and the call ended."""
         self.last_receive = time.time()
         if self.state.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "The server is shutting down.")
+        engine_request = await self._admit(request, context)
         try:
-            prompt, params = await self.state.off_loop(self._prepare, request)
-        except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
-        try:
-            stream = self.async_engine.submit(request_id, prompt.text, prompt.token_ids, params)
+            stream = self.async_engine.submit(engine_request)
         except OverloadedError as err:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
         except EngineDeadError as err:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        request_id, params = engine_request.request_id, engine_request.params
         timer, expired = self._deadline_timer(context, request_id)
-        choices = ChoiceStream(prompt.token_ids, params)
+        choices = ChoiceStream(engine_request.prompt_token_ids, params)
+        heavy = params.logprobs is not None or params.prompt_logprobs is not None
+        loop = asyncio.get_running_loop()
         outputs = stream.__aiter__()
         try:
             async for output in outputs:
@@ -92,8 +94,12 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
                 if expired.is_set():
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                         "The call's deadline passed; the request was aborted.")
-                for response in choices.responses(output, request.stream):
-                    yield response
+                responses = (await loop.run_in_executor(self.state.encoders, choices.responses,
+                                                        output, request.stream)
+                             if heavy else choices.responses(output, request.stream))
+                for response in responses:
+                    if not await self._write(context, response, request_id):
+                        return
         except EngineDeadError as err:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         finally:
@@ -101,10 +107,51 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
                 timer.cancel()
             await outputs.aclose()  # an unfinished request is aborted, its blocks freed
 
+    async def _write(self, context, response, request_id: str) -> bool:
+        """Send one response; False when the client has not taken it within the write
+        timeout (the caller then ends the call, which aborts the request)."""
+        timeout = self.state.config.stream_write_timeout
+        try:
+            await asyncio.wait_for(context.write(response), timeout)
+        except asyncio.TimeoutError:
+            logger.info("gRPC request %s: the client has not read its responses for %g s "
+                        "(--stream-write-timeout); aborting it", request_id[:64], timeout)
+            return False
+        return True
+
+    async def _admit(self, request: pb.GenerateRequest, context):
+        """The request through the admission path: checked and tokenized on a prepare
+        thread, its grammar compiled on a grammar thread. Every refusal ends the call with
+        INVALID_ARGUMENT naming the field; the server's own failure with INTERNAL."""
+        loop = asyncio.get_running_loop()
+        try:
+            async with self.state.preparing():
+                engine_request = await self.state.off_loop(self._prepare, request)
+                params = engine_request.params
+                if params.structured_outputs is not None:
+                    grammar = await loop.run_in_executor(
+                        self.state.grammar_workers, self.engine.processor.compile_grammar,
+                        params)
+                    engine_request = engine_request.with_grammar(grammar)
+            return engine_request
+        except APIError as err:  # the prepare queue is full
+            await context.abort(grpc.StatusCode.UNAVAILABLE, err.message)
+        except (ValueError, RecursionError) as err:
+            message = str(err) if isinstance(err, ValueError) else \
+                "the request nests too deeply to be read"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message[:1000])
+        except Exception as err:  # noqa: BLE001 - logged once, answered INTERNAL
+            logger.error("gRPC Generate failed while preparing its request", exc_info=err)
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                "internal error while preparing the request")
+
     def _prepare(self, request: pb.GenerateRequest):
-        """Worker thread: the prompt's token ids and the SamplingParams, checked as the
-        engine will run them (ValueError naming the field otherwise)."""
+        """Prepare thread: the request as an admission.EngineRequest (grammar not compiled
+        yet), checked as the engine will run it (ValueError naming the field otherwise)."""
         check_unsupported(request)
+        processor = self.engine.processor
+        request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
+        processor.check_request_id(request_id)
         serving = self.state.serving
         starts_after = None
         if serving.chat.reasoning_parser is not None and serving.end_of_thinking_is_one_token():
@@ -115,15 +162,15 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             raise
         except ValueError as err:
             raise BadRequest(f"sampling_params: {err}") from None
-        prompt = prompt_of(request, self.engine.tokenizer)
-        ids = self.engine.truncate_prompt(prompt.token_ids, params)
-        self.engine.validate(ids, params)  # also compiles the grammar, once
+        params = processor.check_params(params)
+        prompt = prompt_of(request, processor.encode)
+        ids = processor.truncate(prompt.token_ids, params)
         limit = self.engine.config.model.max_model_len
         if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
             raise BadRequest(f"max_tokens={params.max_tokens} does not fit beside the "
                              f"{len(ids)}-token prompt: this model's maximum context length "
                              f"is {limit} tokens.")
-        return GrpcPrompt(prompt.text, ids), params
+        return processor.process(request_id, prompt.text, ids, params, compile_grammar=False)
 
     def _deadline_timer(self, context, request_id: str):
         """Abort the request just before the call's deadline (None: no deadline)."""
@@ -141,8 +188,12 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
 
     # ---- requests and the engine's state ---------------------------------------------------
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        for request_id in request.request_ids:
-            self.async_engine.stop_request(request_id)
+        limit = self.engine.processor.limits.max_abort_ids
+        if len(request.request_ids) > limit:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request_ids: at most {limit} ids in one Abort (request limit "
+                                f"max_abort_ids), got {len(request.request_ids)}.")
+        self.async_engine.stop_requests(request.request_ids)
         return pb.AbortResponse()
 
     async def HealthCheck(self, request, context) -> pb.HealthCheckResponse:

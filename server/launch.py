@@ -2,8 +2,14 @@
 --grpc-port, on the same event loop), drain on SIGTERM.
 
 SIGTERM (or Ctrl-C) stops admission (new HTTP requests get 503, new gRPC calls UNAVAILABLE,
-gRPC health turns NOT_SERVING), lets in-flight requests of both finish for up to
---shutdown-timeout seconds, ends the rest with finish_reason "abort", then exits 0.
+gRPC health turns NOT_SERVING), lets in-flight requests of both, and those still being
+prepared, finish for up to --shutdown-timeout seconds, ends the rest with finish_reason
+"abort", then exits 0.
+
+Connections are bounded: --limit-concurrency (uvicorn's: connections and requests at once;
+beyond it uvicorn answers 503), and a response whose client stops reading is cut once the
+connection's send buffer has stayed full for --stream-write-timeout seconds (the request is
+aborted, its blocks freed), so a stalled reader holds at most a socket buffer of memory.
 """
 
 from __future__ import annotations
@@ -27,13 +33,36 @@ logger = logging.getLogger(__name__)
 _FLUSH_S = 2.0  # after aborting, time for the last chunks to reach clients
 
 
-def _timed_protocol(header_timeout: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a deadline for each request's headers: uvicorn bounds
+def _timed_protocol(header_timeout: float, write_timeout: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a deadline for each request's headers (uvicorn bounds
     idle keep-alive connections but not a client that connects and then sends its headers
-    slowly or never (slowloris). The body has its own deadline in the app."""
+    slowly or never: slowloris; the body has its own deadline in the app), and one for a
+    client to take what was sent: once the transport's buffer is full (asyncio pauses
+    writing) and stays so for write_timeout seconds, the connection is dropped. uvicorn then
+    reports the disconnect to the app, which aborts the request."""
 
     class TimedH11Protocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _write_timer: asyncio.TimerHandle | None = None
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._write_timer is None:
+                self._write_timer = self.loop.call_later(write_timeout, self._write_late)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+
+        def _write_late(self) -> None:
+            self._write_timer = None
+            if not self.transport.is_closing():
+                logger.info("Closing a connection whose client has not read its response for "
+                            "%g s (--stream-write-timeout); its request is aborted",
+                            write_timeout)
+                self.transport.abort()  # drops what is buffered; connection_lost follows
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -45,6 +74,9 @@ def _timed_protocol(header_timeout: float) -> type[H11Protocol]:
 
         def connection_lost(self, exc) -> None:
             self._stop_watch()
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
             super().connection_lost(exc)
 
         def _watch_headers(self) -> None:
@@ -106,7 +138,8 @@ class _DrainingServer(uvicorn.Server):
         if self.grpc is not None:
             await self.grpc.drain()
         deadline = time.monotonic() + self.timeout
-        while self.engine.num_in_flight and time.monotonic() < deadline:
+        while (self.engine.num_in_flight or self.state.num_preparing) and \
+                time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.engine.num_in_flight:
             logger.info("Shutdown timeout: aborting %d requests", self.engine.num_in_flight)
@@ -138,8 +171,10 @@ def serve(engine_config, server_config: ServerConfig, log_level: str = "info",
     app = create_app(async_engine, server_config)
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                             log_level=log_level.lower(), access_log=False,
-                            http=_timed_protocol(server_config.request_read_timeout),
+                            http=_timed_protocol(server_config.request_read_timeout,
+                                                 server_config.stream_write_timeout),
                             timeout_keep_alive=server_config.keep_alive_timeout,
+                            limit_concurrency=server_config.limit_concurrency,
                             timeout_graceful_shutdown=5)
     server = _DrainingServer(config, app.state.jaxserve, async_engine,
                              server_config.shutdown_timeout, grpc_config)

@@ -1,9 +1,12 @@
 """/v1/completions, /v1/chat/completions, /tokenize, /detokenize: requests in, JSON or SSE out.
 
-Each request is prepared in two halves. The first (prepare_*) runs in a worker thread: it
-parses and validates the body, renders the chat template and tokenizes, so a large request
-never stalls the event loop. The second (respond) runs on the event loop: it queues the
-engine requests and turns their outputs into responses.
+Each request goes through the engine's admission path (jaxserve/admission.py) in three
+parts, none of them on the event loop. prepare_* runs in a worker thread: it parses and
+validates the body, checks the request limits, renders the chat template and tokenizes.
+with_grammar compiles a structured output's grammar on the grammar threads (never the
+parsing threads: a slow grammar holds up only its own request). respond, on the event loop,
+queues the engine requests and turns their outputs into responses; large responses (non-
+streamed ones, streams with logprobs or echo) are encoded to JSON on the encoding threads.
 
 A completion request with several prompts becomes one engine request per prompt, admitted
 all or none; choice index = prompt index * n + sample index, as in the OpenAI API. The
@@ -17,12 +20,13 @@ import asyncio
 import dataclasses
 import json
 import logging
-import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import Executor
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from jaxserve.admission import EngineRequest
 from jaxserve.reasoning_parsers import END as REASONING_END
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.async_engine import (
@@ -36,12 +40,10 @@ from jaxserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    RequestLimits,
     TokenizeRequest,
 )
 from jaxserve.server.request_body import parse_body
 from jaxserve.server.response_view import ResponseView
-from jaxserve.tokenizer import apply_chat_template, with_special_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -66,29 +68,50 @@ class ChatSettings:
 
 @dataclasses.dataclass
 class Prepared:
-    """A parsed, validated, tokenized request, ready to queue."""
+    """A parsed, validated, tokenized request, ready to queue (its grammar compiled once
+    with_grammar has run)."""
 
     kind: str  # "text_completion" | "chat.completion"
     body: CompletionRequest | ChatCompletionRequest
     params: SamplingParams
-    prompts: list[tuple[str | None, list[int]]]  # (text if given as text, token ids)
+    requests: list[EngineRequest]  # one per prompt
     prompt_param: str  # the field a prompt problem is reported on
     model: str  # the name the response carries
+    request_id: str
+
+    @property
+    def prompts(self) -> list[tuple[str | None, list[int]]]:
+        """(text if given as text, token ids) per prompt."""
+        return [(r.prompt, r.prompt_token_ids) for r in self.requests]
+
+    @property
+    def grammar_field(self) -> str:
+        """The field a grammar problem is reported on."""
+        return self.body.structured_field or "tools"
+
+    @property
+    def heavy(self) -> bool:
+        """Whether its stream chunks are large enough to encode off the event loop."""
+        return self.params.logprobs is not None or bool(self.body.echo)
 
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_names: str | tuple[str, ...],
-                 limits: RequestLimits, chat: ChatSettings | None = None) -> None:
+                 chat: ChatSettings | None = None, *, grammar_pool: Executor,
+                 encoders: Executor) -> None:
+        """grammar_pool: the threads that compile grammars; encoders: the threads that
+        encode large responses to JSON."""
         self.engine = engine
         self.served_names = (served_names,) if isinstance(served_names, str) else \
             tuple(served_names)
         self.model_name = self.served_names[0]
-        self.limits = limits
         self.chat = chat or ChatSettings()
+        self.processor = engine.engine.processor
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.config.model.max_model_len
         self.vocab_size = engine.engine.config.model.vocab_size
         self.sampling_defaults = engine.engine.config.model.sampling_defaults
+        self.grammar_pool, self.encoders = grammar_pool, encoders
 
     def check_model(self, name: str | None) -> str:
         """The served name a request's `model` picks (any alias; none or "": the first)."""
@@ -100,21 +123,22 @@ class OpenAIServing:
                            code="model_not_found")
         return name
 
-    # ---- worker thread: parse, validate, tokenize -------------------------------------
-    def prepare_completion(self, raw: bytes) -> Prepared:
+    # ---- worker thread: parse, check, render, tokenize --------------------------------------
+    def prepare_completion(self, raw: bytes, ids: tuple[str | None, str]) -> Prepared:
+        """ids: (the X-Request-Id header or None, the id to use when the request has none)."""
         body = parse_body(raw, CompletionRequest)
         model = self.check_model(body.model)
-        params = _params(body, self.limits, "prompt", self.sampling_defaults)
-        self._compile_grammar(body, params)
+        request_id = self._request_id("cmpl", body, ids)
+        params = self._params(body, "prompt")
         prompts = self._completion_prompts(body.prompt, body.add_special_tokens)
-        prompts = [(text, self._truncated(ids, params)) for text, ids in prompts]
-        self._check_context(prompts, params, "prompt")
-        return Prepared("text_completion", body, params, prompts, "prompt", model)
+        return self._admit("text_completion", body, params, prompts, "prompt", model,
+                           request_id)
 
-    def prepare_chat(self, raw: bytes) -> Prepared:
+    def prepare_chat(self, raw: bytes, ids: tuple[str | None, str]) -> Prepared:
         body = parse_body(raw, ChatCompletionRequest)
         model = self.check_model(body.model)
-        params = _params(body, self.limits, "messages", self.sampling_defaults)
+        request_id = self._request_id("chatcmpl", body, ids)
+        params = self._params(body, "messages")
         if body.tool_mode == "auto" and self.chat.tool_call_parser is None:
             raise APIError(400, 'tool_choice "auto" needs the server started with '
                            "--enable-auto-tool-choice and --tool-call-parser; or use "
@@ -130,7 +154,6 @@ class OpenAIServing:
                 and self.end_of_thinking_is_one_token():
             params = params.clone(structured_outputs=dataclasses.replace(
                 params.structured_outputs, starts_after=REASONING_END))
-        self._compile_grammar(body, params)
         if body.chat_template is not None and not self.chat.trust_request_template:
             raise APIError(400, "chat_template: a chat template sent with the request is "
                            "refused unless the server runs with --trust-request-chat-template.",
@@ -141,35 +164,54 @@ class OpenAIServing:
         except ValueError as err:
             raise from_value_error(err, "messages") from None
         ids = self._render_chat(messages, body.adds_generation_prompt,
-                                body.chat_template or self.chat.template, kwargs)
-        if body.add_special_tokens:
-            ids = with_special_tokens(self.tokenizer, ids)
-        ids = self._truncated(ids, params)
-        self._check_context([(None, ids)], params, "messages")
-        return Prepared("chat.completion", body, params, [(None, ids)], "messages", model)
+                                body.chat_template or self.chat.template, kwargs,
+                                body.add_special_tokens)
+        return self._admit("chat.completion", body, params, [(None, ids)], "messages", model,
+                           request_id)
+
+    def _request_id(self, prefix: str, body, ids: tuple[str | None, str]) -> str:
+        """As vLLM: the X-Request-Id header, else the body's request_id, else a fresh id;
+        a given one within the request_id length limit."""
+        header, fresh = ids
+        own = header or body.request_id
+        if own:
+            try:
+                self.processor.check_request_id(own, "X-Request-Id" if header else
+                                                "request_id")
+            except ValueError as err:
+                raise from_value_error(err) from None
+        return f"{prefix}-{own or fresh}"
+
+    def _params(self, body, prompt_param: str) -> SamplingParams:
+        """The body's SamplingParams through the request limits (admission.py)."""
+        try:
+            return self.processor.check_params(body.sampling_params(self.sampling_defaults))
+        except ValueError as err:
+            if getattr(err, "param", None) == "structured_outputs":
+                raise _grammar_error(err, body.structured_field or "tools") from None
+            raise from_value_error(err, prompt_param) from None
+
+    def _admit(self, kind: str, body, params: SamplingParams, prompts, param: str, model: str,
+               request_id: str) -> Prepared:
+        """Each prompt through the admission path: truncation, OpenAI's context-length
+        error, the worst-case response size, the model's checks."""
+        processor = self.processor
+        try:
+            prompts = [(text, processor.truncate(ids, params)) for text, ids in prompts]
+            self._check_context(prompts, params, param)
+            processor.check_response_size(params, [len(ids) for _, ids in prompts])
+            requests = [processor.process(f"{request_id}-{i}", text, ids, params,
+                                          body.priority, body.cache_salt,
+                                          compile_grammar=False)
+                        for i, (text, ids) in enumerate(prompts)]
+        except ValueError as err:
+            raise from_value_error(err, param) from None
+        return Prepared(kind, body, params, requests, param, model, request_id)
 
     def end_of_thinking_is_one_token(self) -> bool:
         """Whether the grammar can wait for the end of the reasoning: its marker is one
         token (Qwen3, DeepSeek-R1); otherwise it applies from the start."""
         return len(self.tokenizer.encode(REASONING_END, add_special_tokens=False)) == 1
-
-    def _compile_grammar(self, body, params: SamplingParams) -> None:
-        """Compile (and check) a structured-output grammar here, in the worker thread: the
-        engine thread later only copies it. A bad schema, regex or grammar is a 400 naming
-        the field that asked for it."""
-        if params.structured_outputs is None:
-            return
-        try:
-            self.engine.engine.compile_grammar(params)
-        except ValueError as err:
-            field = body.structured_field or "tools"
-            raise APIError(400, short(str(err)), param=field, code="invalid_value") from None
-
-    def _truncated(self, ids: list[int], params: SamplingParams) -> list[int]:
-        try:
-            return self.engine.engine.truncate_prompt(ids, params)
-        except ValueError as err:
-            raise from_value_error(err) from None
 
     def _check_context(self, prompts, params, param: str) -> None:
         """OpenAI's (and vLLM's) context-length error, which clients and gateways recognise:
@@ -199,7 +241,7 @@ class OpenAIServing:
                                     body.add_generation_prompt, self.chat.template,
                                     dict(self.chat.default_kwargs))
         else:
-            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = self.processor.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
 
     def detokenize(self, raw: bytes) -> dict:
@@ -210,11 +252,13 @@ class OpenAIServing:
         return {"prompt": self.tokenizer.decode(body.tokens)}
 
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool,
-                     template: str | None, kwargs: dict) -> list[int]:
+                     template: str | None, kwargs: dict,
+                     add_special_tokens: bool = False) -> list[int]:
         try:
-            return apply_chat_template(self.tokenizer, messages,
-                                       add_generation_prompt=add_generation_prompt,
-                                       chat_template=template, **kwargs)
+            return self.processor.render_chat(messages,
+                                              add_generation_prompt=add_generation_prompt,
+                                              add_special_tokens=add_special_tokens,
+                                              chat_template=template, **kwargs)
         except ValueError as err:
             raise from_value_error(err, "messages") from None
 
@@ -226,47 +270,55 @@ class OpenAIServing:
             prompt = [prompt]
         if not prompt:
             raise APIError(400, "prompt must not be empty.", param="prompt")
-        if len(prompt) > self.limits.max_prompts:
-            raise APIError(400, f"A request may carry at most {self.limits.max_prompts} "
-                           f"prompts; this one has {len(prompt)}.", param="prompt",
-                           code="invalid_value")
+        try:
+            self.processor.check_prompt_count(len(prompt))
+        except ValueError as err:
+            raise from_value_error(err) from None
         out = []
         for item in prompt:
             if isinstance(item, str):
                 if not item:
                     raise APIError(400, "prompt must not be empty.", param="prompt")
-                out.append((item, self.tokenizer.encode(
-                    item, add_special_tokens=add_special_tokens)))
+                out.append((item, self.processor.encode(item, add_special_tokens)))
             else:
                 out.append((None, list(item)))
         return out
 
+    # ---- grammar threads ------------------------------------------------------------------
+    async def with_grammar(self, prepared: Prepared) -> Prepared:
+        """Compile the request's structured output (if any) on the grammar threads: the
+        sandbox first, then here, cached by its text. A 400 naming the field that asked for
+        it when it cannot be used."""
+        if prepared.params.structured_outputs is None:
+            return prepared
+        loop = asyncio.get_running_loop()
+        try:
+            grammar = await loop.run_in_executor(self.grammar_pool,
+                                                 self.processor.compile_grammar, prepared.params)
+        except ValueError as err:
+            raise _grammar_error(err, prepared.grammar_field) from None
+        prepared.requests = [r.with_grammar(grammar) for r in prepared.requests]
+        return prepared
+
     # ---- event loop: queue and respond ----------------------------------------------------
     async def respond(self, prepared: Prepared, raw: Request):
-        prefix = "chatcmpl" if prepared.kind == "chat.completion" else "cmpl"
-        # As vLLM: the X-Request-Id header, else the body's request_id, else a fresh id.
-        header = raw.headers.get("x-request-id")
-        own_id = (header[:256] if header else None) or prepared.body.request_id
-        http_id = own_id or raw.scope.get("state", {}).get(REQUEST_ID_KEY) or uuid.uuid4().hex
-        request_id = f"{prefix}-{http_id}"
         body = prepared.body
         if body.user:  # OpenAI's end-user id: for the operator's abuse monitoring
-            logger.info("request %s: user %r", request_id, body.user[:128])
+            logger.info("request %s: user %r", prepared.request_id[:300], body.user[:128])
         try:
-            streams = self.engine.submit_many(
-                [(f"{request_id}-{i}", text, ids) for i, (text, ids) in
-                 enumerate(prepared.prompts)], prepared.params, priority=body.priority,
-                cache_salt=body.cache_salt)
+            streams = self.engine.submit_many(prepared.requests)
         except (OverloadedError, EngineDeadError, ValueError) as err:
             raise _api_error(err, prepared.prompt_param) from None
-        view = ResponseView(prepared.kind, request_id, prepared.model, body, prepared.prompts, self)
+        view = ResponseView(prepared.kind, prepared.request_id, prepared.model, body,
+                            prepared.prompts, self)
         if prepared.body.stream:
-            return _sse(self._stream(view, streams))
+            return _sse(self._stream(view, streams, prepared.heavy))
         return await self._respond(view, streams, raw)
 
-    async def _respond(self, view, streams, raw: Request) -> JSONResponse:
+    async def _respond(self, view, streams, raw: Request) -> Response:
         """Wait for every prompt's last output; the first failure ends the request (and
-        aborts its other prompts), as does the client leaving."""
+        aborts its other prompts), as does the client leaving. The response is encoded on
+        the encoding threads (it can be megabytes of logprobs)."""
         async def last(stream):
             final = None
             async for output in stream:
@@ -293,36 +345,40 @@ class OpenAIServing:
         finally:
             for task in tasks:
                 task.cancel()  # those still waiting: their requests are aborted
-        return JSONResponse(view.full_response(finals))
+        content = await asyncio.get_running_loop().run_in_executor(
+            self.encoders, _json_bytes, view.full_response, finals)
+        return Response(content, media_type="application/json")
 
-    async def _stream(self, view, streams) -> AsyncIterator[str]:
-        merged: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index, stream):
-            try:
-                async for output in stream:
-                    await merged.put((index, output))
-            except BaseException as err:  # noqa: BLE001 - forwarded to the response
-                await merged.put((index, err))
-            finally:
-                await merged.put((index, None))
-
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-        open_streams = len(tasks)
+    async def _stream(self, view, streams, heavy: bool) -> AsyncIterator[str]:
+        """SSE events of the request's prompts as they come. Each prompt's stream holds at
+        most its latest output while this generator waits for the client to read (the
+        client's pace bounds nothing but what is sent). heavy: chunks carry logprobs or an
+        echoed prompt, and are encoded on the encoding threads."""
+        loop = asyncio.get_running_loop()
+        outputs = [stream.__aiter__() for stream in streams]
+        waiting = {asyncio.ensure_future(it.__anext__()): i for i, it in enumerate(outputs)}
         try:
             for chunk in view.opening_chunks():
                 yield _event(chunk)
-            while open_streams:
-                index, item = await merged.get()
-                if item is None:
-                    open_streams -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                elif item.error is not None:
-                    raise RequestFailedError(item.error)
-                else:
-                    for chunk in view.chunks(index, item):
-                        yield _event(chunk)
+            while waiting:
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    index = waiting.pop(task)
+                    try:
+                        output = task.result()
+                    except StopAsyncIteration:
+                        continue
+                    if output.error is not None:
+                        raise RequestFailedError(output.error)
+                    if heavy:
+                        events = await loop.run_in_executor(self.encoders, _events,
+                                                            view.chunks, index, output)
+                    else:
+                        events = _events(view.chunks, index, output)
+                    if events:
+                        yield events
+                    if not output.finished:
+                        waiting[asyncio.ensure_future(outputs[index].__anext__())] = index
             usage = view.usage_chunk()
             if usage is not None:
                 yield _event(usage)
@@ -331,8 +387,12 @@ class OpenAIServing:
                 logger.error("Stream %s failed: %s", view.id, err, exc_info=err)
             yield _event(_api_error(err).body())
         finally:
-            for task in tasks:
+            for task in waiting:
                 task.cancel()
+            if waiting:
+                await asyncio.wait(waiting)
+            for it in outputs:
+                await it.aclose()  # a request still running is aborted, its blocks freed
         yield "data: [DONE]\n\n"
 
 
@@ -343,11 +403,12 @@ def _retrieve(future: asyncio.Future) -> None:
         future.exception()
 
 
-def _params(body, limits: RequestLimits, prompt_param: str, defaults: dict):
-    try:
-        return body.sampling_params(limits, defaults)
-    except ValueError as err:
-        raise from_value_error(err, prompt_param) from None
+def _grammar_error(err: ValueError, field: str) -> APIError:
+    """A structured-output refusal as a 400 naming the request's own field for it."""
+    message = str(err)
+    if message.startswith("structured_outputs"):
+        message = field + message[len("structured_outputs"):]
+    return APIError(400, short(message), param=field, code="invalid_value")
 
 
 def _api_error(err: BaseException, prompt_param: str = "prompt") -> APIError:
@@ -367,6 +428,17 @@ def _api_error(err: BaseException, prompt_param: str = "prompt") -> APIError:
 
 def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _events(chunks, index: int, output) -> str:
+    """The SSE events of one output (chunks: ResponseView.chunks)."""
+    return "".join(_event(chunk) for chunk in chunks(index, output))
+
+
+def _json_bytes(full_response, finals) -> bytes:
+    """The response body, as JSONResponse renders it."""
+    return json.dumps(full_response(finals), ensure_ascii=False, allow_nan=False,
+                      separators=(",", ":")).encode("utf-8")
 
 
 def _sse(events: AsyncIterator[str]) -> StreamingResponse:

@@ -14,26 +14,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from jaxserve.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 from jaxserve.server.chat_messages import ChatMessage, ChatTool, NamedToolChoice
 from jaxserve.server.schema_base import Body, ParamError
 from jaxserve.structured_output import StructuredOutputsParams
 
-MAX_STOP_STRINGS = 16
-MAX_STOP_LENGTH = 256
 COMPLETION_MAX_TOKENS = 16  # completions' default max_tokens (OpenAI and vLLM)
 MAX_CACHE_SALT = 128  # characters, as vLLM checks it
-
-
-class RequestLimits(BaseModel):
-    """Server-side caps on what one request may ask for."""
-
-    max_n: int = 16
-    max_prompts: int = 256  # prompts in one (batched) completion request
-    max_stop_strings: int = MAX_STOP_STRINGS
-    max_stop_length: int = MAX_STOP_LENGTH
 
 
 class StreamOptions(Body):
@@ -166,13 +155,6 @@ class _Request(Body):
             raise ParamError("prompt_logprobs", "prompt_logprobs are not available when "
                              "stream=true.")
 
-    def _stops(self, limits: RequestLimits) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > limits.max_stop_strings:
-            raise ParamError("stop", f"at most {limits.max_stop_strings} stop strings")
-        if any(len(s) > limits.max_stop_length for s in stops):
-            raise ParamError("stop", f"stop strings of at most {limits.max_stop_length} chars")
-        return stops
 
     @property
     def structured_field(self) -> str | None:
@@ -220,16 +202,16 @@ class _Request(Body):
         # As vLLM (and OpenAI's documented range): each bias clamped to [-100, 100].
         return {token: min(100.0, max(-100.0, bias)) for token, bias in ids.items()}
 
-    def _common(self, limits: RequestLimits, defaults: dict) -> dict:
+    def _common(self, defaults: dict) -> dict:
         """The fields every request kind shares; a sampling field the request leaves unset
-        takes the model's default (generation_config.json), else SamplingParams'."""
+        takes the model's default (generation_config.json), else SamplingParams'. The
+        request limits (n, stops, logprobs, ...) are the admission path's to check."""
         self._refuse_unsupported()
-        if self.n > limits.max_n:
-            raise ParamError("n", f"n must be at most {limits.max_n}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise ParamError("prompt_logprobs", f"prompt_logprobs must be in [0, "
                              f"{MAX_LOGPROBS}].")
-        values = dict(n=self.n, seed=self.seed, stop=self._stops(limits),
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        values = dict(n=self.n, seed=self.seed, stop=stops,
                       stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                       min_tokens=self.min_tokens,
                       skip_special_tokens=(True if self.skip_special_tokens is None
@@ -275,8 +257,7 @@ class CompletionRequest(_Request):
         """echo with max_tokens 0: the prompt (and its logprobs) back, nothing generated."""
         return bool(self.echo) and self.max_tokens == 0
 
-    def sampling_params(self, limits: RequestLimits, defaults: dict | None = None
-                        ) -> SamplingParams:
+    def sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         """defaults: the model's sampling defaults (generation_config.json)."""
         defaults = defaults or {}
         if self.best_of is not None and self.best_of != self.n:
@@ -285,7 +266,7 @@ class CompletionRequest(_Request):
             raise ParamError("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}]")
         if self.echo and self.suffix is not None:
             raise ParamError("echo", "echo is not supported with suffix.")
-        values = self._common(limits, defaults)
+        values = self._common(defaults)
         if self.echo and values["prompt_logprobs"] is None:
             values["prompt_logprobs"] = self.logprobs  # the echoed prompt carries logprobs
         max_tokens = _capped(self.max_tokens if self.max_tokens is not None else
@@ -330,8 +311,7 @@ class ChatCompletionRequest(_Request):
     mm_processor_kwargs: dict | None = None
     return_prompt_text: bool | None = None
 
-    def sampling_params(self, limits: RequestLimits, defaults: dict | None = None
-                        ) -> SamplingParams:
+    def sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         """defaults: the model's sampling defaults (generation_config.json)."""
         defaults = defaults or {}
         top = self.top_logprobs or 0
@@ -347,7 +327,7 @@ class ChatCompletionRequest(_Request):
             raise ParamError("continue_final_message", "continue_final_message needs the last "
                              "message to be the assistant's.")
         logprobs = top if self.logprobs else None
-        values = self._common(limits, defaults)
+        values = self._common(defaults)
         grammar = self.tool_grammar()
         if grammar is not None:
             if values["structured_outputs"] is not None:

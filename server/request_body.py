@@ -1,37 +1,23 @@
 """Request bodies: JSON bytes -> a validated pydantic model, or a 400. Nothing else escapes.
 
-Bounded: a body nested deeper than MAX_JSON_DEPTH is refused before it is parsed (Python's
-parser and pydantic both recurse, and a deep enough body would exhaust the stack); NaN and
-Infinity literals and lone surrogates are refused. Runs off the event loop (the caller's
-worker thread), so a large body never stalls other clients.
+Bounded: a body nested deeper than MAX_JSON_DEPTH is refused before it is parsed
+(bounded_json.py: Python's parser and pydantic both recurse, and a deep enough body would
+exhaust the stack); NaN and Infinity literals and lone surrogates are refused. Runs off the
+event loop (the caller's worker thread), so a large body never stalls other clients.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 
-import numpy as np
 from pydantic import BaseModel, ValidationError
 
+from jaxserve.bounded_json import DEFAULT_MAX_DEPTH as MAX_JSON_DEPTH
+from jaxserve.bounded_json import too_deep
 from jaxserve.server.errors import APIError, from_validation_error
 
 logger = logging.getLogger(__name__)
-
-MAX_JSON_DEPTH = 128  # nested arrays/objects; JSON schemas of tools fit well inside
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)  # a JSON string literal
-_OPEN, _CLOSE = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
-
-
-def too_deep(raw: bytes) -> bool:
-    """Whether a JSON text nests arrays and objects deeper than MAX_JSON_DEPTH (brackets
-    inside strings do not count; a malformed text counts as deep as the parser could go)."""
-    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
-        return False
-    codes = np.frombuffer(_STRING.sub(b"", raw), np.uint8)
-    steps = np.isin(codes, _OPEN).astype(np.int32) - np.isin(codes, _CLOSE).astype(np.int32)
-    return int(np.cumsum(steps).max(initial=0)) > MAX_JSON_DEPTH
 
 
 def _reject_constant(name: str):

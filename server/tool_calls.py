@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 
 from jaxserve.structured_output import StructuredOutputsParams
-from jaxserve.tool_parsers import ToolCall, ToolParser
+from jaxserve.tool_parsers import ToolCall, ToolParser, load_json
 
 
 def tool_grammar(mode: str, tools: list[dict], name: str | None,
@@ -99,12 +99,13 @@ class ChoiceTools:
                                    **({"id": self.named_call.id} if self.named_call else {}))]
         if self.mode == "required":
             try:
-                items = json.loads(text)
+                items = load_json(text)  # ValueError, not RecursionError, when too deep
                 calls = [ToolCall(item["name"], json.dumps(item["parameters"],
                                                            ensure_ascii=False))
                          for item in items]
-            except (ValueError, TypeError, KeyError):
-                return text, []  # cut short by max_tokens: what was written, as text
+            except (ValueError, TypeError, KeyError, RecursionError):
+                # Cut short by max_tokens (or anything else unreadable): the text, as text.
+                return text, []
             return None, calls
         return self.parser.parse(text)
 

@@ -39,6 +39,12 @@ async def collect(stream):
     return [output async for output in stream]
 
 
+def admitted(engine, request_id: str, ids: list[int], params: SamplingParams = PARAMS):
+    """The engine request the admission path makes (the server's prepare threads)."""
+    processor = engine.processor
+    return processor.process(request_id, None, ids, processor.check_params(params))
+
+
 def test_concurrent_requests_share_steps_and_match_offline(engine):
     # The offline reference first: the engine must not be stepped from two threads.
     engine.add_request("offline", None, [5, 6, 7], PARAMS)
@@ -48,7 +54,8 @@ def test_concurrent_requests_share_steps_and_match_offline(engine):
     async_engine.start()
 
     async def main():
-        streams = [async_engine.submit(f"r{i}", None, [5 + i, 6, 7], PARAMS) for i in range(3)]
+        streams = [async_engine.submit(admitted(engine, f"r{i}", [5 + i, 6, 7]))
+                   for i in range(3)]
         return await asyncio.gather(*(collect(s) for s in streams))
 
     try:
@@ -62,8 +69,8 @@ def test_concurrent_requests_share_steps_and_match_offline(engine):
 
 def test_leaving_early_aborts_and_frees_blocks(running, engine):
     async def main():
-        stream = running.submit("early", None, [5, 6, 7], SamplingParams(max_tokens=100,
-                                                                         ignore_eos=True))
+        stream = running.submit(admitted(engine, "early", [5, 6, 7],
+                                         SamplingParams(max_tokens=100, ignore_eos=True)))
         async for _ in stream:
             break
         await stream.aclose()
@@ -83,9 +90,9 @@ def test_admission_cap_raises_overloaded(engine):
     async def main():
         idle._thread = type("Alive", (), {"is_alive": lambda self: True})()
         for i in range(2):
-            idle.submit(f"w{i}", None, [5, 6], PARAMS)
+            idle.submit(admitted(engine, f"w{i}", [5, 6], PARAMS))
         with pytest.raises(OverloadedError):
-            idle.submit("w2", None, [5, 6], PARAMS)
+            idle.submit(admitted(engine, "w2", [5, 6], PARAMS))
 
     asyncio.run(main())
 
@@ -95,17 +102,18 @@ def test_a_request_too_big_for_the_queue_is_refused_whole_and_alone(engine):
 
     async def main():
         idle._thread = type("Alive", (), {"is_alive": lambda self: True})()
-        idle.submit("w0", None, [5, 6], PARAMS)
-        many = [(f"big-{i}", None, [5, 6]) for i in range(4)]
+        idle.submit(admitted(engine, "w0", [5, 6], PARAMS))
+        many = [admitted(engine, f"big-{i}", [5, 6]) for i in range(4)]
         with pytest.raises(OverloadedError):  # 1 + 4 > 4: none of the four is queued
-            idle.submit_many(many, PARAMS)
+            idle.submit_many(many)
         assert idle.num_in_flight == 1
+        n2 = PARAMS.clone(n=2, temperature=1.0)
         with pytest.raises(OverloadedError):  # n counts: 2 prompts x n=2 do not fit in 3
-            idle.submit_many(many[:2], PARAMS.clone(n=2, temperature=1.0))
+            idle.submit_many([admitted(engine, f"big-{i}", [5, 6], n2) for i in range(2)])
         with pytest.raises(ValueError):  # an id in use: nothing queued
-            idle.submit_many([("w9", None, [5]), ("w0", None, [5])], PARAMS)
+            idle.submit_many([admitted(engine, "w9", [5]), admitted(engine, "w0", [5])])
         assert idle.num_in_flight == 1
-        idle.submit_many(many[:3], PARAMS)  # still room for a request that fits
+        idle.submit_many(many[:3])  # still room for a request that fits
         assert idle.num_in_flight == 4
 
     asyncio.run(main())
@@ -122,12 +130,12 @@ def test_dead_loop_fails_requests_and_health(engine, monkeypatch):
 
     async def main():
         with pytest.raises(EngineDeadError):
-            await collect(async_engine.submit("doomed", None, [5, 6, 7], PARAMS))
+            await collect(async_engine.submit(admitted(engine, "doomed", [5, 6, 7], PARAMS)))
 
     asyncio.run(main())
     assert not async_engine.is_running
     with pytest.raises(EngineDeadError):
-        asyncio.run(collect(async_engine.submit("late", None, [5], PARAMS)))
+        asyncio.run(collect(async_engine.submit(admitted(engine, "late", [5], PARAMS))))
     client = TestClient(create_app(async_engine, ServerConfig(served_model_name="t")))
     assert client.get("/health").status_code == 503
     assert client.get("/ready").status_code == 503
@@ -140,7 +148,7 @@ def test_an_unhandled_error_is_a_500_logged_once_with_the_request_id(engine, cap
     async_engine = AsyncLLMEngine(engine)
     app = create_app(async_engine, ServerConfig(served_model_name="t"))
 
-    def broken(raw):
+    def broken(raw, ids):
         raise RuntimeError("a bug")
 
     app.state.jaxserve.serving.prepare_completion = broken
@@ -163,7 +171,7 @@ def test_a_consumer_whose_event_loop_closed_is_aborted_and_the_loop_goes_on(runn
     gone = asyncio.new_event_loop()
 
     async def submit_only():
-        return running.submit("orphan", None, [5, 6, 7], long)
+        return running.submit(admitted(engine, "orphan", [5, 6, 7], long))
 
     gone.run_until_complete(submit_only())
     gone.close()  # nobody will ever read "orphan"'s outputs
@@ -175,7 +183,7 @@ def test_a_consumer_whose_event_loop_closed_is_aborted_and_the_loop_goes_on(runn
     assert not engine.has_unfinished_requests() and running.num_in_flight == 0
 
     async def one():
-        return await collect(running.submit("after", None, [5, 6, 7], PARAMS))
+        return await collect(running.submit(admitted(engine, "after", [5, 6, 7], PARAMS)))
 
     assert asyncio.run(one())[-1].finished
 

@@ -13,6 +13,7 @@ import types
 
 import pytest
 
+from jaxserve.admission import EngineRequest
 from jaxserve.data_parallel import DataParallelEngine
 from jaxserve.engine_stats import EngineStats
 from jaxserve.kv_cache_manager import PrefixCacheStats
@@ -28,6 +29,16 @@ class FakeOutput:
     metrics: object = None
 
 
+class PassThrough:
+    """The admission path, standing in: every request is admitted as it is."""
+
+    def check_params(self, params):
+        return params
+
+    def process(self, request_id, prompt, ids, params, priority=0, cache_salt=None):
+        return EngineRequest(request_id, prompt, list(ids), params, priority, cache_salt)
+
+
 class FakeReplica:
     """Requests finish after `steps_to_finish` steps; counts what it was asked to do. Its
     waiting queue changes as an engine's does: taken in at a step, refilled by adds."""
@@ -38,6 +49,7 @@ class FakeReplica:
         self.steps_to_finish = steps_to_finish
         self.steps = 0
         self.tokenizer = object()
+        self.processor = PassThrough()
         self.blocks_used, self.hits = blocks_used, hits
         # What the front end used to read from another thread (the race the snapshot ends).
         self.scheduler = types.SimpleNamespace(waiting=self.waiting, running=[],
@@ -58,15 +70,9 @@ class FakeReplica:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def validate(self, ids, params) -> None:
-        pass
-
-    def check_priority(self, priority) -> None:
-        pass
-
-    def add_request(self, request_id, prompt, ids, params, priority=0, cache_salt=None) -> None:
-        self.requests[request_id] = 0
-        self.waiting.append(request_id)
+    def add_processed(self, request) -> None:
+        self.requests[request.request_id] = 0
+        self.waiting.append(request.request_id)
 
     def abort_request(self, request_id):
         self.requests.pop(request_id)
@@ -148,7 +154,7 @@ def test_submits_while_replicas_step_read_only_snapshots():
     async def flood():
         streams = []
         for i in range(3000):
-            streams.append(async_engine.submit(f"r{i}", None, [1], params))
+            streams.append(async_engine.submit(EngineRequest(f"r{i}", None, [1], params)))
             if i % 50 == 0:
                 await asyncio.sleep(0)
         for stream in streams[::97]:

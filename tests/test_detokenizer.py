@@ -206,6 +206,86 @@ def test_text_nobody_reads_is_decoded_once(tok):
     assert len(spy.lengths) <= 3 and sum(spy.lengths) <= len(ids) + 20
 
 
+def byte_ids(tokenizer, data):
+    """The byte-level BPE ids of each byte of `data`, one token per byte (GPT-2's byte-to-char
+    map: printable bytes map to themselves, the others to chr(256 + n) in byte order)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)}
+    extra = iter(range(256, 512))
+    char = {b: chr(b if b in printable else next(extra)) for b in range(256)}
+    return tokenizer.convert_tokens_to_ids([char[b] for b in data])
+
+
+def test_byte_ids(tok):
+    assert tok.decode(byte_ids(tok, "a 𝄞龍".encode())) == "a 𝄞龍"
+    assert len(byte_ids(tok, "𝄞".encode())) == 4
+
+
+@pytest.mark.parametrize("data", [b"\xbe", b"\xe9", b"\xe9\xbe", b"\xf0\x9f\x98"],
+                         ids=["continuation", "lead", "truncated-3-byte", "truncated-4-byte"])
+@pytest.mark.parametrize("stop", [(), ("zz",)])
+def test_never_completing_bytes_stay_linear(tok, data, stop):
+    """Tokens that keep the text's tail an incomplete character forever (byte-fallback
+    garbage) must not make every step decode the whole run: the window is advanced once more
+    than a character's worth of tokens waits, and the text is still exactly a full decode."""
+    ids = byte_ids(tok, data) * (8000 // len(data))
+    spy = SpyTokenizer(tok)
+    detok = IncrementalDetokenizer(spy, enc(tok, "a prompt"), stop=stop)
+    deltas, _ = stream(detok, [[i] for i in ids])
+    assert "".join(deltas) == detok.output_text == tok.decode(ids)
+    assert set(detok.output_text) == {"\ufffd"}
+    assert max(spy.lengths) <= 32  # one growing window would reach len(ids) = 8000
+    assert sum(spy.lengths) <= 20 * len(ids)
+
+
+def test_never_completing_bytes_read_once_stay_linear(tok):
+    ids = byte_ids(tok, b"\xbe") * 8000
+    spy = SpyTokenizer(tok)
+    detok = IncrementalDetokenizer(spy, [])
+    for i in ids[:4000]:
+        detok.update([i], stop_terminated=False)
+    assert detok.output_text == tok.decode(ids[:3999])  # the last byte is held back
+    for i in ids[4000:]:
+        detok.update([i], stop_terminated=False)
+        detok.get_next_output_text(finished=False, delta=True)
+    assert detok.get_next_output_text(finished=True, delta=False) == tok.decode(ids)
+    assert spy.lengths[:2] == [4000, 3999]  # the run read at once, and where to cut it
+    assert max(spy.lengths[2:]) <= 32  # then short windows: that run is not kept as context
+
+
+@pytest.mark.parametrize("one_chunk", [False, True])
+def test_character_split_over_four_tokens_after_garbage_comes_out_whole(tok, one_chunk):
+    # 20 waiting garbage tokens advance the window; the 4-byte 𝄞 after them, one byte per
+    # token, must still come out as one character, never as U+FFFD.
+    garbage = byte_ids(tok, b"\x80" * 20)
+    char = byte_ids(tok, "𝄞".encode())
+    ids = enc(tok, "ok ") + garbage + char + garbage + char + enc(tok, "!")
+    detok = IncrementalDetokenizer(tok, [])
+    chunks = [ids[:-6], *[[i] for i in ids[-6:]]] if one_chunk else [[i] for i in ids]
+    deltas, _ = stream(detok, chunks)
+    assert "".join(deltas) == tok.decode(ids) == "ok " + ("\ufffd" * 20 + "𝄞") * 2 + "!"
+
+
+@pytest.mark.parametrize("max_chunk", [1, 5, 40])
+def test_random_bytes_equal_full_decode(tok, max_chunk):
+    """Long random runs of single-byte tokens (mostly invalid UTF-8, some whole characters)
+    mixed with ordinary tokens: the stream must equal a full decode however it is chunked."""
+    rng = random.Random(max_chunk)
+    pieces = [b"\x80", b"\xbe", b"\xe9", b"\xf0", b"\x9f", b"\x98", b"a", "龍".encode(),
+              "𝄞".encode()]
+    for _ in range(30):
+        ids = []
+        for _ in range(rng.randint(1, 120)):
+            if rng.random() < 0.1:
+                ids += enc(tok, rng.choice(POOL))
+            else:
+                ids += byte_ids(tok, rng.choice(pieces))
+        for stop in [(), ("zz",)]:
+            detok = IncrementalDetokenizer(tok, enc(tok, "p"), stop=stop)
+            deltas, _ = stream(detok, chunked(ids, rng, max_chunk))
+            assert "".join(deltas) == detok.output_text == tok.decode(ids)
+
+
 def test_left_context_from_prompt_keeps_leading_space(spm_tok):
     prompt = enc(spm_tok, "Hello")
     out = enc(spm_tok, "Hello world")[len(prompt):]

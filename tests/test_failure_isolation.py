@@ -212,7 +212,9 @@ def test_a_lost_device_kills_the_engine_and_health_says_why(tiny_checkpoints, en
         async_engine.start()
 
         async def late():
-            stream = async_engine.submit("late", None, [1, 5], PARAMS)
+            processor = engine.processor
+            stream = async_engine.submit(processor.process("late", None, [1, 5],
+                                                           processor.check_params(PARAMS)))
             return [o async for o in stream]
 
         with pytest.raises(EngineDeadError):

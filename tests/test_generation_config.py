@@ -10,7 +10,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.generation_config import sampling_defaults
-from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, RequestLimits
+from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 QWEN_LIKE = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,
              "max_new_tokens": 7, "do_sample": True, "eos_token_id": [1, 3]}
@@ -38,19 +38,18 @@ def test_the_file_sets_the_defaults_and_vllm_ignores_it(tiny_checkpoint, tmp_pat
 
 def test_requests_take_the_defaults_and_their_own_values_win():
     defaults = {"temperature": 0.7, "top_k": 20, "max_tokens": 7}
-    limits = RequestLimits()
-    plain = CompletionRequest(prompt="x").sampling_params(limits, defaults)
+    plain = CompletionRequest(prompt="x").sampling_params(defaults)
     assert (plain.temperature, plain.top_k, plain.max_tokens) == (0.7, 20, 7)
     own = CompletionRequest(prompt="x", temperature=0.0, max_tokens=3).sampling_params(
-        limits, defaults)
+        defaults)
     assert (own.temperature, own.top_k, own.max_tokens) == (0.0, 20, 3)
     # as vLLM: the model's max_new_tokens also caps a request's larger max_tokens
     assert CompletionRequest(prompt="x", max_tokens=50).sampling_params(
-        limits, defaults).max_tokens == 7
+        defaults).max_tokens == 7
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
-                                 max_completion_tokens=4).sampling_params(limits, defaults)
+                                 max_completion_tokens=4).sampling_params(defaults)
     assert (chat.temperature, chat.max_tokens) == (0.7, 4)
-    assert CompletionRequest(prompt="x").sampling_params(limits).temperature == 1.0
+    assert CompletionRequest(prompt="x").sampling_params().temperature == 1.0
 
 
 def test_offline_generate_uses_the_models_defaults(tiny_checkpoint, tmp_path):

@@ -60,6 +60,12 @@ HOST_MODULES = [
     "jaxserve.server.chat_messages",
     "jaxserve.server.schema_base",
     "jaxserve.server.async_engine",
+    "jaxserve.admission",
+    "jaxserve.request_limits",
+    "jaxserve.bounded_json",
+    "jaxserve.grammar_checks",
+    "jaxserve.grammar_sandbox",
+    "jaxserve.chat_template",
 ]
 
 

@@ -8,7 +8,9 @@ import json
 
 import pytest
 
-from jaxserve.tool_parsers import tool_parser
+from jaxserve.bounded_json import DEFAULT_MAX_DEPTH as MAX_JSON_DEPTH
+from jaxserve.server.tool_calls import ChoiceTools
+from jaxserve.tool_parsers import PARSERS, tool_parser
 
 CASES = {
     "hermes": [
@@ -68,3 +70,58 @@ def test_parse_and_stream_at_every_split(name, text, content, calls):
 def test_an_unknown_parser_is_refused():
     with pytest.raises(ValueError, match="tool-call-parser"):
         tool_parser("nope")
+
+
+DEEP = "[" * 5000 + "]" * 5000  # json.loads raises RecursionError on it
+DEEP_CALLS = {
+    "hermes": ['<tool_call>{"name": "f", "arguments": ' + DEEP + "}</tool_call>",
+               'Hi <tool_call>{"name": "f", "arguments": {"x": ' + DEEP + "}}</tool_call>",
+               '<tool_call>{"name": "f", "arguments": ' + json.dumps(DEEP) + "}</tool_call>"],
+    "llama3_json": ['{"name": "f", "parameters": ' + DEEP + "}",
+                    '<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "parameters": '
+                    '{"x": ' + DEEP + "}}"],
+    "mistral": ['[TOOL_CALLS][{"name": "f", "arguments": ' + DEEP + "}]",
+                "[TOOL_CALLS]" + DEEP,
+                '[TOOL_CALLS]f[ARGS]{"x": ' + DEEP + "}"],
+}
+
+
+def test_every_parser_has_deep_cases():
+    assert set(DEEP_CALLS) == set(PARSERS)
+
+
+@pytest.mark.parametrize("name, text", [pytest.param(name, text, id=f"{name}-{i}")
+                                        for name, texts in DEEP_CALLS.items()
+                                        for i, text in enumerate(texts)])
+def test_deeply_nested_json_is_content_not_an_error(name, text):
+    """Model text can nest JSON thousands deep: it is not a call (the whole text is content),
+    and neither parsing nor streaming raises."""
+    parser = tool_parser(name)
+    assert parser.parse(text) == (text, [])
+    for cut in (len(text) // 2, len(text)):
+        assert 0 <= parser.safe_prefix(text[:cut]) <= cut
+
+
+def test_json_nested_up_to_the_limit_still_parses():
+    def hermes(depth):  # the call object and its arguments object count as two levels
+        inner = "[" * (depth - 2) + "]" * (depth - 2)
+        return '<tool_call>{"name": "f", "arguments": {"x": ' + inner + "}}</tool_call>"
+
+    content, calls = tool_parser("hermes").parse(hermes(MAX_JSON_DEPTH))
+    assert content is None and [c.name for c in calls] == ["f"]
+    assert tool_parser("hermes").parse(hermes(MAX_JSON_DEPTH + 1)) == (hermes(MAX_JSON_DEPTH + 1),
+                                                                      [])
+    # Brackets inside strings (escaped quotes included) are not nesting.
+    args = {"s": '\\"' + "[" * 500 + "{" * 500}
+    text = '<tool_call>{"name": "f", "arguments": ' + json.dumps(args) + "}</tool_call>"
+    content, calls = tool_parser("hermes").parse(text)
+    assert content is None and json.loads(calls[0].arguments) == args
+
+
+def test_required_mode_with_deeply_nested_text_is_content():
+    text = '[{"name": "f", "parameters": ' + DEEP + "}]"
+    message, finish = ChoiceTools("required", None, None, True).message(text, "stop")
+    assert message == {"role": "assistant", "content": text}
+    assert finish == "stop"
+    deltas, finish = ChoiceTools("required", None, None, True).deltas(text, "stop")
+    assert deltas == [{"content": text}] and finish == "stop"

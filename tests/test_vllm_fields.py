@@ -20,10 +20,11 @@ from starlette.testclient import TestClient
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
+from jaxserve.request_limits import RequestLimits
 from jaxserve.server.app import ServerConfig, create_app
 from jaxserve.server.async_engine import AsyncLLMEngine
 from jaxserve.server.openai_serving import ChatSettings
-from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, RequestLimits
+from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 VLLM_VERSION = "0.33.0"
 COMPLETION_FIELDS = [
@@ -116,7 +117,7 @@ class Call:
     def params(self, **fields):
         """The SamplingParams this body becomes (the same translation the server makes)."""
         model = ChatCompletionRequest if self.chat else CompletionRequest
-        return model.model_validate(self.body(**fields)).sampling_params(RequestLimits())
+        return model.model_validate(self.body(**fields)).sampling_params()
 
     def passes(self, field: str, value, attribute: str | None = None) -> None:
         """A sampling field: served, and it reaches SamplingParams (whose effect on the
@@ -647,12 +648,10 @@ def test_cached_tokens_count_a_repeated_prompts_cached_blocks(client):
 
 
 def test_a_fcfs_engine_refuses_a_priority():
-    from jaxserve.config import SchedulerConfig
-    from jaxserve.engine import LLMEngine as Engine
+    from jaxserve.admission import InputProcessor
 
-    class Fcfs:
-        config = type("C", (), {"scheduler": SchedulerConfig(8, 64, 64)})()
-
+    model = type("M", (), {"max_model_len": 64, "vocab_size": 100})()
+    fcfs = InputProcessor(model, "fcfs", None, (), None, RequestLimits())
     with pytest.raises(ValueError, match="scheduling-policy priority"):
-        Engine.check_priority(Fcfs(), 3)
-    Engine.check_priority(Fcfs(), 0)
+        fcfs.check_priority(3)
+    fcfs.check_priority(0)
