@@ -107,7 +107,12 @@ class InputProcessor:
                               limits.max_bad_word_length, longest)
         structured = params.structured_outputs
         if structured is not None:
-            checked = grammar_checks.check_constraint(structured, limits, "structured_outputs")
+            try:
+                checked = grammar_checks.check_constraint(structured, limits,
+                                                          "structured_outputs")
+            except ValueError as err:
+                err.param = "structured_outputs"  # the front end names its own field
+                raise
             if checked is not structured:
                 params = params.clone(structured_outputs=checked)
         return params

@@ -351,9 +351,9 @@ class LLMEngine:
             logger.info("Request %s failed: its structured output's next-token mask could not "
                         "be computed within the per-step budget", req.request_id[:64])
             self._fail(self._by_child[req.request_id], RuntimeError(
-                f"its structured output's next-token mask failed (over the per-step budget): "
-                f"{req.grammar.get_error()[:200]}"), "while computing its structured output's "
-                "next-token mask", log=False)
+                f"the grammar's next-token mask ran past its per-step budget: "
+                f"{_describe_grammar(req.grammar.get_error())}"), "while computing its "
+                "structured output's next-token mask", log=False, param="structured_outputs")
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (vLLM's reset_prefix_cache): later prompts hit nothing
@@ -454,9 +454,13 @@ class LLMEngine:
                 req.grammar_waits_for = None
             return True
         if not req.grammar.consume_token(token):
-            self._fail(tracked, RuntimeError(f"token {token} broke its grammar: "
-                                             f"{req.grammar.get_error()[:200]}"),
-                       "while matching its structured output")
+            logger.info("Request %s failed: its structured output's grammar gave up at a "
+                        "token (over its per-step budget)", tracked.request_id[:64])
+            self._fail(tracked, RuntimeError(
+                f"the grammar gave up at the output's token {req.num_output_tokens} (its "
+                f"lexer or parser ran past its per-step budget): "
+                f"{_describe_grammar(req.grammar.get_error())}"),
+                "while matching its structured output", log=False, param="structured_outputs")
             return False
         if req.grammar.is_stopped() and not req.finished:
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
@@ -492,12 +496,17 @@ class LLMEngine:
             return
 
     def _fail(self, tracked: TrackedRequest, err: BaseException, stage: str, *,
-              device: bool = False, log: bool = True) -> None:
+              device: bool = False, log: bool = True, param: str | None = None) -> None:
         """End a request with finish_reason "error" and free what it holds. device: the
-        error came from its own step on the runner, so the device is checked next."""
+        error came from its own step on the runner, so the device is checked next. param:
+        the request field whose value caused it (the error then says what, and the server
+        answers as to a bad request)."""
         if tracked.error is not None:
             return
-        tracked.error = f"the engine failed on this request {stage} ({type(err).__name__})"
+        if param is not None:
+            tracked.error, tracked.error_param = f"{param}: {str(err)[:300]}", param
+        else:
+            tracked.error = f"the engine failed on this request {stage} ({type(err).__name__})"
         if log:
             logger.error("Request %s failed %s: %s", tracked.request_id, stage,
                          _describe(err), exc_info=err)
@@ -541,6 +550,12 @@ def _describe(err: BaseException) -> str:
     text = str(err).splitlines()[0] if str(err) else ""
     text = text if len(text) <= 200 else text[:197] + "..."
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _describe_grammar(error: str) -> str:
+    """llguidance's error, first line only (its later lines show parser state)."""
+    first = error.strip().splitlines()[0] if error.strip() else "no reason given"
+    return first if len(first) <= 200 else first[:197] + "..."
 
 
 def _eos_token_ids(config: EngineConfig, tokenizer) -> set[int]:

@@ -43,7 +43,7 @@ def check_constraint(structured, limits: RequestLimits, field: str):
     if kind == "json":
         schema = structured.json
         if isinstance(schema, str):
-            schema = bounded_json.loads(schema, f"{field} (JSON schema)", limits.max_json_depth)
+            schema = bounded_json.loads(schema, field)
         if not isinstance(schema, dict):
             raise _error(field, "a JSON schema must be a JSON object.")
         check_schema(schema, limits, field)
@@ -237,7 +237,7 @@ def check_choices(choices, limits: RequestLimits, field: str) -> None:
 def check_grammar(text: str, limits: RequestLimits, field: str) -> None:
     """Rule count and rule-reference depth of a Lark / GBNF / EBNF grammar, its /regex/
     literals and its %json schemas."""
-    for schema in _embedded_schemas(text, limits, field):
+    for schema in _embedded_schemas(text, field):
         check_schema(schema, limits, field)
     for literal in _REGEX_LITERAL.finditer(_QUOTED.sub('""', text)):
         check_regex(literal.group(1), limits, field)
@@ -253,7 +253,7 @@ def check_grammar(text: str, limits: RequestLimits, field: str) -> None:
                           "max_grammar_depth", limits.max_grammar_depth, depth)
 
 
-def _embedded_schemas(text: str, limits: RequestLimits, field: str) -> list[dict]:
+def _embedded_schemas(text: str, field: str) -> list[dict]:
     """The JSON schemas of %json directives in a Lark grammar."""
     out = []
     decoder = json.JSONDecoder()
@@ -261,9 +261,9 @@ def _embedded_schemas(text: str, limits: RequestLimits, field: str) -> list[dict
         start = match.end()
         end = _balanced_end(text, start)
         snippet = text[start:end]
-        if bounded_json.too_deep(snippet, limits.max_json_depth):
-            raise _error(field, f"a %json schema nests deeper than {limits.max_json_depth} "
-                         "levels.")
+        if bounded_json.too_deep(snippet):
+            raise _error(field, f"a %json schema nests deeper than "
+                         f"{bounded_json.DEFAULT_MAX_DEPTH} levels.")
         try:
             schema, _ = decoder.raw_decode(snippet)
         except (ValueError, RecursionError):

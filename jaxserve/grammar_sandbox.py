@@ -3,8 +3,10 @@ the serving process.
 
 llguidance is native code: a constraint that slips past the structural caps
 (grammar_checks.py) could still overflow its stack (the process dies with no log line) or
-spend seconds building its lexer. So every new grammar is compiled, and its first next-token
-mask computed (which builds the lexer), in a worker process (`python -m
+spend seconds building its lexer. So every new grammar is compiled, its first next-token
+mask computed (which builds the lexer), and a few tokens walked through it (the lowest
+allowed one at each step: a grammar whose lexer blows up at its first tokens fails here, not
+in a request), in a worker process (`python -m
 jaxserve.grammar_sandbox`, started lazily, never forked from the engine) under a wall-clock
 limit. Only a grammar that compiled there in time is compiled in the serving process; the
 verdict names what went wrong otherwise (an error, a crash, a timeout), and the worker is
@@ -33,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 _WORKER_STACK_BYTES = 1 << 20  # the worker's compile thread: below any thread of the server
 _START_TIMEOUT_S = 120.0  # building llguidance's tokenizer takes about a second
+_WALK_STEPS = 8  # tokens walked through a new grammar after its first mask
 PARSER_LIMITS = dict(  # llguidance's fuel: the same in the worker and in the server
     max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
     step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000,
@@ -187,10 +190,18 @@ def _serve() -> None:
     mask = np.zeros((1, (vocab_size + 31) // 32), np.int32)
     out = sys.stdout.buffer
 
+    eos = set(setup["eos_token_ids"])
+
     def verdict(grammar: str) -> str | None:
         matcher = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0, limits=limits)
-        if not matcher.is_error():
+        for _ in range(_WALK_STEPS + 1):
+            if matcher.is_error() or matcher.is_stopped():
+                break
             llnp.fill_next_token_bitmask(matcher, mask, 0)
+            token = _first_allowed(mask[0], eos)
+            if matcher.is_error() or token is None:
+                break
+            matcher.consume_token(token)
         return matcher.get_error() if matcher.is_error() else None
 
     out.write(b'{"ready": true}\n')
@@ -207,6 +218,22 @@ def _serve() -> None:
         out.write(json.dumps({"error": result.get("error", "the compiler raised")}).encode()
                   + b"\n")
         out.flush()
+
+
+def _first_allowed(row, excluded: set[int]) -> int | None:
+    """The lowest token id a bitmask row (i32[W]) allows, other than `excluded` ones."""
+    import numpy as np
+
+    words = row.view(np.uint32)
+    for word in np.flatnonzero(words):
+        bits = int(words[word])
+        while bits:
+            low = bits & -bits
+            token = int(word) * 32 + low.bit_length() - 1
+            if token not in excluded:
+                return token
+            bits ^= low
+    return None
 
 
 if __name__ == "__main__":

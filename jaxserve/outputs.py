@@ -72,3 +72,6 @@ class RequestOutput:
     # Why the engine failed this request (its choices end with finish_reason "error"): a
     # short description without traceback, None for a request that did not fail.
     error: str | None = None
+    # The request field whose value made it fail (its structured output's grammar ran past
+    # its per-step budget): the request's fault, not the engine's. None otherwise.
+    error_param: str | None = None

@@ -7,6 +7,8 @@ INVALID_ARGUMENT over gRPC, a ValueError offline. The server's flags (--max-n,
 --max-prompts-per-request, --request-limits JSON) and `LLM(request_limits={...})` change the
 values; docs/architecture.md and README list them.
 
+JSON nests at most 128 arrays/objects deep wherever a request carries it (the body, and
+JSON inside string fields: schemas, tool-call arguments), a fixed bound (bounded_json.py).
 The grammar caps are structural: they bound what a constraint may make the grammar compiler
 do (reference chains it resolves recursively, nesting, rule counts, regex repetition
 products), so a small request cannot crash or stall it. Whatever passes them still compiles
@@ -34,7 +36,6 @@ DESCRIPTIONS = {
     "max_request_id_length": "characters of request_id (X-Request-Id, gRPC request_id)",
     "max_response_bytes": "worst-case size of a response: choices x tokens x logprob entries",
     "max_abort_ids": "request ids in one gRPC Abort",
-    "max_json_depth": "nesting of JSON given inside a string field (schemas, arguments)",
     "max_schema_depth": "JSON schema nesting with its $refs followed",
     "max_schema_refs": "$ref entries in one JSON schema",
     "max_schema_nodes": "objects and arrays in one JSON schema",
@@ -66,7 +67,6 @@ class RequestLimits:
     max_request_id_length: int = 256
     max_response_bytes: int = 256 * 2**20
     max_abort_ids: int = 1024
-    max_json_depth: int = 128  # as the request body's own nesting
     max_schema_depth: int = 256
     max_schema_refs: int = 1000
     max_schema_nodes: int = 100_000

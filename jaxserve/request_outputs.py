@@ -28,6 +28,7 @@ class TrackedRequest:
     detokenizers: list[IncrementalDetokenizer]
     prompt_logprobs: list | None
     error: str | None = None  # set when the engine failed this request
+    error_param: str | None = None  # the request field at fault (RequestOutput.error_param)
     # Per child, per output token {token_id: Logprob} (chosen + top-k), when asked for.
     logprobs: list[list[dict]] = dataclasses.field(default_factory=list)
 
@@ -98,4 +99,5 @@ class OutputBuilder:
         completions = [CompletionOutput(i, "", child.output_token_ids, None, None, "error")
                        for i, child in enumerate(tracked.children)]
         return RequestOutput(tracked.request_id, tracked.prompt, tracked.prompt_token_ids,
-                             None, completions, True, error=tracked.error)
+                             None, completions, True, error=tracked.error,
+                             error_param=tracked.error_param)

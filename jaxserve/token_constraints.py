@@ -71,12 +71,12 @@ class TokenConstraints:
 
 def bad_word_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     """Each bad word's token ids as it would appear first in a text and after a space (two
-    spellings for most tokenizers), as vLLM tokenizes them."""
-    out: list[list[int]] = []
-    for word in words:
-        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
-        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-        for ids in (plain, spaced):
-            if ids and ids not in out:
-                out.append(ids)
-    return out
+    spellings for most tokenizers), as vLLM tokenizes them; each distinct spelling once, in
+    linear time (the admission path caps how many words there are)."""
+    seen: dict[tuple[int, ...], None] = {}
+    for word in dict.fromkeys(words):
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids:
+                seen.setdefault(ids)
+    return [list(ids) for ids in seen]

@@ -39,7 +39,12 @@ class OverloadedError(RuntimeError):
 
 
 class RequestFailedError(RuntimeError):
-    """The engine failed this request alone (the message says where); others go on."""
+    """The engine failed this request alone (the message says where); others go on.
+    param: the request field whose value caused it (a bad request), else None."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclasses.dataclass

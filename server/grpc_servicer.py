@@ -13,6 +13,7 @@ DEADLINE_EXCEEDED, and a cancelled call aborts its request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import hashlib
 import io
@@ -88,6 +89,8 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         outputs = stream.__aiter__()
         try:
             async for output in outputs:
+                if output.error is not None and output.error_param is not None:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, output.error)
                 if output.error is not None:
                     await context.abort(grpc.StatusCode.INTERNAL,
                                         f"The engine failed this request: {output.error}")
@@ -98,26 +101,41 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
                                                         output, request.stream)
                              if heavy else choices.responses(output, request.stream))
                 for response in responses:
-                    if not await self._write(context, response, request_id):
+                    stalled = await self._write(context, response, request_id)
+                    if stalled is not None:
+                        await outputs.aclose()  # aborted now: its blocks are freed
+                        # The call ends once the client takes the message or goes away (or
+                        # its deadline passes); until then it holds this one message.
+                        with contextlib.suppress(Exception):
+                            await stalled
                         return
         except EngineDeadError as err:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        except grpc.aio.AbortError:
+            raise  # the call was ended on purpose, above
+        except Exception as err:  # noqa: BLE001 - logged once, answered INTERNAL
+            logger.error("gRPC Generate %s failed while sending its outputs", request_id[:64],
+                         exc_info=err)
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                "internal error while sending the request's outputs")
         finally:
             if timer is not None:
                 timer.cancel()
             await outputs.aclose()  # an unfinished request is aborted, its blocks freed
 
-    async def _write(self, context, response, request_id: str) -> bool:
-        """Send one response; False when the client has not taken it within the write
-        timeout (the caller then ends the call, which aborts the request)."""
+    async def _write(self, context, response, request_id: str):
+        """Send one response; None once sent, or the write still under way when the client
+        has not taken it within the write timeout (the caller aborts the request and waits
+        for it: grpc cannot end a call while one of its messages is being sent)."""
         timeout = self.state.config.stream_write_timeout
-        try:
-            await asyncio.wait_for(context.write(response), timeout)
-        except asyncio.TimeoutError:
-            logger.info("gRPC request %s: the client has not read its responses for %g s "
-                        "(--stream-write-timeout); aborting it", request_id[:64], timeout)
-            return False
-        return True
+        write = asyncio.ensure_future(context.write(response))
+        done, _ = await asyncio.wait([write], timeout=timeout)
+        if done:
+            write.result()
+            return None
+        logger.info("gRPC request %s: the client has not read its responses for %g s "
+                    "(--stream-write-timeout); aborting it", request_id[:64], timeout)
+        return write
 
     async def _admit(self, request: pb.GenerateRequest, context):
         """The request through the admission path: checked and tokenized on a prepare

@@ -237,8 +237,11 @@ class OpenAIServing:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "Give exactly one of prompt or messages.", param="prompt")
         if body.messages is not None:
-            ids = self._render_chat([m.as_template_message() for m in body.messages],
-                                    body.add_generation_prompt, self.chat.template,
+            try:
+                messages = [m.as_template_message() for m in body.messages]
+            except ValueError as err:
+                raise from_value_error(err, "messages") from None
+            ids = self._render_chat(messages, body.add_generation_prompt, self.chat.template,
                                     dict(self.chat.default_kwargs))
         else:
             ids = self.processor.encode(body.prompt, add_special_tokens=body.add_special_tokens)
@@ -323,7 +326,7 @@ class OpenAIServing:
             final = None
             async for output in stream:
                 if output.error is not None:
-                    raise RequestFailedError(output.error)
+                    raise RequestFailedError(output.error, output.error_param)
                 final = output
             return final
 
@@ -369,7 +372,7 @@ class OpenAIServing:
                     except StopAsyncIteration:
                         continue
                     if output.error is not None:
-                        raise RequestFailedError(output.error)
+                        raise RequestFailedError(output.error, output.error_param)
                     if heavy:
                         events = await loop.run_in_executor(self.encoders, _events,
                                                             view.chunks, index, output)
@@ -418,6 +421,8 @@ def _api_error(err: BaseException, prompt_param: str = "prompt") -> APIError:
         return APIError(429, str(err), code="overloaded")
     if isinstance(err, EngineDeadError):
         return APIError(503, str(err), code="engine_dead")
+    if isinstance(err, RequestFailedError) and err.param is not None:
+        return APIError(400, short(str(err)), param=err.param, code="invalid_value")
     if isinstance(err, RequestFailedError):
         return APIError(500, f"{str(err)[:1].upper()}{str(err)[1:]}; other requests are not "
                         "affected.", code="internal_error")

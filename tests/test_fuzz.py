@@ -1,0 +1,144 @@
+"""Property-based fuzz of every input surface of a real `jaxserve serve`: the four JSON
+endpoints and gRPC Generate, with the grammar-bearing fields (schemas, regexes, grammars,
+choices, tools) drawn from a corpus of known bombs (tests/fuzz_requests.py). Every answer is
+a 2xx or a 4xx with the error envelope (gRPC: OK or a status that blames the request, never
+INTERNAL or UNKNOWN), the server process is the same one afterwards and still gives the same
+greedy tokens, and its log holds no ERROR line."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+import httpx
+import pytest
+from fuzz_requests import encode, grpc_requests, http_requests
+from hypothesis import HealthCheck, given, settings
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
+
+NORMAL = {"model": "tiny", "prompt": [1, 5, 6, 7], "max_tokens": 4, "temperature": 0,
+          "ignore_eos": True, "logprobs": 0}
+ENVELOPE_KEYS = {"message", "type", "param", "code"}
+# What a gRPC call may end with: the request's fault, or the server's load.
+GRPC_REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 grpc.StatusCode.UNAVAILABLE}
+
+
+@pytest.fixture(scope="module")
+def server(api_server):
+    return api_server  # conftest: one server for the HTTP test modules
+
+
+@pytest.fixture(scope="module")
+def expected_tokens(server):
+    with httpx.Client(base_url=server.url, timeout=60, trust_env=False) as client:
+        return normal_tokens(client)
+
+
+def normal_tokens(client) -> list[str]:
+    resp = client.post("/v1/completions", json=NORMAL)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["logprobs"]["tokens"]
+
+
+def assert_same_server(server, pid: int, expected_tokens) -> None:
+    assert server.process.poll() is None and server.process.pid == pid
+    with httpx.Client(base_url=server.url, timeout=60, trust_env=False) as fresh:
+        assert fresh.get("/health").status_code == 200
+        assert normal_tokens(fresh) == expected_tokens
+
+
+def check_response(resp: httpx.Response, path: str) -> None:
+    assert resp.status_code < 500 and resp.status_code != 422, (path, resp.text[:500])
+    if resp.status_code >= 400:
+        body = resp.json()
+        assert set(body) == {"error"} and ENVELOPE_KEYS <= set(body["error"]), body
+    elif resp.headers.get("content-type", "").startswith("text/event-stream"):
+        events = [ln[6:] for ln in resp.text.splitlines() if ln.startswith("data: ")]
+        assert events and events[-1] == "[DONE]", resp.text[-300:]
+        # An error inside a stream blames the request (a grammar over its per-step budget),
+        # never the server.
+        errors = [json.loads(e)["error"] for e in events[:-1] if '"error"' in e[:12]]
+        assert all(e["type"] == "invalid_request_error" for e in errors), errors
+
+
+def fuzz_http(server, expected_tokens, seconds: float, examples: int) -> None:
+    """Up to `examples` generated requests, stopping early after `seconds`."""
+    deadline = time.monotonic() + seconds
+    pid, sent = server.process.pid, []
+    client = httpx.Client(base_url=server.url, timeout=60, trust_env=False)
+
+    @settings(max_examples=examples, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(request=http_requests())
+    def one(request):
+        path, body = request
+        if time.monotonic() > deadline:
+            return  # the time is up: the remaining examples pass untried
+        resp = client.post(path, content=encode(body),
+                           headers={"content-type": "application/json"})
+        sent.append(resp.status_code)
+        check_response(resp, path)
+
+    try:
+        one()
+    finally:
+        client.close()
+    assert len(sent) >= min(examples, 50), len(sent)
+    assert any(code == 200 for code in sent), "the fuzz never reached the engine"
+    assert_same_server(server, pid, expected_tokens)
+
+
+def fuzz_grpc(server, expected_tokens, seconds: float, examples: int) -> None:
+    deadline = time.monotonic() + seconds
+    pid, outcomes = server.process.pid, []
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        stub = pb_grpc.VllmEngineStub(channel)
+
+        @settings(max_examples=examples, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(request=grpc_requests())
+        def one(request):
+            if time.monotonic() > deadline:
+                return
+            try:
+                responses = list(stub.Generate(request, timeout=60))
+            except grpc.RpcError as err:
+                assert err.code() in GRPC_REFUSALS, (err.code(), err.details(), request)
+                assert "Error" not in err.details()[:40], err.details()  # no class names
+                outcomes.append(err.code())
+                return
+            assert responses and responses[-1].HasField("complete"), responses[-3:]
+            outcomes.append(grpc.StatusCode.OK)
+
+        one()
+    assert len(outcomes) >= min(examples, 30), len(outcomes)
+    assert grpc.StatusCode.OK in outcomes, "the fuzz never reached the engine"
+    assert_same_server(server, pid, expected_tokens)
+
+
+def test_fuzzed_bodies_get_2xx_or_4xx_and_the_engine_keeps_serving(server, expected_tokens):
+    # 400 bodies by default (the suite's time budget); 20,000 in the slow variant below.
+    fuzz_http(server, expected_tokens, seconds=60.0, examples=400)
+
+
+def test_fuzzed_grpc_requests_are_served_or_refused(server, expected_tokens):
+    fuzz_grpc(server, expected_tokens, seconds=30.0, examples=200)
+
+
+@pytest.mark.slow
+def test_fuzzed_bodies_for_ten_minutes(server, expected_tokens):
+    fuzz_http(server, expected_tokens, seconds=600.0, examples=20_000)
+
+
+@pytest.mark.slow
+def test_fuzzed_grpc_requests_for_five_minutes(server, expected_tokens):
+    fuzz_grpc(server, expected_tokens, seconds=300.0, examples=10_000)
+
+
+# Keep last: the whole module's log.
+def test_the_server_log_has_no_error_lines(server):
+    errors = [line for line in server.log().splitlines()
+              if line.startswith(("ERROR", "CRITICAL")) or "Traceback" in line]
+    assert not errors, "\n".join(errors[:20])
