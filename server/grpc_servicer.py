@@ -5,7 +5,8 @@ requests share every step, the admission cap, the Prometheus metrics and the req
 Requests go through the engine's admission path (jaxserve/admission.py: the request limits,
 tokenization, the grammar) on the HTTP side's prepare and grammar threads, never on the event
 loop. Status codes: a bad request is INVALID_ARGUMENT naming the field, the admission cap
-RESOURCE_EXHAUSTED, a draining server or a dead engine UNAVAILABLE, a request the engine
+RESOURCE_EXHAUSTED, a draining server, a dead engine or a full prepare queue UNAVAILABLE, a
+request whose grammar ran past its per-step budget INVALID_ARGUMENT, a request the engine
 failed INTERNAL; a call past its deadline is aborted (its blocks freed) and answered
 DEADLINE_EXCEEDED, and a cancelled call aborts its request.
 """
@@ -68,7 +69,8 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
     # ---- Generate --------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context) -> None:
         """Responses are written one at a time; a client that takes none for
-        --stream-write-timeout seconds has its request aborted and the call ended."""
+        --stream-write-timeout seconds has its request aborted (its blocks freed; the call
+        itself ends once the client takes that message or goes away)."""
         self.last_receive = time.time()
         if self.state.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "The server is shutting down.")

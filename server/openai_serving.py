@@ -359,29 +359,21 @@ class OpenAIServing:
         echoed prompt, and are encoded on the encoding threads."""
         loop = asyncio.get_running_loop()
         outputs = [stream.__aiter__() for stream in streams]
-        waiting = {asyncio.ensure_future(it.__anext__()): i for i, it in enumerate(outputs)}
+        waiting: dict[asyncio.Future, int] = {}
+        merged = _merged(outputs, waiting)
         try:
             for chunk in view.opening_chunks():
                 yield _event(chunk)
-            while waiting:
-                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    index = waiting.pop(task)
-                    try:
-                        output = task.result()
-                    except StopAsyncIteration:
-                        continue
-                    if output.error is not None:
-                        raise RequestFailedError(output.error, output.error_param)
-                    if heavy:
-                        events = await loop.run_in_executor(self.encoders, _events,
-                                                            view.chunks, index, output)
-                    else:
-                        events = _events(view.chunks, index, output)
-                    if events:
-                        yield events
-                    if not output.finished:
-                        waiting[asyncio.ensure_future(outputs[index].__anext__())] = index
+            async for index, output in merged:
+                if output.error is not None:
+                    raise RequestFailedError(output.error, output.error_param)
+                if heavy:
+                    events = await loop.run_in_executor(self.encoders, _events, view.chunks,
+                                                        index, output)
+                else:
+                    events = _events(view.chunks, index, output)
+                if events:
+                    yield events
             usage = view.usage_chunk()
             if usage is not None:
                 yield _event(usage)
@@ -390,6 +382,7 @@ class OpenAIServing:
                 logger.error("Stream %s failed: %s", view.id, err, exc_info=err)
             yield _event(_api_error(err).body())
         finally:
+            await merged.aclose()
             for task in waiting:
                 task.cancel()
             if waiting:
@@ -397,6 +390,29 @@ class OpenAIServing:
             for it in outputs:
                 await it.aclose()  # a request still running is aborted, its blocks freed
         yield "data: [DONE]\n\n"
+
+
+async def _merged(outputs: list, waiting: dict) -> AsyncIterator[tuple[int, object]]:
+    """(prompt index, output) from several prompts' output iterators as they come; one
+    prompt's is read directly (the common case: no task per output). waiting: the reads
+    under way, for the caller to cancel."""
+    if len(outputs) == 1:
+        async for output in outputs[0]:
+            yield 0, output
+        return
+    for i, it in enumerate(outputs):
+        waiting[asyncio.ensure_future(it.__anext__())] = i
+    while waiting:
+        done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            index = waiting.pop(task)
+            try:
+                output = task.result()
+            except StopAsyncIteration:
+                continue
+            yield index, output
+            if not output.finished:
+                waiting[asyncio.ensure_future(outputs[index].__anext__())] = index
 
 
 def _retrieve(future: asyncio.Future) -> None:

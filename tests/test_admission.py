@@ -10,6 +10,7 @@ import time
 import types
 
 import pytest
+from fuzz_requests import any_of_text, lark_chain, ref_chain
 
 from jaxserve import SamplingParams
 from jaxserve.admission import InputProcessor
@@ -19,22 +20,6 @@ from jaxserve.structured_output import GrammarCompiler
 from jaxserve.tokenizer import load_tokenizer
 
 MAX_LEN = 512
-
-
-def ref_chain(n: int) -> dict:
-    """$defs d0 -> d1 -> ... -> dn: the grammar compiler resolves it recursively."""
-    schema = {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)},
-              "$ref": "#/$defs/d0"}
-    schema["$defs"][f"d{n}"] = {"type": "string"}
-    return schema
-
-
-def any_of_text(n: int) -> str:
-    return '{"anyOf":[' * n + '{"type":"string"}' + ',{"type":"integer"}]}' * n
-
-
-def lark_chain(n: int) -> str:
-    return "\n".join(["start: r0", *(f"r{i}: r{i + 1}" for i in range(n)), f'r{n}: "a"'])
 
 
 @pytest.fixture(scope="module")

@@ -25,10 +25,10 @@ import time
 import grpc
 import httpx
 import pytest
+from fuzz_requests import any_of_text, lark_chain, ref_chain
 from server_helpers import running_server
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
-from test_admission import any_of_text, lark_chain, ref_chain
 
 C, CH = "/v1/completions", "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
