@@ -458,8 +458,20 @@ def _events(chunks, index: int, output) -> str:
 
 def _json_bytes(full_response, finals) -> bytes:
     """The response body, as JSONResponse renders it."""
-    return json.dumps(full_response(finals), ensure_ascii=False, allow_nan=False,
-                      separators=(",", ":")).encode("utf-8")
+    return _dumps_in_pieces(full_response(finals)).encode("utf-8")
+
+
+def _dumps_in_pieces(value, depth: int = 4) -> str:
+    """json.dumps(value) (compact, as JSONResponse), made of one call per part down to
+    `depth` levels: one json.dumps call holds the GIL from start to end, so a single call
+    over a response of tens of megabytes (echoed prompts with their logprobs) would stall
+    the event loop even from another thread."""
+    if depth and isinstance(value, dict):
+        return "{" + ",".join(json.dumps(str(k), ensure_ascii=False) + ":"
+                              + _dumps_in_pieces(v, depth - 1) for k, v in value.items()) + "}"
+    if depth and isinstance(value, list) and len(value) > 1:
+        return "[" + ",".join(_dumps_in_pieces(v, depth - 1) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
 def _sse(events: AsyncIterator[str]) -> StreamingResponse:

@@ -171,17 +171,21 @@ def test_a_constraint_can_start_after_a_token(llm):
 
 
 def test_a_grammar_over_its_per_step_budget_fails_alone(llm, monkeypatch):
-    """Past the structural caps (lifted here), (c{1000}){1000} compiles within its time but
-    runs out of llguidance's lexer budget at its first tokens: that request fails alone
-    (finish_reason "error"), its neighbour's tokens are those it gets alone."""
+    """Past the structural caps (lifted here), [ab]{30}(c{1000}){1000} compiles within its
+    time and survives the sandbox's first tokens, but llguidance's lexer runs out of its
+    budget once the output reaches the repetition: that request fails alone, as the
+    request's fault (finish_reason "error", error_param structured_outputs); its neighbour's
+    tokens are those it gets alone."""
     from jaxserve.request_limits import RequestLimits
 
     monkeypatch.setattr(llm.engine.processor, "limits", RequestLimits(
         max_regex_repetition=10**9, grammar_compile_timeout=60))
     free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     alone = llm.generate(["def f(x):"], free, use_tqdm=False)[0].outputs[0].token_ids
-    bomb = SamplingParams(temperature=1.0, max_tokens=12, seed=3,
-                          structured_outputs=StructuredOutputsParams(regex="(c{1000}){1000}"))
+    bomb = SamplingParams(temperature=1.0, max_tokens=200, seed=3,
+                          structured_outputs=StructuredOutputsParams(
+                              regex="[ab]{30}(c{1000}){1000}"))
     failed, fine = llm.generate(["x = ", "def f(x):"], [bomb, free], use_tqdm=False)
-    assert failed.outputs[0].finish_reason == "error" and "structured output" in failed.error
+    assert failed.outputs[0].finish_reason == "error", failed.outputs[0]
+    assert failed.error_param == "structured_outputs" and "budget" in failed.error
     assert fine.outputs[0].token_ids == alone
