@@ -80,7 +80,7 @@ class InputProcessor:
                              f"{type(params).__name__}.")
         limits = self.limits
         counts = (
-            ("n", params.n, "n", "max_n"),
+            ("n", params.n, "the number of sequences per prompt", "max_n"),
             ("stop", len(params.stop), "the number of stop strings", "max_stop_strings"),
             ("stop_token_ids", len(params.stop_token_ids), "the number of stop_token_ids",
              "max_stop_token_ids"),
@@ -90,9 +90,10 @@ class InputProcessor:
              "max_logit_bias"),
             ("bad_words", len(params.bad_words or ()), "the number of bad_words",
              "max_bad_words"),
-            ("logprobs", params.logprobs or 0, "logprobs", "max_logprobs"),
-            ("prompt_logprobs", params.prompt_logprobs or 0, "prompt_logprobs",
-             "max_prompt_logprobs"),
+            ("logprobs", params.logprobs or 0, "the number of logprobs per token",
+             "max_logprobs"),
+            ("prompt_logprobs", params.prompt_logprobs or 0,
+             "the number of logprobs per prompt token", "max_prompt_logprobs"),
         )
         for field, value, what, name in counts:
             if value > getattr(limits, name):
