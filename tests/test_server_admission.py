@@ -170,12 +170,13 @@ def test_ten_regex_bombs_leave_other_requests_their_latency(shared, http):
     assert busy < max(1.0, 5 * statistics.median(idle)), (idle, busy)
 
 
-def test_8000_bad_words_get_400_within_a_second_and_health_stays_fast(shared, http):
+def health_while(http, path: str, body: dict) -> tuple[httpx.Response, float, list[float]]:
+    """POST body in a thread while /health is polled: (its response, its seconds, the
+    /health latencies meanwhile)."""
     results = {}
 
     def send():
-        results["response"] = post_timed(http, C, {"prompt": "x", "bad_words": [
-            f"word{i}" for i in range(8000)]})
+        results["sent"] = post_timed(http, path, body)
 
     thread = threading.Thread(target=send)
     thread.start()
@@ -184,8 +185,14 @@ def test_8000_bad_words_get_400_within_a_second_and_health_stays_fast(shared, ht
         start = time.perf_counter()
         assert http.get("/health").status_code == 200
         health.append(time.perf_counter() - start)
+        time.sleep(0.01)
     thread.join()
-    resp, seconds = results["response"]
+    return *results["sent"], health
+
+
+def test_8000_bad_words_get_400_within_a_second_and_health_stays_fast(shared, http):
+    resp, seconds, health = health_while(http, C, {"prompt": "x", "bad_words": [
+        f"word{i}" for i in range(8000)]})
     assert "max_bad_words" in assert_400(resp, "bad_words", 1.0, seconds)
     assert max(health) < 0.5, health
 
@@ -245,28 +252,12 @@ def test_a_large_response_is_built_off_the_event_loop(shared, http):
     """16 echoed prompts with their prompt logprobs: tens of megabytes of JSON, encoded on
     the encoding threads while /health keeps answering."""
     ids = [5 + i % 900 for i in range(480)]
-    results = {}
-
-    def send():
-        start = time.perf_counter()
-        results["response"] = http.post(C, json={
-            "model": "tiny", "prompt": [ids] * 16, "echo": True, "max_tokens": 1,
-            "logprobs": 20, "prompt_logprobs": 20, "temperature": 0})
-        results["seconds"] = time.perf_counter() - start
-
-    thread = threading.Thread(target=send)
-    thread.start()
-    health = []
-    while thread.is_alive():
-        start = time.perf_counter()
-        assert http.get("/health").status_code == 200
-        health.append(time.perf_counter() - start)
-        time.sleep(0.01)
-    thread.join()
-    resp = results["response"]
+    resp, seconds, health = health_while(http, C, {
+        "prompt": [ids] * 16, "echo": True, "max_tokens": 1, "logprobs": 20,
+        "prompt_logprobs": 20, "temperature": 0})
     assert resp.status_code == 200, resp.text[:300]
     assert len(resp.content) > 10 * 2**20 and len(resp.json()["choices"]) == 16
-    assert max(health) < max(0.5, results["seconds"] / 4), (max(health), results["seconds"])
+    assert max(health) < max(0.5, seconds / 4), (max(health), seconds)
 
 
 def test_an_x_request_id_past_the_limit_gets_400(http):
@@ -317,6 +308,21 @@ def test_bombs_past_the_caps_are_caught_by_the_sandbox(own, own_http, name):
     assert_alive(own, own_http, pid)
 
 
+def peak_until_aborted(server, http, logged: str) -> float:
+    """The server's peak RSS (MiB) until its log says `logged` (the write timeout fired)
+    and no request runs any more (the stalled one was aborted)."""
+    peak, deadline = rss_mib(pid_of(server)), time.monotonic() + 120
+    while logged not in server.log():
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        peak = max(peak, rss_mib(pid_of(server)))
+        time.sleep(0.2)
+    deadline = time.monotonic() + 30
+    while running_requests(http):
+        assert time.monotonic() < deadline, "the stalled request was not aborted"
+        time.sleep(0.1)
+    return peak
+
+
 def test_a_stalled_reader_costs_little_memory_and_is_aborted(own, own_http):
     """n=16, max_tokens=2000, logprobs=5, and a client that reads nothing: outputs are
     coalesced while the socket is full, and once it has stayed full for the write timeout
@@ -328,21 +334,12 @@ def test_a_stalled_reader_costs_little_memory_and_is_aborted(own, own_http):
     before = rss_mib(pid_of(own))
     body = json.dumps(request).encode()
     host, port = own.url.removeprefix("http://").split(":")
-    peak = before
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect((host, int(port)))
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                      b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-        deadline = time.monotonic() + 120
-        while "has not read its response" not in own.log():
-            assert time.monotonic() < deadline, own.log()[-3000:]
-            peak = max(peak, rss_mib(pid_of(own)))
-            time.sleep(0.2)
-        deadline = time.monotonic() + 30
-        while running_requests(own_http):
-            assert time.monotonic() < deadline, "the stalled request was not aborted"
-            time.sleep(0.1)
+        peak = peak_until_aborted(own, own_http, "has not read its response")
     assert peak - before < 150, (before, peak)
     assert re.search(r"output \d+ tokens, .*finish abort", own.log())
     assert_alive(own, own_http, pid_of(own))
@@ -358,18 +355,10 @@ def test_a_stalled_grpc_reader_is_aborted_after_the_write_timeout(own, own_http)
                                  tokenized=pb.TokenizedInput(input_ids=[1, 5, 6]),
                                  sampling_params=pb.SamplingParams(
                                      max_tokens=2000, n=16, logprobs=5, ignore_eos=True))
-    peak = before
     with stalled_http2_call(own.grpc_port, "/vllm.grpc.engine.VllmEngine/Generate",
                             request.SerializeToString()):
-        deadline = time.monotonic() + 120
-        while "stalled-grpc: the client has not read its responses" not in own.log():
-            assert time.monotonic() < deadline, own.log()[-3000:]
-            peak = max(peak, rss_mib(pid_of(own)))
-            time.sleep(0.2)
-        deadline = time.monotonic() + 30
-        while running_requests(own_http):
-            assert time.monotonic() < deadline, "the stalled request was not aborted"
-            time.sleep(0.1)
+        peak = peak_until_aborted(own, own_http,
+                                  "stalled-grpc: the client has not read its responses")
     assert peak - before < 150, (before, peak)
     assert re.search(r"request stalled-grpc: .*finish abort", own.log())
     assert_alive(own, own_http, pid_of(own))
