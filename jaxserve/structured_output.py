@@ -73,12 +73,6 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return self.kinds()[0]
 
-    def key(self) -> str:
-        """A cache key: the grammar part of the request, canonical JSON."""
-        fields = dataclasses.asdict(self)
-        fields.pop("starts_after")
-        return json.dumps(fields, sort_keys=True, default=str)
-
     @classmethod
     def from_dict(cls, value: dict[str, Any], field: str = "structured_outputs"
                   ) -> StructuredOutputsParams:
