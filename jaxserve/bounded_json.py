@@ -43,7 +43,8 @@ def too_deep(raw: bytes | str, limit: int = DEFAULT_MAX_DEPTH) -> bool:
     return depth(raw) > limit
 
 
-def _reject_constant(name: str):
+def reject_constant(name: str):
+    """json.loads' parse_constant: NaN and Infinity are not JSON numbers."""
     raise ValueError(f"{name} is not a JSON number")
 
 
@@ -53,7 +54,7 @@ def loads(text: str | bytes, field: str, limit: int = DEFAULT_MAX_DEPTH):
     if too_deep(text, limit):
         raise ValueError(f"{field}: the JSON nests arrays/objects deeper than {limit} levels.")
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        return json.loads(text, parse_constant=reject_constant)
     except (ValueError, RecursionError, UnicodeError) as err:
         detail = str(err)[:120] if isinstance(err, ValueError) else type(err).__name__
         raise ValueError(f"{field}: not valid JSON ({detail}).") from None

@@ -122,11 +122,10 @@ def _schema_children(node, root: dict, pointers: dict, limits: RequestLimits,
     if not isinstance(node, dict):
         return []
     out = [(v, int(k in _COMBINATORS)) for k, v in node.items() if isinstance(v, (dict, list))]
-    pattern = node.get("pattern")
+    pattern, named = node.get("pattern"), node.get("patternProperties")
     if isinstance(pattern, str):
         check_regex(pattern, limits, field)
-    for name in node.get("patternProperties") or {} if isinstance(
-            node.get("patternProperties"), dict) else ():
+    for name in named if isinstance(named, dict) else ():
         check_regex(name, limits, field)
     ref = node.get("$ref")
     if isinstance(ref, str) and ref.startswith("#"):
@@ -140,11 +139,11 @@ def _resolve(ref: str, root: dict, pointers: dict):
     """The object a local JSON pointer ("#/$defs/a") names, or None."""
     if ref in pointers:
         return pointers[ref]
+    if ref != "#" and not ref.startswith("#/"):
+        pointers[ref] = None  # an anchor ("#name"): not followed
+        return None
     node = root
-    for part in ref[1:].split("/")[1:] if ref.startswith("#/") else ([] if ref == "#" else [None]):
-        if part is None:
-            node = None  # an anchor ("#name"): not followed
-            break
+    for part in ref[2:].split("/") if ref != "#" else ():
         part = unquote(part).replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and part in node:
             node = node[part]

@@ -14,14 +14,10 @@ import logging
 from pydantic import BaseModel, ValidationError
 
 from jaxserve.bounded_json import DEFAULT_MAX_DEPTH as MAX_JSON_DEPTH
-from jaxserve.bounded_json import too_deep
+from jaxserve.bounded_json import reject_constant, too_deep
 from jaxserve.server.errors import APIError, from_validation_error
 
 logger = logging.getLogger(__name__)
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
@@ -30,7 +26,7 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
         raise APIError(400, f"The request body nests arrays/objects deeper than "
                        f"{MAX_JSON_DEPTH} levels.", code="invalid_json")
     try:
-        data = json.loads(raw, parse_constant=_reject_constant)
+        data = json.loads(raw, parse_constant=reject_constant)
         json.dumps(data, ensure_ascii=False).encode("utf-8")  # no lone surrogates
     except (ValueError, UnicodeError, RecursionError):
         raise APIError(400, "The request body is not valid JSON (UTF-8, no NaN or Infinity).",

@@ -163,10 +163,14 @@ GRAMMAR_FIELDS = ("response_format", "structured_outputs", "guided_json", "guide
 CHANGED_FIELD = st.sampled_from(NUMERIC + GRAMMAR_FIELDS + tuple(FIELDS))
 
 
+HEADERS = st.fixed_dictionaries({}, optional={"x-request-id": st.text(
+    st.characters(min_codepoint=33, max_codepoint=126), max_size=40) | st.just("r" * 300)})
+
+
 @st.composite
-def http_requests(draw) -> tuple[str, object]:
-    """(path, body): mostly a valid request with one or two fields changed to wild values
-    (so that each value reaches the deepest check), sometimes anything at all."""
+def http_requests(draw) -> tuple[str, object, dict]:
+    """(path, body, headers): mostly a valid request with one or two fields changed to wild
+    values (so that each value reaches the deepest check), sometimes anything at all."""
     path = draw(st.sampled_from([C, C, CH, CH, "/tokenize", "/detokenize"]))
     kind = draw(st.integers(0, 9))
     if kind < 7:
@@ -180,7 +184,7 @@ def http_requests(draw) -> tuple[str, object]:
                                           {"messages": HUGE_LISTS}))
     else:
         body = draw(ANY)
-    return path, body
+    return path, body, draw(HEADERS)
 
 
 def encode(body) -> bytes:
@@ -228,9 +232,8 @@ def grpc_requests(draw) -> pb.GenerateRequest:
     elif kind == "grammar":
         params.grammar = _proto_text(draw, GRAMMARS)
     elif kind == "choice":
-        choices = draw(CHOICES.filter(lambda c: isinstance(c, list)))
         params.choice.choices.extend(c.encode("utf-8", "replace").decode("utf-8")
-                                     for c in choices if isinstance(c, str))
+                                     for c in draw(CHOICES))
     elif kind == "json_object":
         params.json_object = True
     elif kind == "structural_tag":
@@ -243,3 +246,8 @@ def grpc_requests(draw) -> pb.GenerateRequest:
     else:
         request.text = _proto_text(draw, TEXT)
     return request
+
+
+ABORTS = st.builds(lambda ids: pb.AbortRequest(request_ids=ids), st.lists(
+    st.text(max_size=20).map(lambda t: t.encode("utf-8", "replace").decode("utf-8")),
+    max_size=5) | st.just([f"id-{i}" for i in range(2000)]))

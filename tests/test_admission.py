@@ -5,7 +5,6 @@ drives the same cases through HTTP and gRPC)."""
 
 from __future__ import annotations
 
-import os
 import time
 import types
 
@@ -142,7 +141,6 @@ def test_a_grammar_that_crashes_the_compiler_is_refused_and_this_process_lives(t
             lifted.compile_grammar(params)
         fine = lifted.check_params(SamplingParams(structured_outputs=Structured(regex="[0-9]+")))
         assert lifted.compile_grammar(fine) is not None
-        assert os.getpid()  # still here
     finally:
         lifted.grammars.close()
 

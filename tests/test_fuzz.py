@@ -1,6 +1,6 @@
 """Property-based fuzz of every input surface of a real `jaxserve serve`: the four JSON
-endpoints and gRPC Generate, with the grammar-bearing fields (schemas, regexes, grammars,
-choices, tools) drawn from a corpus of known bombs (tests/fuzz_requests.py). Every answer is
+endpoints (bodies and X-Request-Id) and gRPC Generate and Abort, with the grammar-bearing
+fields (schemas, regexes, grammars, choices, tools) drawn from a corpus of known bombs (tests/fuzz_requests.py). Every answer is
 a 2xx or a 4xx with the error envelope (gRPC: OK or a status that blames the request, never
 INTERNAL or UNKNOWN), the server process is the same one afterwards and still gives the same
 greedy tokens, and its log holds no ERROR line."""
@@ -13,8 +13,9 @@ import time
 import grpc
 import httpx
 import pytest
-from fuzz_requests import encode, grpc_requests, http_requests
+from fuzz_requests import ABORTS, encode, grpc_requests, http_requests
 from hypothesis import HealthCheck, given, settings
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 NORMAL = {"model": "tiny", "prompt": [1, 5, 6, 7], "max_tokens": 4, "temperature": 0,
@@ -73,11 +74,11 @@ def fuzz_http(server, expected_tokens, seconds: float, examples: int) -> None:
               suppress_health_check=list(HealthCheck))
     @given(request=http_requests())
     def one(request):
-        path, body = request
+        path, body, headers = request
         if time.monotonic() > deadline:
             return  # the time is up: the remaining examples pass untried
         resp = client.post(path, content=encode(body),
-                           headers={"content-type": "application/json"})
+                           headers={"content-type": "application/json", **headers})
         sent.append(resp.status_code)
         check_response(resp, path)
 
@@ -98,11 +99,14 @@ def fuzz_grpc(server, expected_tokens, seconds: float, examples: int) -> None:
 
         @settings(max_examples=examples, deadline=None, database=None,
                   suppress_health_check=list(HealthCheck))
-        @given(request=grpc_requests())
+        @given(request=grpc_requests() | ABORTS)
         def one(request):
             if time.monotonic() > deadline:
                 return
             try:
+                if isinstance(request, pb.AbortRequest):
+                    stub.Abort(request, timeout=60)
+                    return
                 responses = list(stub.Generate(request, timeout=60))
             except grpc.RpcError as err:
                 assert err.code() in GRPC_REFUSALS, (err.code(), err.details(), request)
