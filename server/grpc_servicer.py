@@ -131,7 +131,13 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         for it: grpc cannot end a call while one of its messages is being sent)."""
         timeout = self.state.config.stream_write_timeout
         write = asyncio.ensure_future(context.write(response))
-        done, _ = await asyncio.wait([write], timeout=timeout)
+        # Its failure is read even when nobody awaits it any more (a cancelled call).
+        write.add_done_callback(_retrieve)
+        try:
+            done, _ = await asyncio.wait([write], timeout=timeout)
+        except asyncio.CancelledError:  # the client cancelled the call: its write goes too
+            write.cancel()
+            raise
         if done:
             write.result()
             return None
@@ -319,6 +325,12 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
                             "SubscribeKvEvents: jaxserve publishes no KV cache events; poll "
                             "GetLoads for the engine's load.")
         yield  # an async generator, as the streaming method must be
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Read a finished write's exception, so that asyncio logs nothing about it."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _int_or_zero(value) -> int:
