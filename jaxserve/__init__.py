@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 import sys
 
-from jaxserve.model_path import default_model_path, resolve_model
-from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.structured_output import StructuredOutputsParams
+from jaxserve.config.model_path import default_model_path, resolve_model
+from jaxserve.config.version import VERSION
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.structured_output import StructuredOutputsParams
+from jaxserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 
 def _default_logging() -> None:
@@ -48,11 +49,11 @@ def __getattr__(name: str):
 
         return LLM
     if name == "LLMEngine":
-        from jaxserve.engine import LLMEngine
+        from jaxserve.engine.llm_engine import LLMEngine
 
         return LLMEngine
     if name == "EngineConfig":
-        from jaxserve.config import EngineConfig
+        from jaxserve.config.engine_config import EngineConfig
 
         return EngineConfig
     raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

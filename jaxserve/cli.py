@@ -8,8 +8,8 @@ import json
 import logging
 import sys
 
-from jaxserve.config import SUPPORTED_DTYPES
-from jaxserve.engine_args import EngineArgs
+from jaxserve.config.engine_args import EngineArgs
+from jaxserve.config.engine_config import SUPPORTED_DTYPES
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
@@ -25,7 +25,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
-    """Multi-host flags (jaxserve/distributed.py): the same command runs on every host."""
+    """Multi-host flags (jaxserve/backends/jax/distributed.py): the same command runs on every host."""
     parser.add_argument("--coordinator", default=None,
                         help="multi-host: host 0's HOST:PORT, where the hosts meet")
     parser.add_argument("--num-hosts", type=int, default=None, help="multi-host: host count")
@@ -46,9 +46,9 @@ def _join_hosts(args: argparse.Namespace, model: str | None, precompile: bool | 
     if args.backend == "torch":
         raise ValueError("Multi-host serving runs the JAX backend; the torch backend runs on "
                          "one device. Drop --backend torch or the multi-host flags.")
-    from jaxserve.distributed import initialize, is_leader
-    from jaxserve.model_path import resolve_model
-    from jaxserve.runners import run_worker
+    from jaxserve.backends.jax.distributed import initialize, is_leader
+    from jaxserve.backends.selection import run_worker
+    from jaxserve.config.model_path import resolve_model
 
     initialize(args.coordinator, args.num_hosts, args.host_id)
     if is_leader():
@@ -64,7 +64,7 @@ def engine_config(args: argparse.Namespace, model: str, precompile: bool | str =
     command's default (generate: on first use, serve: background)."""
     engine_args = EngineArgs.from_cli(args)
     if on_accelerator is None:
-        from jaxserve.runners import on_accelerator as accelerated
+        from jaxserve.backends.selection import on_accelerator as accelerated
 
         on_accelerator = accelerated(engine_args.backend)
     return engine_args.engine_config(model, on_accelerator=on_accelerator,
@@ -241,8 +241,8 @@ def _model_of(args: argparse.Namespace) -> str | None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from jaxserve.model_path import resolve_model
-    from jaxserve.request_limits import RequestLimits
+    from jaxserve.config.model_path import resolve_model
+    from jaxserve.config.request_limits import RequestLimits
     from jaxserve.server.app import ServerConfig
     from jaxserve.server.launch import serve
     from jaxserve.server.openai_serving import ChatSettings
@@ -382,7 +382,7 @@ def _plan_parser(sub) -> None:
 
 
 def _device_memory(text: str) -> int:
-    from jaxserve.plan import parse_bytes  # no jax at import
+    from jaxserve.config.plan import parse_bytes  # no jax at import
 
     try:
         return parse_bytes(text)
@@ -391,16 +391,12 @@ def _device_memory(text: str) -> int:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    # Pinned before anything initialises a JAX backend: the plan is abstract (nnx.eval_shape)
-    # and must not claim an accelerator that a running server may be using.
-    import jax
+    # The plan is arithmetic on config.json (the families' numpy parameter tables): it never
+    # imports jax, so it cannot claim an accelerator that a running server may be using.
+    from jaxserve.config.model_path import resolve_model
+    from jaxserve.config.plan import format_plan, make_plan, plan_dict
 
-    jax.config.update("jax_platforms", "cpu")
-
-    from jaxserve.model_path import resolve_model
-    from jaxserve.plan import format_plan, make_plan, plan_dict
-
-    model = resolve_model(_model_of(args), logging.getLogger("jaxserve.plan"))
+    model = resolve_model(_model_of(args), logging.getLogger("jaxserve.config.plan"))
     config = engine_config(args, model, on_accelerator=True)
     plan = make_plan(config, args.device_memory)
     print(json.dumps(plan_dict(plan), indent=2) if args.json else format_plan(plan))
@@ -430,8 +426,8 @@ def _run_convert(args: argparse.Namespace) -> int:
 
     jax.config.update("jax_platforms", "cpu")  # abstract shapes and host arrays only
 
-    from jaxserve.model_path import resolve_model
-    from jaxserve.orbax_checkpoint import convert
+    from jaxserve.backends.jax.orbax_checkpoint import convert
+    from jaxserve.config.model_path import resolve_model
 
     model = resolve_model(_model_of(args), logging.getLogger("jaxserve.convert"))
     out = convert(model, args.out, args.dtype, overwrite=args.overwrite)

@@ -9,12 +9,12 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from jaxserve.data_parallel import create_engine
-from jaxserve.engine_args import EngineArgs
-from jaxserve.model_path import resolve_model
-from jaxserve.outputs import RequestOutput
-from jaxserve.runners import on_accelerator
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.backends.selection import on_accelerator
+from jaxserve.config.engine_args import EngineArgs
+from jaxserve.config.model_path import resolve_model
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.data_parallel import create_engine
+from jaxserve.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ class LLM:
     """An engine for offline batched generation.
 
     With no model, loads the built-in default model (jaxserve.default_model_path()).
-    Takes the engine arguments of EngineArgs (jaxserve/engine_args.py): vLLM's names
+    Takes the engine arguments of EngineArgs (jaxserve/config/engine_args.py): vLLM's names
     (tokenizer, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
     num_gpu_blocks_override, gpu_memory_utilization, enable_expert_parallel, seed, ...) and
     jaxserve's own (mesh, attention_backend, compilation_cache_dir, precompile; aliases

@@ -1,9 +1,17 @@
-"""Model families, looked up by the `architectures` entry of a Hugging Face config.json."""
+"""Model families, looked up by the `architectures` entry of a Hugging Face config.json.
+
+This folder's own modules are numpy only: the family table, each family's architecture
+settings and checkpoint-tensor mapping (`*_arch.py`) and the int8 weight scheme
+(`quantization.py`), shared by both backends. The models themselves are in `jax/` (Flax
+NNX) and `torch/` (PyTorch). The folder sits at the repository root and installs as
+`jaxserve.models` (pyproject's package-dir): import it as `jaxserve.models`."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable
+
+from jaxserve.models import llama_arch, mixtral_arch
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -18,11 +26,25 @@ SUPPORTED_ARCHITECTURES = {
 
 @dataclasses.dataclass(frozen=True)
 class ModelFamily:
-    """How to build and load one family (one file in models/)."""
+    """How to build and load one family: its settings and checkpoint mapping (numpy, both
+    backends) and, imported only when asked for, its Flax model."""
 
+    name: str  # "llama" or "mixtral": models/<name>_arch.py, models/jax/<name>.py
     arch_from_hf: Callable  # (hf config dict) -> arch, a frozen dataclass (LlamaArch or subclass)
-    model_cls: Callable  # (arch, dtype) -> the nnx model: call(kv_caches, batch, ...), logits()
     param_path: Callable  # (HF tensor name, arch) -> load_params target(s), None, or KeyError
+    param_shapes: Callable  # (arch, quantization) -> {parameter path: (shape, dtype or None)}
+
+    @property
+    def model_cls(self) -> Callable:
+        """The Flax NNX model class, (arch, dtype, ...) -> module with call(kv_caches, batch,
+        ...) and logits(); imports jax and flax."""
+        if self.name == "mixtral":
+            from jaxserve.models.jax.mixtral import MixtralForCausalLM
+
+            return MixtralForCausalLM
+        from jaxserve.models.jax.llama import LlamaForCausalLM
+
+        return LlamaForCausalLM
 
 
 def resolve_architecture(hf_config: dict) -> str:
@@ -37,13 +59,11 @@ def resolve_architecture(hf_config: dict) -> str:
 
 
 def model_family(hf_config: dict) -> ModelFamily:
-    """The family of a config's architecture (ValueError as resolve_architecture). The model
-    modules are imported here, lazily: host-side code imports this package without jax."""
+    """The family of a config's architecture (ValueError as resolve_architecture). numpy only:
+    the Flax model loads on first use of `model_cls`, so host-side code, `jaxserve plan` and
+    the torch backend never import jax or flax through here."""
     if SUPPORTED_ARCHITECTURES[resolve_architecture(hf_config)] == "mixtral":
-        from jaxserve.models import mixtral
-
-        return ModelFamily(mixtral.MixtralArch.from_hf, mixtral.MixtralForCausalLM,
-                           mixtral.hf_param_path)
-    from jaxserve.models import llama
-
-    return ModelFamily(llama.LlamaArch.from_hf, llama.LlamaForCausalLM, llama.hf_param_path)
+        return ModelFamily("mixtral", mixtral_arch.MixtralArch.from_hf,
+                           mixtral_arch.hf_param_path, mixtral_arch.param_shapes)
+    return ModelFamily("llama", llama_arch.LlamaArch.from_hf, llama_arch.hf_param_path,
+                       llama_arch.param_shapes)

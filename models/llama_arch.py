@@ -13,6 +13,8 @@ import math
 
 import numpy as np
 
+from jaxserve.models.quantization import kernel_shapes
+
 
 @dataclasses.dataclass(frozen=True)
 class LlamaArch:
@@ -135,3 +137,39 @@ def hf_param_path(name: str, arch: LlamaArch):
             lambda b, heads=heads, r=repeat[p]: np.repeat(b.reshape(heads, h), r, axis=0))
     path, transform = table[rest]
     return ("layers", layer) + path, transform
+
+
+def param_shapes(arch: LlamaArch, quantization: str | None = None) -> dict:
+    """Every parameter of the model, {path: (shape, dtype)} with dtype None for the model's
+    dtype: the table `jaxserve plan` counts without building a model. The Flax model declares
+    exactly these (tests/test_plan.py compares them)."""
+    d, n, k, h = arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim
+    f, v = arch.intermediate_size, arch.vocab_size
+    shapes = {("embed",): ((v, d), None)}  # [V, D]
+    for i in range(arch.num_layers):
+        layer = ("layers", i)
+        shapes[layer + ("input_norm", "weight")] = ((d,), None)
+        for name, shape in (("wq", (d, n, h)), ("wk", (d, k, h)), ("wv", (d, k, h)),
+                            ("wo", (n, h, d))):
+            shapes.update(kernel_shapes(layer + ("attn", name), shape, quantization))
+        if arch.attention_bias:
+            shapes.update({layer + ("attn", "bq"): ((n, h), None),
+                           layer + ("attn", "bk"): ((k, h), None),
+                           layer + ("attn", "bv"): ((k, h), None)})
+        if arch.qk_norm:
+            shapes[layer + ("attn", "q_norm", "weight")] = ((h,), None)
+            shapes[layer + ("attn", "k_norm", "weight")] = ((h,), None)
+        shapes[layer + ("post_attention_norm", "weight")] = ((d,), None)
+        shapes.update(mlp_shapes(layer + ("mlp",), d, f, quantization))
+    shapes[("norm", "weight")] = ((d,), None)
+    if not arch.tie_word_embeddings:
+        shapes[("lm_head",)] = ((v, d), None)
+    return shapes
+
+
+def mlp_shapes(prefix: tuple, d: int, f: int, quantization: str | None) -> dict:
+    """The gated MLP's kernels (w_gate, w_up [D, F], w_down [F, D]) under `prefix`."""
+    shapes = {}
+    for name, shape in (("w_gate", (d, f)), ("w_up", (d, f)), ("w_down", (f, d))):
+        shapes.update(kernel_shapes(prefix + (name,), shape, quantization))
+    return shapes

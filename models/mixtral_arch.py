@@ -10,6 +10,7 @@ import dataclasses
 
 from jaxserve.models import llama_arch
 from jaxserve.models.llama_arch import LlamaArch
+from jaxserve.models.quantization import kernel_shapes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,3 +101,26 @@ def hf_param_path(name: str, arch: MixtralArch):
         proj = _EXPERT_PROJ.get(rest[2], rest[2])
         return prefix + (_EXPERT_PARAM[proj],), lambda w: w.T, int(rest[1])
     raise KeyError(name)
+
+
+def param_shapes(arch: MixtralArch, quantization: str | None = None) -> dict:
+    """llama_arch.param_shapes with each sparse layer's MLP replaced by the MoE block: the
+    router [D, E], the stacked experts [E, D, F] / [E, F, D], and Qwen2-MoE's shared expert
+    with its gate [D, 1]."""
+    d, e, f = arch.hidden_size, arch.num_experts, arch.moe_intermediate_size
+    shapes = llama_arch.param_shapes(arch, quantization)
+    for i, sparse in enumerate(arch.sparse_layers):
+        if not sparse:
+            continue
+        mlp = ("layers", i, "mlp")
+        for path in [p for p in shapes if p[:3] == mlp]:
+            del shapes[path]
+        shapes[mlp + ("router",)] = ((d, e), None)
+        for name, shape in (("experts_gate", (e, d, f)), ("experts_up", (e, d, f)),
+                            ("experts_down", (e, f, d))):
+            shapes.update(kernel_shapes(mlp + (name,), shape, quantization))
+        if arch.shared_expert_size:
+            shapes.update(llama_arch.mlp_shapes(mlp + ("shared_expert",), d,
+                                                arch.shared_expert_size, quantization))
+            shapes[mlp + ("shared_gate",)] = ((d, 1), None)
+    return shapes

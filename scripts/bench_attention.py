@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.batch import Batch
+from jaxserve.backends.jax.batch import Batch
 from jaxserve.kernels_pallas import cpu_attention, ref
 
 IMPLS = {"ref": ref.ragged_paged_attention,

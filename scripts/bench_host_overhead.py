@@ -20,13 +20,13 @@ import time
 import numpy as np
 
 from jaxserve import SamplingParams, default_model_path
-from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
-from jaxserve.input_builder import build_step_inputs
-from jaxserve.packing import pack
-from jaxserve.runner_api import RunnerStats, StepResult
-from jaxserve.sampler import SampleResult
-from jaxserve.scheduler import SchedulerOutput
+from jaxserve.backends.jax.packing import pack
+from jaxserve.backends.jax.sampler import SampleResult
+from jaxserve.backends.protocol import RunnerStats, StepResult
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.core.input_builder import build_step_inputs
+from jaxserve.core.scheduler import SchedulerOutput
+from jaxserve.engine.llm_engine import LLMEngine
 
 
 class NullRunner:

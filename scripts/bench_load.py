@@ -33,9 +33,9 @@ import json, resource, sys, time
 started = time.perf_counter()
 import jax
 from jaxserve import LLM
-from jaxserve import runner as runner_module
-from jaxserve.orbax_checkpoint import restore_params
-from jaxserve.weights import load_params
+from jaxserve.backends.jax import runner as runner_module
+from jaxserve.backends.jax.orbax_checkpoint import restore_params
+from jaxserve.backends.jax.weights import load_params
 
 timed = {}
 def timing(name, fn):
@@ -76,7 +76,7 @@ def main() -> int:
     parser.add_argument("--json", type=pathlib.Path, default=None)
     args = parser.parse_args()
 
-    from jaxserve.orbax_checkpoint import convert
+    from jaxserve.backends.jax.orbax_checkpoint import convert
 
     model = args.model or ensure_small_checkpoint()
     with tempfile.TemporaryDirectory(prefix="bench-load-") as tmp:

@@ -495,7 +495,7 @@ def main() -> int:
 def _unused_accelerator() -> tuple[str, str] | None:
     """(what, install command) when the machine has an accelerator JAX does not use."""
     try:
-        from jaxserve.accelerators import unused_accelerator
+        from jaxserve.backends.jax.accelerators import unused_accelerator
     except ImportError:
         return None
     return unused_accelerator()

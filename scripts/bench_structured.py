@@ -48,7 +48,7 @@ def _timed(obj, name: str, totals: dict) -> None:
 
 def run(llm, constrained: bool, args) -> dict:
     from jaxserve import SamplingParams
-    from jaxserve.sampling_params import StructuredOutputsParams
+    from jaxserve.core.sampling_params import StructuredOutputsParams
 
     prompts, params = [], []
     for i in range(args.num_requests):

@@ -52,8 +52,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import kv_quant
-from jaxserve.batch import Batch
+from jaxserve.backends.jax import kv_quant
+from jaxserve.backends.jax.batch import Batch
 from jaxserve.kernels_pallas import ref
 
 KERNELS = {"gpu": "jaxserve.kernels_pallas.gpu_ragged_paged_attention",

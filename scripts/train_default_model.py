@@ -3,7 +3,7 @@
     python scripts/train_default_model.py --out jaxserve/default_model [--minutes 40]
 
 A Llama-architecture model of a few million parameters, defined by the same
-models/llama.py the engine serves, with a byte-level BPE tokenizer (4096 tokens). It trains
+models/jax/llama.py the engine serves, with a byte-level BPE tokenizer (4096 tokens). It trains
 with optax AdamW on the standard library's .py sources; the files of a few packages
 (HELD_OUT) are never seen and give the held-out perplexity. Deterministic for a seed and a
 step count (--steps; --minutes only stops early and says so). Runs on 2 CPU cores; prints
@@ -29,8 +29,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxserve.batch import Batch
-from jaxserve.models.llama import LlamaArch, LlamaForCausalLM, hf_param_path
+from jaxserve.backends.jax.batch import Batch
+from jaxserve.models.jax.llama import LlamaArch, LlamaForCausalLM, hf_param_path
 
 HELD_OUT = ("email", "json", "xmlrpc", "wsgiref")  # packages never trained on
 SKIP_PARTS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3"}

@@ -28,7 +28,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-import jaxserve
+from jaxserve.config.version import VERSION
 from jaxserve.server.async_engine import AsyncLLMEngine
 from jaxserve.server.errors import APIError, from_validation_error
 from jaxserve.server.openai_serving import REQUEST_ID_KEY, ChatSettings, OpenAIServing
@@ -132,7 +132,7 @@ class ServerState:
 
 
 def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
-    app = FastAPI(title="jaxserve", version=jaxserve.__version__, docs_url=None,
+    app = FastAPI(title="jaxserve", version=VERSION, docs_url=None,
                   redoc_url=None)
     state = ServerState(engine, config)
     app.state.jaxserve = state
@@ -346,7 +346,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/version")
     async def version():
-        return {"version": jaxserve.__version__}
+        return {"version": VERSION}
 
     @app.get("/metrics")
     async def metrics():

@@ -20,10 +20,10 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
-from jaxserve.admission import EngineRequest
-from jaxserve.engine import EngineDeadError, LLMEngine
-from jaxserve.engine_stats import EngineStats
-from jaxserve.outputs import RequestOutput
+from jaxserve.engine.admission import EngineRequest
+from jaxserve.engine.llm_engine import EngineDeadError, LLMEngine
+from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.stats import EngineStats
 from jaxserve.server.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from jaxserve import bounded_json
+from jaxserve.inputs import bounded_json
 from jaxserve.server.schema_base import Body, ParamError
 
 

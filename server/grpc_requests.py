@@ -28,9 +28,9 @@ import math
 
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
-from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
-from jaxserve.structured_output import StructuredOutputsParams
+from jaxserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxserve.core.structured_output import StructuredOutputsParams
+from jaxserve.engine.outputs import CompletionOutput, RequestOutput
 
 UNSET_ONE = ("top_p", "repetition_penalty")  # 0 (proto3's unset) means 1.0
 

@@ -2,7 +2,7 @@
 
 The same AsyncLLMEngine as the HTTP API serves it, on the same event loop, so gRPC and HTTP
 requests share every step, the admission cap, the Prometheus metrics and the request log.
-Requests go through the engine's admission path (jaxserve/admission.py: the request limits,
+Requests go through the engine's admission path (jaxserve/engine/admission.py: the request limits,
 tokenization, the grammar) on the HTTP side's prepare and grammar threads, never on the event
 loop. Status codes: a bad request is INVALID_ARGUMENT naming the field, the admission cap
 RESOURCE_EXHAUSTED, a draining server, a dead engine or a full prepare queue UNAVAILABLE, a
@@ -31,8 +31,8 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
-import jaxserve
-from jaxserve.reasoning_parsers import END as REASONING_END
+from jaxserve.config.version import VERSION
+from jaxserve.parsers.reasoning import END as REASONING_END
 from jaxserve.server.async_engine import EngineDeadError, OverloadedError
 from jaxserve.server.errors import APIError
 from jaxserve.server.grpc_requests import (
@@ -292,7 +292,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             max_running_requests=self.engine.config.scheduler.max_num_seqs)
         return pb.GetLoadsResponse(
             timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            version=jaxserve.__version__, dp_rank_count=1, loads=[load])
+            version=VERSION, dp_rank_count=1, loads=[load])
 
     async def GetTokenizer(self, request, context):
         try:

@@ -156,7 +156,7 @@ class _DrainingServer(uvicorn.Server):
 def serve(engine_config, server_config: ServerConfig, log_level: str = "info",
           grpc_config=None) -> int:
     """grpc_config: a grpc_server.GrpcConfig to serve gRPC beside HTTP, or None."""
-    from jaxserve.data_parallel import create_engine
+    from jaxserve.engine.data_parallel import create_engine
 
     engine = create_engine(engine_config)
     metrics = EngineMetrics(server_config.served_names[0],

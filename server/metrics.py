@@ -37,7 +37,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from jaxserve.compilation import (
+from jaxserve.backends.jax.compile_stats import (
     COMPILE_BUCKETS,
     compilation_count,
     compile_times,

@@ -1,6 +1,6 @@
 """/v1/completions, /v1/chat/completions, /tokenize, /detokenize: requests in, JSON or SSE out.
 
-Each request goes through the engine's admission path (jaxserve/admission.py) in three
+Each request goes through the engine's admission path (jaxserve/engine/admission.py) in three
 parts, none of them on the event loop. prepare_* runs in a worker thread: it parses and
 validates the body, checks the request limits, renders the chat template and tokenizes.
 with_grammar compiles a structured output's grammar on the grammar threads (never the
@@ -26,9 +26,9 @@ from concurrent.futures import Executor
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from jaxserve.admission import EngineRequest
-from jaxserve.reasoning_parsers import END as REASONING_END
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.admission import EngineRequest
+from jaxserve.parsers.reasoning import END as REASONING_END
 from jaxserve.server.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
@@ -59,10 +59,10 @@ class ChatSettings:
     default_kwargs: dict = dataclasses.field(default_factory=dict)  # --default-chat-template-kwargs
     trust_request_template: bool = False  # --trust-request-chat-template
     # --enable-auto-tool-choice --tool-call-parser NAME: tool_choice "auto" reads calls out
-    # of the model's text with this parser (jaxserve/tool_parsers.py).
+    # of the model's text with this parser (jaxserve/parsers/tools.py).
     tool_call_parser: str | None = None
     # --reasoning-parser NAME: the thinking goes to reasoning_content (and reasoning), and
-    # a structured output applies after it (jaxserve/reasoning_parsers.py).
+    # a structured output applies after it (jaxserve/parsers/reasoning.py).
     reasoning_parser: str | None = None
 
 

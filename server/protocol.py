@@ -16,10 +16,16 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from jaxserve.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
+from jaxserve.core.sampling_params import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGPROBS,
+    SamplingParams,
+)
+from jaxserve.core.structured_output import StructuredOutputsParams
 from jaxserve.server.chat_messages import ChatMessage, ChatTool, NamedToolChoice
 from jaxserve.server.schema_base import Body, ParamError
-from jaxserve.structured_output import StructuredOutputsParams
 
 COMPLETION_MAX_TOKENS = 16  # completions' default max_tokens (OpenAI and vLLM)
 MAX_CACHE_SALT = 128  # characters, as vLLM checks it

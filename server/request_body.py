@@ -13,8 +13,8 @@ import logging
 
 from pydantic import BaseModel, ValidationError
 
-from jaxserve.bounded_json import DEFAULT_MAX_DEPTH as MAX_JSON_DEPTH
-from jaxserve.bounded_json import reject_constant, too_deep
+from jaxserve.inputs.bounded_json import DEFAULT_MAX_DEPTH as MAX_JSON_DEPTH
+from jaxserve.inputs.bounded_json import reject_constant, too_deep
 from jaxserve.server.errors import APIError, from_validation_error
 
 logger = logging.getLogger(__name__)

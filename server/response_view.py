@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import time
 
-from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.reasoning_parsers import reasoning_parser
+from jaxserve.engine.outputs import CompletionOutput, RequestOutput
+from jaxserve.parsers.reasoning import reasoning_parser
+from jaxserve.parsers.tools import tool_parser
 from jaxserve.server.tool_calls import ChoiceTools
-from jaxserve.tool_parsers import tool_parser
 
 
 class ResponseView:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import json
 
-from jaxserve.structured_output import StructuredOutputsParams
-from jaxserve.tool_parsers import ToolCall, ToolParser, load_json
+from jaxserve.core.structured_output import StructuredOutputsParams
+from jaxserve.parsers.tools import ToolCall, ToolParser, load_json
 
 
 def tool_grammar(mode: str, tools: list[dict], name: str | None,

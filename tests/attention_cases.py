@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.batch import Batch
+from jaxserve.backends.jax.batch import Batch
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}  # max abs error / max abs expected output
 

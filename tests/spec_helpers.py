@@ -1,5 +1,5 @@
 """Proposers for testing speculative decoding: they stand in for the n-gram lookup
-(jaxserve.scheduler.propose_ngram, monkeypatched) so that tests control how many proposals
+(jaxserve.core.scheduler.propose_ngram, monkeypatched) so that tests control how many proposals
 are kept. A tiny random-weight model rarely repeats itself, so real n-gram proposals are
 mostly rejected; these propose a known continuation, partly corrupted, so that verification
 keeps some proposals and rejects others."""

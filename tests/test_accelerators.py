@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.accelerators import warn_if_cpu_fallback
+from jaxserve.backends.jax.accelerators import warn_if_cpu_fallback
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,7 +21,7 @@ def test_cpu_fallback_with_a_device_node_warns_with_the_install_command(tmp_path
                                                                         what, extra):
     (tmp_path / node).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / node).touch()
-    with caplog.at_level(logging.WARNING, logger="jaxserve.accelerators"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.backends.jax.accelerators"):
         assert warn_if_cpu_fallback("cpu", dev_root=str(tmp_path))
     [record] = caplog.records
     assert record.levelno == logging.WARNING

@@ -12,11 +12,11 @@ import pytest
 from fuzz_requests import any_of_text, lark_chain, ref_chain
 
 from jaxserve import SamplingParams
-from jaxserve.admission import InputProcessor
-from jaxserve.request_limits import DESCRIPTIONS, RequestLimits
-from jaxserve.sampling_params import StructuredOutputsParams as Structured
-from jaxserve.structured_output import GrammarCompiler
-from jaxserve.tokenizer import load_tokenizer
+from jaxserve.config.request_limits import DESCRIPTIONS, RequestLimits
+from jaxserve.core.sampling_params import StructuredOutputsParams as Structured
+from jaxserve.core.structured_output import GrammarCompiler
+from jaxserve.engine.admission import InputProcessor
+from jaxserve.inputs.tokenizer import load_tokenizer
 
 MAX_LEN = 512
 

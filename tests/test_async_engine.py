@@ -10,8 +10,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from jaxserve import SamplingParams
-from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.server.app import ServerConfig, create_app
 from jaxserve.server.async_engine import AsyncLLMEngine, EngineDeadError, OverloadedError
 from jaxserve.server.metrics import EngineMetrics

@@ -12,15 +12,15 @@ import jax
 import pytest
 from test_parity import hf_greedy, run_jaxserve
 
-from jaxserve.attend import attention_for
+from jaxserve.backends.jax.attend import attention_for
 from jaxserve.cli import build_parser
-from jaxserve.config import (
+from jaxserve.config.engine_args import EngineArgs
+from jaxserve.config.engine_config import (
     ATTENTION_BACKENDS,
     JAX_ATTENTION_BACKENDS,
     AttentionConfig,
     EngineConfig,
 )
-from jaxserve.engine_args import EngineArgs
 from jaxserve.kernels_pallas import cpu_attention, ref
 
 KERNELS = "jaxserve.kernels_pallas"
@@ -88,7 +88,7 @@ def test_each_backend_and_platform_gets_its_implementation(backend, platform, mo
                                                            interpret, caplog, monkeypatch):
     expected = pytest.importorskip(module).ragged_paged_attention
     monkeypatch.setattr(logging.getLogger("jaxserve"), "propagate", True)  # to caplog
-    with caplog.at_level(logging.INFO, logger="jaxserve.runner"):
+    with caplog.at_level(logging.INFO, logger="jaxserve.backends.jax.runner"):
         fn = attention_for(backend, platform)
     if interpret is None:
         assert fn is expected

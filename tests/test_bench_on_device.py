@@ -109,7 +109,7 @@ def test_cpu_run_reports_every_section(tmp_path):
 
 
 def test_gpu_plan_is_llama3_8b_with_accelerator_engine_defaults(tmp_path):
-    from jaxserve.config import EngineConfig
+    from jaxserve.config.engine_config import EngineConfig
 
     script = load_script()
     args = script.argparse.Namespace(requests=None, hf_requests=None, hf_batch_size=None,

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from jaxserve.tokenizer import (
+from jaxserve.inputs.tokenizer import (
     apply_chat_template,
     encode_prompt,
     load_tokenizer,

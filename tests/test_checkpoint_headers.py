@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxserve.checkpoint import _read_header, read_safetensors
+from jaxserve.backends.checkpoint import _read_header, read_safetensors
 
 
 def write(path, header, data=b"", header_len=None):

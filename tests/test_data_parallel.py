@@ -13,11 +13,11 @@ import types
 
 import pytest
 
-from jaxserve.admission import EngineRequest
-from jaxserve.data_parallel import DataParallelEngine
-from jaxserve.engine_stats import EngineStats
-from jaxserve.kv_cache_manager import PrefixCacheStats
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.kv_cache_manager import PrefixCacheStats
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.admission import EngineRequest
+from jaxserve.engine.data_parallel import DataParallelEngine
+from jaxserve.engine.stats import EngineStats
 from jaxserve.server.async_engine import AsyncLLMEngine
 
 

@@ -1,4 +1,4 @@
-"""Tests for jaxserve.detokenizer: incremental text, UTF-8 hold-back, stop strings."""
+"""Tests for jaxserve.engine.detokenizer: incremental text, UTF-8 hold-back, stop strings."""
 
 import ast
 import pathlib
@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizer, PreTrainedTokenizerFast
 
-from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
@@ -479,7 +479,7 @@ def test_bad_updates_raise(tok):
 
 
 def test_module_imports_only_the_standard_library():
-    import jaxserve.detokenizer as module
+    import jaxserve.engine.detokenizer as module
 
     tree = ast.parse(pathlib.Path(module.__file__).read_text())
     roots = set()
@@ -495,7 +495,7 @@ def test_module_imports_only_the_standard_library():
 def test_rust_fast_path_equals_tokenizer_decode(tok, skip_special_tokens):
     """Without space clean-up, decoding goes straight to the Rust backend; it must give
     exactly what tokenizer.decode gives (specials kept or skipped alike)."""
-    from jaxserve.detokenizer import _fast_decoder
+    from jaxserve.engine.detokenizer import _fast_decoder
 
     fast = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer,
                                    bos_token="<|im_start|>", eos_token="<|im_end|>",

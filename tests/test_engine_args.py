@@ -12,7 +12,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.cli import build_parser
-from jaxserve.engine_args import EngineArgs
+from jaxserve.config.engine_args import EngineArgs
 
 SCRIPT = pathlib.Path(sys.executable).parent / "jaxserve"
 

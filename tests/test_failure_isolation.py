@@ -15,9 +15,9 @@ import pytest
 from starlette.testclient import TestClient
 
 from jaxserve import SamplingParams
-from jaxserve.config import EngineConfig
-from jaxserve.engine import EngineDeadError, LLMEngine
-from jaxserve.runner import ModelRunner
+from jaxserve.backends.jax.runner import ModelRunner
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.engine.llm_engine import EngineDeadError, LLMEngine
 from jaxserve.server.app import ServerConfig, create_app
 from jaxserve.server.async_engine import AsyncLLMEngine
 

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.generation_config import sampling_defaults
+from jaxserve.config.generation_config import sampling_defaults
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 QWEN_LIKE = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,

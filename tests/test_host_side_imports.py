@@ -8,6 +8,7 @@ reaches a backend only through runner_api.create_runner, which imports it when c
 
 from __future__ import annotations
 
+import json
 import pathlib
 import subprocess
 import sys
@@ -21,7 +22,7 @@ BLOCKER = textwrap.dedent("""
     import importlib.abc
     import sys
 
-    BLOCKED = ("jax", "jaxlib", "flax", "torch", "triton")
+    BLOCKED = {blocked!r}
 
     class Blocker(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
@@ -38,39 +39,36 @@ BLOCKER = textwrap.dedent("""
         assert not loaded, loaded
 """)
 
-HOST_MODULES = [
-    "jaxserve.request",
-    "jaxserve.kv_cache_manager",
-    "jaxserve.scheduler",
-    "jaxserve.sampling_params",
-    "jaxserve.input_builder",
-    "jaxserve.detokenizer",
-    "jaxserve.outputs",
-    "jaxserve.request_outputs",
-    "jaxserve.engine",
-    "jaxserve.engine_stats",
-    "jaxserve.engine_args",
-    "jaxserve.runner_api",
-    "jaxserve.runners",
-    "jaxserve.kv_sizing",
-    "jaxserve.model_path",
-    "jaxserve.data_parallel",
-    "jaxserve.llm",
-    "jaxserve.server.protocol",
-    "jaxserve.server.chat_messages",
-    "jaxserve.server.schema_base",
-    "jaxserve.server.async_engine",
-    "jaxserve.admission",
-    "jaxserve.request_limits",
-    "jaxserve.bounded_json",
-    "jaxserve.grammar_checks",
-    "jaxserve.grammar_sandbox",
-    "jaxserve.chat_template",
-]
+# The host side, by folder: every module in these folders (not their subfolders) imports
+# with jax, flax and torch blocked. A backend's own folder (backends/jax, backends/torch,
+# models/jax, models/torch) is the only place they may be imported.
+HOST_FOLDERS = ["jaxserve/config", "jaxserve/inputs", "jaxserve/parsers", "jaxserve/core",
+                "jaxserve/engine", "jaxserve/backends", "models", "server"]
+PACKAGE_OF = {"models": "jaxserve.models", "server": "jaxserve.server"}
+# Modules of those folders that need a device library, each with why.
+DEVICE_MODULES = {
+    "jaxserve.server.launch": "starts the engine's backend (XLA flags, the compile counter)",
+    "jaxserve.server.metrics": "reads JAX's compile counters",
+}
 
 
-def run_blocked(code: str) -> subprocess.CompletedProcess:
-    script = BLOCKER + textwrap.dedent(code)
+def host_modules() -> list[str]:
+    found = []
+    for folder in HOST_FOLDERS:
+        package = PACKAGE_OF.get(folder, folder.replace("/", "."))
+        for path in sorted((ROOT / folder).glob("*.py")):
+            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+            if name not in DEVICE_MODULES:
+                found.append(name)
+    return found + ["jaxserve", "jaxserve.llm"]
+
+
+HOST_MODULES = host_modules()
+
+
+def run_blocked(code: str, blocked=("jax", "jaxlib", "flax", "torch", "triton")
+                ) -> subprocess.CompletedProcess:
+    script = BLOCKER.replace("{blocked!r}", repr(tuple(blocked))) + textwrap.dedent(code)
     return subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
 
@@ -90,7 +88,7 @@ def test_host_module_imports_without_jax(module):
 def test_package_root_and_sampling_params_import_without_jax():
     proc = run_blocked("""
         from jaxserve import SamplingParams
-        from jaxserve.outputs import RequestOutput
+        from jaxserve.engine.outputs import RequestOutput
         import jaxserve
 
         assert SamplingParams(max_tokens=3).max_tokens == 3
@@ -105,7 +103,7 @@ def test_the_blocker_blocks():
     proc = run_blocked("""
         import importlib
 
-        for name in ("jax", "jaxlib", "flax", "jax.numpy", "jaxserve.runner"):
+        for name in ("jax", "jaxlib", "flax", "jax.numpy", "jaxserve.backends.jax.runner"):
             try:
                 importlib.import_module(name)
             except ImportError as e:
@@ -114,4 +112,36 @@ def test_the_blocker_blocks():
                 raise SystemExit(f"importing {name} should have failed")
         print("ok")
     """)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_plan_runs_without_jax(tmp_path):
+    """`jaxserve plan` counts weights from the family's numpy parameter table."""
+    config = {"architectures": ["MixtralForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
+              "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+              "max_position_embeddings": 32768, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    proc = run_blocked(f"""
+        import json
+        from jaxserve.cli import main
+
+        main(["plan", {str(tmp_path)!r}, "--mesh", "1x8", "--device-memory", "80GB",
+              "--quantization", "int8", "--json"])
+        assert_nothing_blocked_loaded()
+    """)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["num_params"] > 46e9, plan  # Mixtral 8x7B
+
+
+def test_the_torch_backend_never_imports_jax_or_flax():
+    proc = run_blocked("""
+        import jaxserve.backends.torch.runner
+        import jaxserve.backends.torch.sampler
+        import jaxserve.backends.torch.kv_quant
+        import jaxserve.models.torch.llama
+        assert_nothing_blocked_loaded()
+        print("ok")
+    """, blocked=("jax", "jaxlib", "flax"))
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

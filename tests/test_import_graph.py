@@ -1,23 +1,50 @@
-"""The package's modules import each other without cycles, lazy (function-level) imports
-included: each module has one place in the layering (docs/architecture.md), and a cycle
-means two modules each reach into the other."""
+"""The package's layering: modules import each other without cycles, lazy (function-level)
+imports included, and the folders form layers that import only downward
+(docs/architecture.md, "Layout"): a module imports its own folder or a folder below it,
+never one above. A cycle or an upward arrow means a module reaches into a stage it should
+be called by."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Source folders and the package each installs as (pyproject's package-dir).
 FOLDERS = {"jaxserve": "jaxserve", "models": "jaxserve.models",
            "kernels_pallas": "jaxserve.kernels_pallas",
            "kernels_triton": "jaxserve.kernels_triton", "server": "jaxserve.server"}
+# The layers, lowest first. A module belongs to the longest package below that names it;
+# the package root (`jaxserve`: __init__, llm, cli) is the top, the entry points.
+LAYERS = [
+    ("jaxserve.kernels_pallas", "jaxserve.kernels_triton"),
+    ("jaxserve.models",),
+    ("jaxserve.config",),
+    ("jaxserve.inputs",),
+    ("jaxserve.parsers",),
+    ("jaxserve.core",),
+    ("jaxserve.backends",),
+    ("jaxserve.engine",),
+    ("jaxserve.server",),
+    ("jaxserve",),
+]
+# Twins that never import each other (a backend, or a model, of one kind never needs the
+# other kind's).
+SIBLINGS = [("jaxserve.backends.jax", "jaxserve.backends.torch"),
+            ("jaxserve.models.jax", "jaxserve.models.torch")]
 
 
 def modules() -> dict[str, pathlib.Path]:
     found = {}
     for folder, package in FOLDERS.items():
-        for path in sorted((ROOT / folder).glob("*.py")):
-            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+        base = ROOT / folder
+        for path in sorted(base.rglob("*.py")):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            name = ".".join([package, *parts])
             found[name] = path
     return found
 
@@ -43,6 +70,36 @@ def imports_of(path: pathlib.Path, known: set[str]) -> set[str]:
     return targets
 
 
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    return {name: imports_of(path, set(found)) - {name} for name, path in found.items()}
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the longest package naming `module`."""
+    best, index = "", None
+    for i, packages in enumerate(LAYERS):
+        for package in packages:
+            if (module == package or module.startswith(package + ".")) and len(package) > len(best):
+                best, index = package, i
+    assert index is not None, module
+    return index
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """`a -> b` for every import of a module in a higher layer, or of a sibling twin."""
+    found = []
+    for source, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if layer_of(target) > layer_of(source):
+                found.append(f"{source} -> {target}")
+            for pair in SIBLINGS:
+                for mine, other in (pair, pair[::-1]):
+                    if source.startswith(mine + ".") and target.startswith(other + "."):
+                        found.append(f"{source} -> {target} (twins)")
+    return found
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
@@ -66,12 +123,32 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_no_import_cycles():
-    found = modules()
-    graph = {name: imports_of(path, set(found)) - {name} for name, path in found.items()}
-    assert len(graph) > 30  # the walk sees the package
-    assert "jaxserve.runner" in graph["jaxserve.runners"]  # lazy imports count
-    cycle = find_cycle(graph)
+    g = graph()
+    assert len(g) > 60  # the walk sees the whole package, subfolders included
+    assert "jaxserve.backends.jax.runner" in g["jaxserve.backends.selection"]  # lazy imports
+    cycle = find_cycle(g)
     assert cycle is None, " -> ".join(cycle)
+
+
+def test_folders_import_only_downward():
+    g = graph()
+    named = {package for layer in LAYERS for package in layer}
+    for module in g:  # a new folder inside jaxserve/ joins the table before it is used
+        parts = module.split(".")
+        if len(parts) > 2 and parts[1] not in ("models", "server", "kernels_pallas", "kernels_triton"):
+            assert ".".join(parts[:2]) in named, f"{'.'.join(parts[:2])} is missing from LAYERS"
+    assert upward_imports(g) == []
+
+
+@pytest.mark.parametrize("source,target", [
+    ("jaxserve.core.scheduler", "jaxserve.engine.llm_engine"),  # core reaching up
+    ("jaxserve.config.mesh", "jaxserve.backends.jax.runner"),
+    ("jaxserve.backends.torch.runner", "jaxserve.backends.jax.sampler"),  # twins
+])
+def test_an_added_upward_import_fails(source, target):
+    g = graph()
+    g[source] = g[source] | {target}
+    assert any(line.startswith(f"{source} -> {target}") for line in upward_imports(g))
 
 
 def test_the_walk_finds_a_cycle():

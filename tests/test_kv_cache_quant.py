@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 from attention_cases import MATRIX, TOL, f64, numpy_attention, padded_case
 
-from jaxserve import LLM, SamplingParams, kv_quant
-from jaxserve.config import CacheConfig
+from jaxserve import LLM, SamplingParams
+from jaxserve.backends.jax import kv_quant
+from jaxserve.config.engine_config import CacheConfig
 from jaxserve.kernels_pallas import (
     cpu_attention,
     gpu_ragged_paged_attention,
@@ -200,9 +201,9 @@ def test_quantized_step_never_touches_the_whole_cache(tiny_checkpoint, fmt):
 def test_blocks_per_gib_double_against_bf16(tiny_checkpoint):
     """The same KV budget holds twice the blocks with a one-byte cache; the runner, the
     engine's block manager and `jaxserve plan` agree."""
-    from jaxserve.config import EngineConfig
-    from jaxserve.kv_sizing import bytes_per_block
-    from jaxserve.plan import format_plan, make_plan
+    from jaxserve.config.engine_config import EngineConfig
+    from jaxserve.config.kv_sizing import bytes_per_block
+    from jaxserve.config.plan import format_plan, make_plan
 
     config = EngineConfig.create(str(tiny_checkpoint), dtype="bfloat16", max_model_len=128)
     arch = config.model.hf_config
@@ -251,7 +252,7 @@ def test_with_prefix_caching_preemption_and_speculation(tiny_checkpoint, monkeyp
     from spec_helpers import KnownContinuations
 
     sequences = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
-    monkeypatch.setattr("jaxserve.scheduler.propose_ngram", KnownContinuations(sequences))
+    monkeypatch.setattr("jaxserve.core.scheduler.propose_ngram", KnownContinuations(sequences))
     spec = LLM(str(tiny_checkpoint), max_num_seqs=8, max_num_batched_tokens=256,
                speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                    "prompt_lookup_max": 3}, **common)
@@ -276,7 +277,7 @@ def test_quantized_cache_tokens_do_not_depend_on_the_mesh(mesh_checkpoints):
 
 
 def test_kv_cache_dtype_is_validated_and_on_the_command_line(tiny_checkpoint):
-    from jaxserve.engine_args import EngineArgs
+    from jaxserve.config.engine_args import EngineArgs
 
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8"):
         CacheConfig(kv_cache_dtype="fp8_e5m2")
@@ -310,10 +311,10 @@ def test_torch_quantized_cache_matrix(impl, fmt, case):
     import torch
     from test_triton_kernels import to_torch, torch_batch
 
-    from jaxserve import torch_kv_quant
+    from jaxserve.backends.kv_formats import scales_from_amax
+    from jaxserve.backends.torch import kv_quant as torch_kv_quant
     from jaxserve.kernels_triton import attention
     from jaxserve.kernels_triton import ref as torch_ref
-    from jaxserve.kv_formats import scales_from_amax
 
     kind, block_size, ratio, head_dim, dtype = MATRIX[case]
     rng = np.random.default_rng(200 + case)

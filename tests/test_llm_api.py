@@ -316,7 +316,7 @@ def test_max_model_len_ends_with_length(llm):
 
 
 def test_completion_finished_reads_as_attribute_and_as_vllm_method():
-    from jaxserve.outputs import CompletionOutput
+    from jaxserve.engine.outputs import CompletionOutput
 
     running = CompletionOutput(0, "", [], None, None)
     done = CompletionOutput(0, "x", [5], None, None, finish_reason="length")
@@ -347,7 +347,7 @@ def test_logit_bias_allowed_token_ids_and_bad_words_shape_the_output(llm):
 
 
 def test_a_multi_token_bad_word_bans_its_last_token_after_the_rest():
-    from jaxserve.token_constraints import TokenConstraints
+    from jaxserve.core.token_constraints import TokenConstraints
 
     class Tokenizer:
         def encode(self, text, add_special_tokens=False):

@@ -15,8 +15,8 @@ import pytest
 from test_parity import hf_greedy
 
 from jaxserve import LLM
-from jaxserve.config import EngineConfig
-from jaxserve.mesh import (
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.config.mesh import (
     MODEL,
     MeshShape,
     ModelDims,

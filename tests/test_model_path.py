@@ -60,7 +60,7 @@ def test_a_local_folder_wins_over_a_hub_id_of_the_same_name(tiny_checkpoint, tmp
                                                             monkeypatch):
     import logging
 
-    from jaxserve.model_path import resolve_model
+    from jaxserve.config.model_path import resolve_model
 
     local = tmp_path / "org" / "name"
     shutil.copytree(tiny_checkpoint, local)

@@ -1,4 +1,4 @@
-"""Sparse MoE models (models/mixtral.py): logits parity with HF transformers, the expert-slice
+"""Sparse MoE models (models/jax/mixtral.py): logits parity with HF transformers, the expert-slice
 contract of moe_block that expert parallelism relies on, and both checkpoint layouts."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxserve.batch import Batch
+from jaxserve.backends.jax.batch import Batch
+from jaxserve.backends.jax.weights import load_params
 from jaxserve.models import model_family, resolve_architecture
-from jaxserve.models.mixtral import MixtralArch, moe_block
-from jaxserve.weights import load_params
+from jaxserve.models.jax.mixtral import MixtralArch, moe_block
 
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 BLOCK = 16

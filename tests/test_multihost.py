@@ -30,7 +30,7 @@ def free_port() -> int:
 def test_two_processes_match_one(source, mesh_checkpoints, tmp_path):
     folder = str(mesh_checkpoints["llama"])
     if source == "orbax":
-        from jaxserve.orbax_checkpoint import convert
+        from jaxserve.backends.jax.orbax_checkpoint import convert
 
         folder = str(convert(folder, tmp_path / "orbax"))
     engine = ["--model", folder, "--dtype", "float32", "--max-model-len", "128",

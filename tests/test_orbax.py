@@ -14,7 +14,7 @@ from test_mesh import mesh_runs
 from test_parity import hf_greedy
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.orbax_checkpoint import convert, is_orbax_folder
+from jaxserve.backends.jax.orbax_checkpoint import convert, is_orbax_folder
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self"]
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, precompile=False)

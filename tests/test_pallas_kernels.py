@@ -27,7 +27,7 @@ from attention_cases import (
 )
 from jax import export
 
-from jaxserve.batch import Batch
+from jaxserve.backends.jax.batch import Batch
 from jaxserve.kernels_pallas import gpu_ragged_paged_attention, ragged_paged_attention
 from jaxserve.kernels_pallas.kernel_layout import BlockSizes, default_block_sizes
 

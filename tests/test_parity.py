@@ -121,7 +121,7 @@ def test_speculative_greedy_matches_transformers(arch, tiny_checkpoints, hf_refe
 
     prompts, expected = hf_reference
     proposer = KnownContinuations([p + e for p, e in zip(prompts, expected[arch])])
-    monkeypatch.setattr("jaxserve.scheduler.propose_ngram", proposer)
+    monkeypatch.setattr("jaxserve.core.scheduler.propose_ngram", proposer)
     got, llm = run_jaxserve(tiny_checkpoints[arch], prompts, max_num_seqs=8,
                             speculative_config={"num_speculative_tokens": 4},
                             **VARIANTS["all-three"])

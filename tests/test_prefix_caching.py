@@ -17,9 +17,9 @@ import pytest
 from test_scheduler import VOCAB, Harness, cdiv
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import CacheConfig
-from jaxserve.kv_cache_manager import ROOT_HASH, BlockPool, KVCacheManager, hash_block
-from jaxserve.request import Request, RequestStatus
+from jaxserve.config.engine_config import CacheConfig
+from jaxserve.core.kv_cache_manager import ROOT_HASH, BlockPool, KVCacheManager, hash_block
+from jaxserve.core.request import Request, RequestStatus
 
 
 def request(rid: str, prompt: list[int], max_tokens: int = 4, **params) -> Request:
@@ -281,7 +281,7 @@ def test_randomized_soak_with_shared_prefixes(seed):
 # ---- configuration and metrics ------------------------------------------------------------
 def test_config_flag_and_cli():
     from jaxserve.cli import build_parser
-    from jaxserve.engine_args import EngineArgs
+    from jaxserve.config.engine_args import EngineArgs
 
     assert CacheConfig().enable_prefix_caching is True
     with pytest.raises(ValueError, match="enable_prefix_caching"):

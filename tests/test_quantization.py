@@ -15,7 +15,7 @@ import pytest
 from test_mesh import mesh_runs
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.quantization import CONTRACTED, quantize_int8
+from jaxserve.models.quantization import CONTRACTED, quantize_int8
 
 ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256, precompile=False)
 
@@ -162,7 +162,7 @@ def test_plan_shows_the_smaller_weights_and_the_larger_kv_budget(tiny_checkpoint
 
 
 def test_start_up_logs_the_int8_weight_bytes(tiny_checkpoints, caplog):
-    caplog.set_level("INFO", logger="jaxserve.runner")
+    caplog.set_level("INFO", logger="jaxserve.backends.jax.runner")
     LLM(str(tiny_checkpoints["llama"]), quantization="int8", dtype="bfloat16", **ENGINE)
     assert "int8 linear layers" in caplog.text
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.reasoning_parsers import reasoning_parser
+from jaxserve.parsers.reasoning import reasoning_parser
 
 CASES = [
     ("qwen3", "<think>Let me add.</think>The sum is 4.", "Let me add.", "The sum is 4."),

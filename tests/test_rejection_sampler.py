@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.rejection_sampler import accept_drafts
+from jaxserve.backends.jax.rejection_sampler import accept_drafts
 
 V, K = 6, 3
 SAMPLES = 40_000

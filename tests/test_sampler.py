@@ -40,8 +40,8 @@ class JaxSampler:
         import jax
         import jax.numpy as jnp
 
-        from jaxserve import sampler
-        from jaxserve.batch import SamplingInputs
+        from jaxserve.backends.jax import sampler
+        from jaxserve.backends.jax.batch import SamplingInputs
 
         self.jnp, self.sampler, self.SamplingInputs = jnp, sampler, SamplingInputs
         self.jitted = jax.jit(sampler.sample)
@@ -77,7 +77,7 @@ class TorchSampler:
     def __init__(self) -> None:
         import torch
 
-        from jaxserve import torch_sampler
+        from jaxserve.backends.torch import sampler as torch_sampler
 
         self.torch, self.sampler = torch, torch_sampler
 

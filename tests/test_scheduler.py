@@ -21,13 +21,13 @@ import zlib
 import numpy as np
 import pytest
 
-from jaxserve.config import SchedulerConfig
-from jaxserve.input_builder import build_step_inputs
-from jaxserve.kv_cache_manager import BlockPool, KVCacheManager
-from jaxserve.request import Request, RequestStatus
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler, SchedulerOutput
-from jaxserve.spec_decode import SpeculativeConfig
+from jaxserve.config.engine_config import SchedulerConfig
+from jaxserve.config.speculative import SpeculativeConfig
+from jaxserve.core.input_builder import build_step_inputs
+from jaxserve.core.kv_cache_manager import BlockPool, KVCacheManager
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 
 VOCAB = 50_000
 PAD = -2  # what padding tokens write (into the null block)
@@ -773,7 +773,7 @@ def test_speculative_soak_keeps_every_invariant_and_every_token(corrupt, monkeyp
     preemption, chunked prefill, prefix caching, aborts and tight budgets."""
     accepted = rejected = preemptions = 0
     for seed in range(10):
-        monkeypatch.setattr("jaxserve.scheduler.propose_ngram", oracle(corrupt, seed))
+        monkeypatch.setattr("jaxserve.core.scheduler.propose_ngram", oracle(corrupt, seed))
         rng = random.Random(100 + seed)
         block_size, max_model_len = rng.choice([1, 2, 4, 8]), rng.choice([32, 48, 64])
         max_num_seqs = rng.randint(1, 6)
@@ -803,7 +803,7 @@ def test_speculative_soak_keeps_every_invariant_and_every_token(corrupt, monkeyp
 def test_no_proposals_where_a_sampling_stage_depends_on_earlier_tokens(monkeypatch):
     """Penalties (counts), min_tokens (stop tokens masked until then) and the end of
     max_tokens rule proposals out; the rest get them."""
-    monkeypatch.setattr("jaxserve.scheduler.propose_ngram", oracle(0.0, 0))
+    monkeypatch.setattr("jaxserve.core.scheduler.propose_ngram", oracle(0.0, 0))
     h = Harness(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
                 speculative=SpeculativeConfig(num_speculative_tokens=4))
     kinds = {"plain": {}, "penalty": dict(repetition_penalty=1.2),
@@ -836,7 +836,7 @@ def test_proposals_never_push_a_step_into_a_bigger_bucket_they_do_not_fill(monke
     """Token buckets 16, 32, 64: ten decoding requests with 4 proposals each would need 50
     tokens (padded to 64); the deepest proposals are dropped down to 32, evenly. With 3
     requests (3 tokens, padded to 16 anyway) all 12 proposals fit in the 16."""
-    monkeypatch.setattr("jaxserve.scheduler.propose_ngram", oracle(0.0, 0, every=True))
+    monkeypatch.setattr("jaxserve.core.scheduler.propose_ngram", oracle(0.0, 0, every=True))
     for count, total, per_row in ((10, 32, {2, 3}), (3, 15, {4})):
         h = Harness(num_blocks=200, block_size=4, max_num_seqs=16, max_num_batched_tokens=64,
                     speculative=SpeculativeConfig(num_speculative_tokens=4))
@@ -856,7 +856,7 @@ def test_proposals_never_push_a_step_into_a_bigger_bucket_they_do_not_fill(monke
 
 
 def test_disable_by_batch_size_stops_proposals_while_many_run(monkeypatch):
-    monkeypatch.setattr("jaxserve.scheduler.propose_ngram", oracle(0.0, 0, every=True))
+    monkeypatch.setattr("jaxserve.core.scheduler.propose_ngram", oracle(0.0, 0, every=True))
     h = Harness(num_blocks=200, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
                 speculative=SpeculativeConfig(num_speculative_tokens=2,
                                               disable_by_batch_size=2))

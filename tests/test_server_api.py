@@ -24,7 +24,7 @@ from server_helpers import SHARED_READ_TIMEOUT, SMALL_ENGINE_ARGS, running_serve
 
 import jaxserve
 from jaxserve import LLM, SamplingParams
-from jaxserve.tokenizer import apply_chat_template
+from jaxserve.inputs.tokenizer import apply_chat_template
 
 C, CH = "/v1/completions", "/v1/chat/completions"
 PROMPT = "def fibonacci(n):"

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxserve.spec_decode import SpeculativeConfig, propose_ngram
+from jaxserve.config.speculative import SpeculativeConfig
+from jaxserve.core.spec_decode import propose_ngram
 
 
 def brute_force(tokens, min_n, max_n, k):

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 from test_scheduler import Harness, oracle
 
-from jaxserve.spec_decode import SpecDecodeStats, SpeculativeConfig
-from jaxserve.spec_policy import StepTimes, expected_gains, keep_rate, proposals_to_keep
+from jaxserve.config.speculative import SpeculativeConfig
+from jaxserve.core.spec_decode import SpecDecodeStats
+from jaxserve.core.spec_policy import StepTimes, expected_gains, keep_rate, proposals_to_keep
 
 BUCKETS = (16, 32, 64, 128, 256, 512)
 
@@ -115,7 +116,7 @@ def test_the_scheduler_follows_the_step_times_it_is_told(bound, monkeypatch):
     the 128 bucket); told they cost in proportion to tokens, it keeps only the two that fill
     the 16 bucket (and tries the bigger buckets once or twice on the way, as they are not
     measured)."""
-    monkeypatch.setattr("jaxserve.scheduler.propose_ngram", oracle(0.3, 0, every=True))
+    monkeypatch.setattr("jaxserve.core.scheduler.propose_ngram", oracle(0.3, 0, every=True))
     h = Harness(num_blocks=800, block_size=4, max_num_seqs=16, max_num_batched_tokens=128,
                 speculative=SpeculativeConfig(num_speculative_tokens=4))
     for i in range(14):
@@ -135,7 +136,7 @@ def test_the_scheduler_follows_the_step_times_it_is_told(bound, monkeypatch):
 def test_proposals_never_crowd_out_a_running_requests_own_token(monkeypatch):
     """A budget of 24 tokens and 20 decoding sequences: every one of them decodes in every
     step; proposals get only the 4 tokens left."""
-    monkeypatch.setattr("jaxserve.scheduler.propose_ngram", oracle(0.0, 0, every=True))
+    monkeypatch.setattr("jaxserve.core.scheduler.propose_ngram", oracle(0.0, 0, every=True))
     h = Harness(num_blocks=800, block_size=4, max_num_seqs=20, max_num_batched_tokens=24,
                 speculative=SpeculativeConfig(num_speculative_tokens=4))
     for i in range(20):
@@ -154,7 +155,7 @@ def test_waiting_prompts_come_before_proposals(monkeypatch):
     """While a long prompt waits to be prefilled, the decoding sequences' proposals take
     only the budget its chunks leave: the prompt is done in as many steps as without
     speculation."""
-    monkeypatch.setattr("jaxserve.scheduler.propose_ngram", oracle(0.0, 0, every=True))
+    monkeypatch.setattr("jaxserve.core.scheduler.propose_ngram", oracle(0.0, 0, every=True))
     steps_to_prefill = {}
     for k in (None, 4):
         spec = SpeculativeConfig(num_speculative_tokens=k) if k else None

@@ -78,7 +78,7 @@ def test_seeded_sampling_equals_plain_sampling_token_for_token(llms, monkeypatch
     # Propose the plain run's own continuation, 30% corrupted: most proposals are kept.
     proposer = KnownContinuations([o.prompt_token_ids + c.token_ids for o in want
                                    for c in o.outputs])
-    monkeypatch.setattr("jaxserve.scheduler.propose_ngram", proposer)
+    monkeypatch.setattr("jaxserve.core.scheduler.propose_ngram", proposer)
     before = spec.engine.stats()
     got = spec.generate(prompts, params, use_tqdm=False)
     drafted, accepted = stats_delta(spec, before)
@@ -103,7 +103,7 @@ def test_sampled_distribution_matches_plain_sampling(llms, monkeypatch):
     prompt = repetitive_prompts(1)[0]
     greedy = plain.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8,
                                                      ignore_eos=True), use_tqdm=False)
-    monkeypatch.setattr("jaxserve.scheduler.propose_ngram",
+    monkeypatch.setattr("jaxserve.core.scheduler.propose_ngram",
                         KnownContinuations([prompt + greedy[0].outputs[0].token_ids],
                                            corrupt=0.0))
     samples = 800
@@ -151,7 +151,7 @@ def test_stops_end_the_output_where_plain_decoding_ends_it(llms, monkeypatch):
     free = plain.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40,
                                                   ignore_eos=True), use_tqdm=False)
     sequences = [o.prompt_token_ids + o.outputs[0].token_ids for o in free]
-    monkeypatch.setattr("jaxserve.scheduler.propose_ngram",
+    monkeypatch.setattr("jaxserve.core.scheduler.propose_ngram",
                         KnownContinuations(sequences, corrupt=0.0))
     cases = []
     for o in free:
@@ -260,7 +260,7 @@ def test_bfloat16_speculation_keeps_plain_decodings_tokens(tiny_checkpoints, mon
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     want = tokens(LLM(folder, **engine).generate(prompts, params, use_tqdm=False))
     proposer = KnownContinuations([p + w for p, w in zip(prompts, want)])
-    monkeypatch.setattr("jaxserve.scheduler.propose_ngram", proposer)
+    monkeypatch.setattr("jaxserve.core.scheduler.propose_ngram", proposer)
     spec = LLM(folder, speculative_config=SPEC, **engine)
     got = tokens(spec.generate(prompts, params, use_tqdm=False))
     assert spec.engine.stats().spec_accepted_tokens > 50

@@ -21,8 +21,8 @@ import threading
 import numpy as np
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.compilation import compilation_count, executable_loads
-from jaxserve.executable_cache import ExecutableCache, versions
+from jaxserve.backends.jax.compile_stats import compilation_count, executable_loads
+from jaxserve.backends.jax.executable_cache import ExecutableCache, versions
 
 # One step bucket (16, 1) and one scoring function: the cheapest engine there is.
 ONE_BUCKET = dict(max_model_len=64, max_num_seqs=1, max_num_batched_tokens=16)
@@ -56,7 +56,7 @@ def test_second_engine_loads_instead_of_compiling(tiny_checkpoint, tmp_path, cap
         caplog.clear()
         llm = LLM(str(tiny_checkpoint), **args)
         compiles = compilation_count()
-        with caplog.at_level(logging.WARNING, logger="jaxserve.executable_cache"):
+        with caplog.at_level(logging.WARNING, logger="jaxserve.backends.jax.executable_cache"):
             got = llm.generate("def f(x):", GREEDY, use_tqdm=False)
         assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids, name
         assert compilation_count() > compiles, name
@@ -70,7 +70,7 @@ def test_a_source_change_that_keeps_the_hlo_loads_instead_of_compiling(tiny_chec
     """The index is keyed by jaxserve's source, the entry by the lowered HLO: after a code
     change that leaves a function's HLO as it was, a start traces and lowers, finds the
     entry, and compiles nothing."""
-    from jaxserve import executable_cache
+    from jaxserve.backends.jax import executable_cache
 
     args = dict(ONE_BUCKET, compilation_cache_dir=str(tmp_path), dtype="float32")
     want = LLM(str(tiny_checkpoint), **args).generate("def f(x):", GREEDY, use_tqdm=False)
@@ -115,7 +115,7 @@ def test_unusable_entries_never_raise(tmp_path, caplog):
 _START = textwrap.dedent("""
     import json, sys
     from jaxserve import LLM, SamplingParams
-    from jaxserve.compilation import compilation_count, executable_loads
+    from jaxserve.backends.jax.compile_stats import compilation_count, executable_loads
     llm = LLM(sys.argv[1], compilation_cache_dir=sys.argv[2], dtype="bfloat16",
               max_model_len=64, max_num_seqs=1, max_num_batched_tokens=16)
     before = compilation_count()
@@ -155,7 +155,7 @@ def test_background_warm_up_serves_at_once_and_then_never_compiles(tiny_checkpoi
                                                                    monkeypatch):
     """Requests run while the warm-up is held back (only the first bucket is compiled, and
     every step fits it); once it finishes, a mixed workload compiles nothing."""
-    from jaxserve.runner import ModelRunner
+    from jaxserve.backends.jax.runner import ModelRunner
 
     gate = threading.Event()
     build = ModelRunner._build

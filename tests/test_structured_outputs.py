@@ -14,7 +14,7 @@ import pytest
 from server_helpers import SMALL_ENGINE_ARGS
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.sampling_params import StructuredOutputsParams
+from jaxserve.core.sampling_params import StructuredOutputsParams
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
@@ -176,7 +176,7 @@ def test_a_grammar_over_its_per_step_budget_fails_alone(llm, monkeypatch):
     budget once the output reaches the repetition: that request fails alone, as the
     request's fault (finish_reason "error", error_param structured_outputs); its neighbour's
     tokens are those it gets alone."""
-    from jaxserve.request_limits import RequestLimits
+    from jaxserve.config.request_limits import RequestLimits
 
     monkeypatch.setattr(llm.engine.processor, "limits", RequestLimits(
         max_regex_repetition=10**9, grammar_compile_timeout=60))

@@ -15,8 +15,8 @@ from pydantic import BaseModel, Field
 from server_helpers import SMALL_ENGINE_ARGS
 from starlette.testclient import TestClient
 
-from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.server.app import ServerConfig, create_app
 from jaxserve.server.async_engine import AsyncLLMEngine
 from jaxserve.server.openai_serving import ChatSettings

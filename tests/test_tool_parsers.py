@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from jaxserve.bounded_json import DEFAULT_MAX_DEPTH as MAX_JSON_DEPTH
+from jaxserve.inputs.bounded_json import DEFAULT_MAX_DEPTH as MAX_JSON_DEPTH
+from jaxserve.parsers.tools import PARSERS, tool_parser
 from jaxserve.server.tool_calls import ChoiceTools
-from jaxserve.tool_parsers import PARSERS, tool_parser
 
 CASES = {
     "hermes": [

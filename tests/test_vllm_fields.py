@@ -18,9 +18,9 @@ import pytest
 from server_helpers import SMALL_ENGINE_ARGS
 from starlette.testclient import TestClient
 
-from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
-from jaxserve.request_limits import RequestLimits
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.config.request_limits import RequestLimits
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.server.app import ServerConfig, create_app
 from jaxserve.server.async_engine import AsyncLLMEngine
 from jaxserve.server.openai_serving import ChatSettings
@@ -648,7 +648,7 @@ def test_cached_tokens_count_a_repeated_prompts_cached_blocks(client):
 
 
 def test_a_fcfs_engine_refuses_a_priority():
-    from jaxserve.admission import InputProcessor
+    from jaxserve.engine.admission import InputProcessor
 
     model = type("M", (), {"max_model_len": 64, "vocab_size": 100})()
     fcfs = InputProcessor(model, "fcfs", None, (), None, RequestLimits())

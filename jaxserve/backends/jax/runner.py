@@ -1,0 +1,492 @@
+"""Model runner: owns the weights, the paged KV cache and the compiled step per (T, R) bucket.
+
+The step is one jitted function, compiled per bucket (jaxserve/backends/jax/bucket_compiler.py: on first use or
+by a warm-up, through the executable cache):
+
+    step(params, kv_caches, penalty_state, packed_inputs)
+        -> (kv_caches, penalty_state, hidden, packed_sample_result)
+
+With speculative decoding (K proposals at most), a step in which some row verifies
+proposals samples at each proposal of a row and at its last token, and keeps the proposals
+that match the draws (rejection_sampler.py). The packed result then holds L = min(T, R*(K+1))
+entries, row after row (row r's num_proposed[r] + 1 entries first, at the sum of the earlier
+rows' counts), and the count each row emitted. Steps without proposals run the one-token
+sampler into the same layout.
+
+It is the step of docs/architecture.md, step(params, kv_caches, batch, sampling), with two
+additions: the Batch and SamplingInputs travel packed into one int32 buffer (one
+host-to-device transfer; unpacked inside by static slices, see packing.py), and the penalty
+state (per-request token counts) rides along with the KV cache. kv_caches and penalty_state
+are donated, so both are updated in place. hidden (the final hidden states, [T, D]) stays
+on the device for prompt_logprobs.
+Every device array is placed through the engine's Mesh (one device by default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxserve.backends.jax import kv_quant
+from jaxserve.backends.jax.accelerators import warn_if_cpu_fallback
+from jaxserve.backends.jax.attend import KV_SCALE_SPEC, attention_for, make_attend
+from jaxserve.backends.jax.batch import Batch, SamplingInputs
+from jaxserve.backends.jax.bucket_compiler import CompiledFunctions
+from jaxserve.backends.jax.compile_stats import (
+    compilation_count,
+    enable_persistent_cache,
+    install_counter,
+    record_compile,
+    record_load,
+)
+from jaxserve.backends.jax.distributed import StepChannel, is_leader
+from jaxserve.backends.jax.executable_cache import executable_cache_for
+from jaxserve.backends.jax.orbax_checkpoint import is_orbax_folder, restore_params
+from jaxserve.backends.jax.packing import Layout, layout_of, pack, pack_device, unpack, unpack_host
+from jaxserve.backends.jax.rejection_sampler import accept_drafts
+from jaxserve.backends.jax.sampler import (
+    MASK_ROWS_PER_CALL,
+    PenaltyState,
+    SampleResult,
+    sample,
+    score_tokens,
+    set_bias_row,
+    set_grammar_rows,
+    update_penalty_state,
+    uses_penalties,
+)
+from jaxserve.backends.jax.weights import load_params, place, random_params
+from jaxserve.backends.protocol import PaddingStats, RunnerStats, StepResult
+from jaxserve.config import kv_sizing
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.config.mesh import (
+    AXES,
+    KV_CACHE_SPEC,
+    MODEL,
+    ModelDims,
+    check_devices,
+    param_spec,
+    plan_sharding,
+)
+from jaxserve.core.input_builder import build_step_inputs
+from jaxserve.core.sampling_params import MAX_LOGPROBS
+from jaxserve.core.scheduler import SchedulerOutput
+from jaxserve.kernels_pallas import ref
+from jaxserve.kernels_pallas.ref import token_layout
+from jaxserve.models import model_family
+from jaxserve.models.jax.mixtral import expert_parallel
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": (jnp.float32, np.float32), "bfloat16": (jnp.bfloat16, ml_dtypes.bfloat16),
+           "float16": (jnp.float16, np.float16)}
+_BATCH_FIELDS = tuple(f.name for f in dataclasses.fields(Batch))
+
+
+@dataclasses.dataclass
+class InFlightStep:
+    """A dispatched step: device arrays not yet waited for."""
+
+    result: jax.Array  # packed SampleResult
+    scores: jax.Array | None  # packed prompt scores, when asked for
+    num_tokens: int  # the step's (T, R) bucket
+    num_rows: int
+
+
+def replica_mesh(config: EngineConfig, rank: int = 0) -> Mesh:
+    """The (1, model) mesh of data-parallel replica `rank`: the rank-th run of `model`
+    devices. Checks first that the configured mesh fits the devices there are."""
+    parallel = config.parallel
+    devices = jax.devices()
+    check_devices(parallel.mesh, len(devices), ModelDims.from_hf(config.model.hf_config),
+                  parallel.expert_parallel)
+    if jax.process_count() > 1 and parallel.mesh.data != 1:
+        raise ValueError("A multi-host run is one replica over every host's devices: use "
+                         f"--mesh 1x{len(devices)}.")
+    model = parallel.mesh.model
+    mine = devices[rank * model:(rank + 1) * model]
+    return Mesh(np.array(mine).reshape(1, model), AXES)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, mesh: Mesh | None = None) -> None:
+        """mesh: this replica's (1, model) mesh; replica 0's when not given."""
+        install_counter()
+        if jax.process_count() > 1:  # one process: the executable cache below instead
+            enable_persistent_cache(config.compilation_cache_dir)
+        self.config = config
+        self.num_speculative = (config.speculative.num_speculative_tokens
+                                if config.speculative is not None else 0)  # K
+        self.mesh = mesh or replica_mesh(config)
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.local_device = next(d for d in self.mesh.devices.flat
+                                 if d.process_index == jax.process_index())
+        self.channel = StepChannel() if jax.process_count() > 1 else None
+        hf = config.model.hf_config
+        family = model_family(hf)
+        self.plan = plan_sharding(ModelDims.from_hf(hf), self.mesh.shape[MODEL],
+                                  config.parallel.expert_parallel)
+        self.arch = dataclasses.replace(family.arch_from_hf(hf), num_kv_heads=self.plan.kv_heads,
+                                        kv_replicas=self.plan.kv_replicas)
+        warn_if_cpu_fallback(self.mesh.devices.flat[0].platform)
+        # Chosen first: a backend the platform cannot run fails before the weights load.
+        self.attention_fn = attention_for(config.attention.backend,
+                                          self.mesh.devices.flat[0].platform, self.arch.head_dim)
+        self.dtype, np_dtype = _DTYPES[config.model.dtype]
+        options = {}
+        if config.parallel.expert_parallel:  # whole experts per device, summed over `model`
+            options["moe_fn"] = expert_parallel(self.mesh, MODEL)
+        quantization = config.model.quantization
+        if quantization is not None:
+            options["quantization"] = quantization
+        abstract = nnx.eval_shape(lambda: family.model_cls(self.arch, self.dtype, **options))
+        spec_of = lambda path: PartitionSpec(*param_spec(path, self.plan))
+        if config.model.load_format == "dummy":
+            model = random_params(abstract, self.mesh, config.model.seed, spec_of)
+        elif is_orbax_folder(config.model.model):
+            model = restore_params(abstract, config.model.model, self.dtype, self.mesh, spec_of,
+                                   self.plan.kv_replicas)
+        else:
+            model = load_params(abstract, config.model.model,
+                                functools.partial(family.param_path, arch=self.arch), np_dtype,
+                                self.mesh, spec_of)
+        kv_cache_dtype = config.cache.kv_cache_dtype
+        kv_values = kv_quant.value_dtype(kv_cache_dtype, self.dtype)
+        self.attend = make_attend(self.attention_fn, self.mesh,
+                                  kv_values if kv_quant.is_quantized(kv_cache_dtype) else None)
+        self.graphdef, self.params = nnx.split(model)
+        self._log_placement()
+        self.padding = PaddingStats()
+        self.block_size = config.cache.block_size
+        self.blocks_per_seq = kv_sizing.blocks_per_seq(config.model.max_model_len,
+                                                       self.block_size)
+        # Before sizing the KV cache, so that the device's bytes in use count it.
+        self.penalty_state = PenaltyState.zeros(config.scheduler.max_num_seqs + 1,
+                                                self.arch.vocab_size, self.replicated)
+        self.num_blocks = self._num_kv_blocks()
+        shape = (self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        # On the CPU a bf16 / f16 / fp8 cache holds its bits as integers (ref.kv_storage_dtype).
+        self.cache_dtype = ref.kv_storage_dtype(kv_values, self.mesh.devices.flat[0].platform)
+        zeros = jax.jit(functools.partial(jnp.zeros, shape, self.cache_dtype),
+                        out_shardings=NamedSharding(self.mesh, PartitionSpec(*KV_CACHE_SPEC)))
+        scales = self._calibrate_kv_scales() if kv_quant.is_quantized(kv_cache_dtype) else None
+        self.kv_caches = [(zeros(), zeros()) + (scales[i] if scales else ())
+                          for i in range(self.arch.num_layers)]
+        self._step = jax.jit(self._step_fn, donate_argnums=(1, 2), static_argnames=("layout",))
+        self._score = jax.jit(self._score_fn)
+        self._set_bias = jax.jit(set_bias_row, donate_argnums=0)
+        self._set_grammar = jax.jit(set_grammar_rows, donate_argnums=0)
+        # Shapes and shardings to compile for: the live arrays are donated at every step.
+        spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+        self._params_spec = jax.tree.map(spec, self.params)
+        self._kv_spec = jax.tree.map(spec, self.kv_caches)
+        self._penalty_spec = jax.tree.map(spec, self.penalty_state)
+        self.executables = executable_cache_for(config, self)
+        self.compiled = CompiledFunctions(self._build, config.scheduler, self.executables)
+
+    # ---- sizing -------------------------------------------------------------------------
+    def _log_placement(self) -> None:
+        """The split and the weight bytes one device holds (`jaxserve plan` predicts both)."""
+        held = sum(shard.data.nbytes for leaf in jax.tree.leaves(self.params)
+                   for shard in leaf.addressable_shards if shard.device == self.local_device)
+        plan, arch = self.plan, self.arch
+        quantization = self.config.model.quantization
+        logger.info("Mesh %s: model axis %d; kv heads %d -> %d (%d per device); embeddings "
+                    "split on %s; weights %.2f MiB per device%s.",
+                    self.config.parallel.mesh, plan.model, arch.num_kv_heads // plan.kv_replicas,
+                    plan.kv_heads, plan.kv_heads_per_device, plan.embed_axis or "nothing",
+                    held / 2**20, f" ({quantization} linear layers)" if quantization else "")
+
+    @property
+    def bytes_per_block(self) -> int:
+        """KV bytes of one block on each device (its share of the kv heads)."""
+        element = kv_sizing.cache_element(self.config.model.dtype,
+                                          self.config.cache.kv_cache_dtype)
+        return kv_sizing.bytes_per_block(self.arch.num_layers, self.block_size,
+                                         self.plan.kv_heads_per_device, self.arch.head_dim,
+                                         element)
+
+    def _calibrate_kv_scales(self) -> list[tuple[jax.Array, jax.Array]]:
+        """A quantized cache's (k_scale, v_scale) f32[K'] per layer (kv_quant's
+        calibration), split like the cache's kv heads."""
+        scales = kv_quant.calibrated_scales(self.config, self.graphdef, self.params,
+                                            self.arch.num_layers, self.arch.num_kv_heads,
+                                            self.arch.vocab_size, self.replicated)
+        split = NamedSharding(self.mesh, PartitionSpec(*KV_SCALE_SPEC))
+        return [(place(k, split), place(v, split)) for k, v in scales]
+
+    def _num_kv_blocks(self) -> int:
+        """kv_sizing's budget on this device (what is in use already counts: the weights)."""
+        stats = self.local_device.memory_stats() or {}
+        budget = kv_sizing.kv_budget(
+            self.config.cache, self.bytes_per_block, device_limit=stats.get("bytes_limit"),
+            in_use=stats.get("bytes_in_use", 0),
+            max_seq_blocks=self.config.scheduler.max_num_seqs * self.blocks_per_seq + 1)
+        blocks = budget.blocks
+        if self.channel is not None:  # every host must build the same cache shape
+            blocks = self.channel.share(blocks)
+        kv_sizing.check_holds_one_sequence(blocks, self.block_size,
+                                           self.config.model.max_model_len)
+        return int(blocks)
+
+    # ---- device functions ---------------------------------------------------------------
+    def _step_fn(self, params, kv_caches, penalty_state, packed, layout: Layout):
+        arrays = unpack(packed, layout)
+        batch = Batch(**{f: arrays.pop(f) for f in _BATCH_FIELDS})
+        sampling = SamplingInputs(**arrays)
+        model = nnx.merge(self.graphdef, params)
+        kv_caches, hidden = model(kv_caches, batch, self.attend)
+        hidden = jax.lax.with_sharding_constraint(hidden, self.replicated)  # [T, D]
+        seq, _, valid = token_layout(batch, batch.token_ids.shape[0])
+        # The penalty rows are only read by requests with penalties, which are in the
+        # steps that update them: other steps skip the scatter.
+        penalty_state = jax.lax.cond(
+            uses_penalties(sampling), update_penalty_state, lambda state, *_: state,
+            penalty_state, batch, sampling, seq, valid)
+
+        def sample_at(indices, s):  # the sampler sees the whole vocabulary on every device
+            logits = jax.lax.with_sharding_constraint(model.logits(hidden[indices]),
+                                                      self.replicated)  # f32[rows, V]
+            return sample(logits, penalty_state, s)
+
+        k = self.num_speculative
+        if not k:
+            result = sample_at(batch.logits_indices, sampling)
+            return kv_caches, penalty_state, hidden, pack_device(result)
+        rows = batch.logits_indices.shape[0]
+        slots = min(batch.token_ids.shape[0], rows * (k + 1))  # L
+
+        def one_token():  # row r's entry at r
+            result = sample_at(batch.logits_indices, sampling)
+            widen = lambda x: jnp.zeros((slots,) + x.shape[1:], x.dtype).at[:rows].set(x)
+            return jax.tree.map(widen, result), jnp.ones((rows,), jnp.int32)
+
+        def verify():
+            proposed = sampling.num_proposed
+            # Slot layout: row r's proposals and last token (padding rows: none).
+            counts = jnp.where(jnp.arange(rows) < batch.num_seqs[0], proposed + 1, 0)
+            ends = jnp.cumsum(counts)
+            starts = ends - counts
+            slot = jnp.arange(slots)
+            row = jnp.minimum(jnp.searchsorted(ends, slot, side="right"), rows - 1)
+            j = slot - starts[row]  # position among the row's sampled tokens
+            used = slot < ends[-1]
+            back = proposed[row] - j  # tokens after this one in the row's query
+            index = jnp.where(used, batch.logits_indices[row] - back, 0)
+            each = jax.tree.map(lambda x: x[row], sampling)
+            each = dataclasses.replace(
+                each, sample_positions=jnp.where(used, each.sample_positions - back, 0))
+            result = sample_at(index, each)
+            # The proposal after this token, when there is one: kept if the draw equals it.
+            follows = batch.token_ids[jnp.minimum(index + 1, batch.token_ids.shape[0] - 1)]
+            return result, accept_drafts(result.token_ids, follows, used & (back > 0), row,
+                                         starts)
+
+        result = jax.lax.cond(jnp.any(sampling.num_proposed > 0), verify, one_token)
+        return kv_caches, penalty_state, hidden, pack_device(result)
+
+    def _score_fn(self, params, hidden, targets):
+        model = nnx.merge(self.graphdef, params)
+        return pack_device(score_tokens(model.logits(hidden), targets))
+
+    def _layout(self, num_tokens: int, num_rows: int) -> Layout:
+        batch, sampling = build_step_inputs(SchedulerOutput([], [], []), num_tokens, num_rows,
+                                            self.block_size, self.blocks_per_seq)
+        return layout_of({**batch, **sampling})
+
+    def _step_result_like(self, num_tokens: int, num_rows: int):
+        """The packed result of a (T, R) step: R entries; speculating, L = min(T, R*(K+1))
+        entries and the count each row emitted."""
+        if not self.num_speculative:
+            return self._result_like(num_rows)
+        slots = min(num_tokens, num_rows * (1 + self.num_speculative))
+        return self._result_like(slots), jax.ShapeDtypeStruct((num_rows,), np.dtype(np.int32))
+
+    def _result_like(self, rows: int) -> SampleResult:
+        k = min(MAX_LOGPROBS, self.arch.vocab_size)
+        i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
+        shape = jax.ShapeDtypeStruct
+        return SampleResult(shape((rows,), i32), shape((rows,), f32), shape((rows,), i32),
+                            shape((rows, k), i32), shape((rows, k), f32))
+
+    # ---- compiled functions -------------------------------------------------------------
+    def _compile_step(self, num_tokens: int, num_rows: int):
+        """The step compiled for bucket (T, R): compiled (or loaded) once, then reused."""
+        return self.compiled.get(("step", num_tokens, num_rows))
+
+    def _compile_score(self, num_tokens: int):
+        return self.compiled.get(("score", num_tokens))
+
+    def _build(self, key: tuple):
+        """Load key's executable from the executable cache (by its index, else by its HLO
+        after tracing and lowering), or compile it (and store it there)."""
+        name = "-".join(map(str, key))
+        cache = self.executables
+        compiled = cache.load(name) if cache is not None else None
+        if compiled is not None:
+            record_load()
+            return compiled
+        start = time.perf_counter()
+        lowered = self._lower(key)
+        # The input tree too: jit drops unused arguments from the HLO, so two models that
+        # differ only in parameters a function does not read (prompt scoring reads only the
+        # embeddings) lower to the same text but take different inputs.
+        hlo = f"{lowered.as_text()}\n// inputs: {lowered.in_tree}" if cache is not None else ""
+        compiled = cache.load_lowered(name, hlo) if cache is not None else None
+        if compiled is not None:
+            record_load()
+            return compiled
+        compiled = lowered.compile()
+        record_compile(key[0], time.perf_counter() - start)
+        if cache is not None:
+            cache.store(name, hlo, compiled)
+        return compiled
+
+    def _lower(self, key: tuple) -> jax.stages.Lowered:
+        if key[0] == "bias":
+            row = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)
+            values = jax.ShapeDtypeStruct((self.arch.vocab_size,), jnp.float32,
+                                          sharding=self.replicated)
+            return self._set_bias.lower(self._penalty_spec, row, values)
+        if key[0] == "grammar":
+            k, words = MASK_ROWS_PER_CALL, (self.arch.vocab_size + 31) // 32
+            rows = jax.ShapeDtypeStruct((k,), jnp.int32, sharding=self.replicated)
+            masks = jax.ShapeDtypeStruct((k, words), jnp.int32, sharding=self.replicated)
+            return self._set_grammar.lower(self._penalty_spec, rows, masks)
+        if key[0] == "step":
+            _, num_tokens, num_rows = key
+            layout = self._layout(num_tokens, num_rows)
+            size = sum(math.prod(shape) for _, shape, _ in layout)
+            packed = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=self.replicated)
+            return self._step.lower(self._params_spec, self._kv_spec, self._penalty_spec,
+                                    packed, layout=layout)
+        num_tokens = key[1]
+        hidden = jax.ShapeDtypeStruct((num_tokens, self.arch.hidden_size), self.dtype,
+                                      sharding=self.replicated)
+        targets = jax.ShapeDtypeStruct((num_tokens,), jnp.int32, sharding=self.replicated)
+        return self._score.lower(self._params_spec, hidden, targets)
+
+    # ---- compiled functions: jaxserve/backends/jax/bucket_compiler.py -----------------------------------------
+    def warm_up(self, background: bool = False) -> None:
+        self.compiled.warm_up(background)
+
+    def step_limits(self) -> tuple[int, int] | None:
+        return self.compiled.step_limits()
+
+    @property
+    def compiling(self) -> int:
+        return self.compiled.compiling
+
+    @property
+    def warm_up_done(self) -> bool:
+        return self.compiled.warm_up_done
+
+    def stats(self) -> RunnerStats:
+        padding = self.padding
+        return RunnerStats(compilations=compilation_count(), compiling=self.compiling,
+                           warm_up_done=self.warm_up_done, steps=padding.steps,
+                           token_padding=padding.token_padding,
+                           row_padding=padding.row_padding)
+
+
+    # ---- one step -----------------------------------------------------------------------
+    def dispatch(self, out: SchedulerOutput, score_targets: np.ndarray | None = None,
+                 grammar_masks: list[tuple[int, np.ndarray]] | None = None) -> InFlightStep:
+        """Start one step on the device and return at once (JAX dispatch is asynchronous):
+        the host can do other work until fetch. score_targets (i32[total tokens], -1 where
+        not wanted) asks for the logprob of given next tokens at each position
+        (prompt_logprobs); grammar_masks: (sampler row, i32[W]) of the constrained rows."""
+        num_tokens, num_rows = self.compiled.pick_bucket(out.total_num_scheduled_tokens,
+                                                         len(out.requests))
+        self.padding.record(out.total_num_scheduled_tokens, num_tokens, len(out.requests),
+                            num_rows)
+        batch, sampling = build_step_inputs(out, num_tokens, num_rows, self.block_size,
+                                            self.blocks_per_seq)
+        packed = pack({**batch, **sampling})
+        targets = None
+        if score_targets is not None:
+            targets = np.zeros(num_tokens, np.int32)
+            targets[: len(score_targets)] = np.maximum(score_targets, 0)
+        # A request that has just been given its sampler row brings its logit bias row.
+        bias_rows = [(req.state_slot, req.constraints.row(self.arch.vocab_size))
+                     for req in out.requests if req.needs_state_reset
+                     and req.constraints is not None and req.constraints.has_row]
+        grammar_rows = list(grammar_masks or [])
+        if self.channel is not None:  # multi-host: the other hosts run the same step
+            self.channel.send(num_tokens, num_rows, packed, targets, bias_rows, grammar_rows)
+        return self._run(num_tokens, num_rows, packed, targets, bias_rows, grammar_rows)
+
+    def _run(self, num_tokens: int, num_rows: int, packed: np.ndarray,
+             targets: np.ndarray | None, bias_rows: list, grammar_rows: list) -> InFlightStep:
+        """Launch the compiled step (and prompt scoring) on packed host inputs, after
+        writing the logit bias rows [(row, f32[V])] of requests starting this step and the
+        grammar bitmasks [(row, i32[W])] of its constrained rows."""
+        if bias_rows:
+            set_bias = self.compiled.get(("bias",))
+            for row, values in bias_rows:
+                self.penalty_state = set_bias(self.penalty_state,
+                                              place(np.asarray(row, np.int32), self.replicated),
+                                              place(values, self.replicated))
+        for start in range(0, len(grammar_rows), MASK_ROWS_PER_CALL):
+            part = grammar_rows[start: start + MASK_ROWS_PER_CALL]
+            rows = np.zeros(MASK_ROWS_PER_CALL, np.int32)  # padding: the scratch row 0
+            masks = np.full((MASK_ROWS_PER_CALL, (self.arch.vocab_size + 31) // 32), -1,
+                            np.int32)
+            for i, (row, mask) in enumerate(part):
+                rows[i], masks[i] = row, mask
+            set_grammar = self.compiled.get(("grammar",))
+            self.penalty_state = set_grammar(self.penalty_state, place(rows, self.replicated),
+                                             place(masks, self.replicated))
+        step = self._compile_step(num_tokens, num_rows)
+        self.kv_caches, self.penalty_state, hidden, result = step(
+            self.params, self.kv_caches, self.penalty_state, place(packed, self.replicated))
+        scores = None
+        if targets is not None:
+            score = self._compile_score(num_tokens)
+            scores = score(self.params, hidden, place(targets, self.replicated))
+        return InFlightStep(result, scores, num_tokens, num_rows)
+
+    def follow(self) -> int:
+        """A non-zero host's loop: run host 0's steps until it says stop; the step count."""
+        steps = 0
+        while (message := self.channel.receive()) is not None:
+            jax.block_until_ready(self._run(*message).result)
+            steps += 1
+        return steps
+
+    def close(self) -> None:
+        """Stop a background warm-up (builds not started are cancelled; one already
+        compiling runs to its end: see compiling); host 0 of a multi-host run: tell the
+        other hosts to stop following."""
+        self.compiled.close()
+        if self.channel is not None and is_leader():
+            self.channel.send_stop()
+            self.channel = None
+
+    def fetch(self, step: InFlightStep) -> StepResult:
+        """Wait for a dispatched step; its results in one device-to-host transfer."""
+        result, scores = jax.device_get((_local(step.result), _local(step.scores)))
+        num_emitted = None
+        result = unpack_host(result, self._step_result_like(step.num_tokens, step.num_rows))
+        if self.num_speculative:
+            result, num_emitted = result
+        if scores is not None:
+            scores = unpack_host(scores, self._result_like(step.num_tokens))
+        return StepResult(result, scores, num_emitted)
+
+
+def _local(array: jax.Array | None) -> jax.Array | None:
+    """A replicated result as one array this process can read (multi-host: its own copy)."""
+    if array is None or array.is_fully_addressable:
+        return array
+    return array.addressable_data(0)

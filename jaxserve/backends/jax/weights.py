@@ -1,0 +1,75 @@
+"""Weight loading for the JAX backend: checkpoint parameters (checkpoint.py) placed straight
+into device arrays on their shardings, one parameter at a time; or random weights made on the
+devices.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from tqdm.auto import tqdm
+
+from jaxserve.backends.checkpoint import parameter_values
+from jaxserve.models.quantization import SCALE_SUFFIX, quantize_int8
+
+
+def place(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A host array onto its sharding, each device taking only its slice. With several
+    processes (multi-host) every process holds the same value and fills its own devices."""
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def load_params(abstract_model: nnx.Module, folder: str | Path, path_of, dtype, mesh: Mesh,
+                spec_of=lambda path: PartitionSpec()) -> nnx.Module:
+    """Fill an abstract (eval_shape'd) model with the checkpoint's tensors (path_of as
+    checkpoint.parameter_values), each placed on its sharding as soon as it is read; an int8
+    kernel (quantization.py) is quantized on the host first and placed with its scale.
+    spec_of(path) -> PartitionSpec for that parameter on `mesh`."""
+    graphdef, state = nnx.split(abstract_model)
+    expected = {tuple(path): var for path, var in nnx.to_flat_state(state)}
+    shapes = {path: var.get_value().shape for path, var in expected.items()
+              if not str(path[-1]).endswith(SCALE_SUFFIX)}
+    put = lambda path, value: place(value, NamedSharding(mesh, spec_of(path)))
+    loaded = {}
+    for path, value in parameter_values(folder, path_of, shapes, dtype):
+        if expected[path].get_value().dtype == np.int8:
+            value, scale = quantize_int8(value, str(path[-1]))
+            scale_path = (*path[:-1], str(path[-1]) + SCALE_SUFFIX)
+            loaded[scale_path] = put(scale_path, scale)
+        loaded[path] = put(path, value)
+    flat = [(path, var.replace(loaded[path])) for path, var in nnx.to_flat_state(state)]
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def random_params(abstract_model: nnx.Module, mesh: Mesh, seed: int,
+                  spec_of=lambda path: PartitionSpec()) -> nnx.Module:
+    """Fill an abstract model with random weights made on the devices, each device drawing
+    only its own shard (load_format="dummy": a model's shape without its checkpoint, for
+    benchmarks). Values are uniform in [-1e-3, 1e-3], as vLLM's dummy weights."""
+    graphdef, state = nnx.split(abstract_model)
+    flat = []
+    key = jax.random.key(seed)
+    makers = {}  # one compiled maker per (shape, dtype, sharding): layers share them
+    leaves = list(nnx.to_flat_state(state))
+    for i, (path, var) in enumerate(tqdm(leaves, desc="Random weights", unit="tensor")):
+        like = var.get_value()
+        sharding = NamedSharding(mesh, spec_of(path))
+        signature = (like.shape, jax.numpy.dtype(like.dtype), sharding,
+                     str(path[-1]).endswith(SCALE_SUFFIX))
+        if signature not in makers:
+            if like.dtype == np.int8:  # an int8 kernel: its scales below make it +-1e-3
+                make = lambda k, shape=like.shape: jax.random.randint(k, shape, -127, 128,
+                                                                       np.int8)
+            elif signature[-1]:
+                make = lambda k, shape=like.shape: jax.numpy.full(shape, 1e-3 / 127,
+                                                                  np.float32)
+            else:
+                make = lambda k, shape=like.shape, dtype=like.dtype: jax.random.uniform(
+                    k, shape, dtype, -1e-3, 1e-3)
+            makers[signature] = jax.jit(make, out_shardings=sharding)
+        flat.append((path, var.replace(makers[signature](jax.random.fold_in(key, i)))))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))

@@ -1,0 +1,66 @@
+"""Backend choice: the one place that picks and builds a device runner.
+
+The host side imports this module, never a backend: the backend is imported when a runner
+is built, so the engine, the scheduler and the server load without jax or torch. Two
+backends implement runner_api.Runner: JAX (runner.py, any mesh) and PyTorch/Triton
+(torch_runner.py, one device), chosen by EngineConfig.backend.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from jaxserve.backends.protocol import Runner
+from jaxserve.config.engine_config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+TORCH_EXTRA = ("The torch backend needs PyTorch and Triton: pip install 'jaxserve[torch]' "
+               "(a CUDA or ROCm build of torch for a GPU).")
+
+
+def import_torch():
+    """torch, or an ImportError that says which extra to install."""
+    try:
+        import torch
+    except ImportError as err:
+        raise ImportError(f"{TORCH_EXTRA} ({err})") from None
+    return torch
+
+
+def on_accelerator(backend: str) -> bool:
+    """Whether `backend` (auto, jax or torch) would run on an accelerator here: the
+    defaults that depend on it (dtype, max_model_len, batch sizes) are resolved from this."""
+    if backend == "torch":
+        return import_torch().cuda.is_available()
+    import jax
+
+    return jax.default_backend() != "cpu"
+
+
+def create_runner(config: EngineConfig, rank: int = 0) -> Runner:
+    """The runner of `config` on data-parallel replica `rank`'s devices."""
+    if config.backend == "torch":
+        import_torch()
+        try:
+            from jaxserve.backends.torch.runner import TorchRunner
+        except ImportError as err:  # triton, or a torch build without it
+            raise ImportError(f"{TORCH_EXTRA} ({err})") from None
+        return TorchRunner(config)
+    from jaxserve.backends.jax.runner import ModelRunner, replica_mesh
+
+    return ModelRunner(config, replica_mesh(config, rank))
+
+
+def run_worker(config: EngineConfig) -> None:
+    """A multi-host run's non-zero host (distributed.py): build the runner and run host 0's
+    steps until it stops."""
+    import jax
+
+    runner = create_runner(config)
+    if config.precompile:
+        runner.warm_up(background=config.precompile == "background")
+    logger.info("Host %d: following host 0's steps.", jax.process_index())
+    steps = runner.follow()
+    logger.info("Host %d: host 0 stopped after %d steps.", jax.process_index(), steps)

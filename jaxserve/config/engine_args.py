@@ -1,0 +1,234 @@
+"""EngineArgs: every engine argument once, with vLLM's names, defaults and help texts.
+
+`LLM(...)`'s keywords and the engine flags of `jaxserve generate`, `serve` and `plan` (and
+their --help) are generated from this one dataclass, so the API and the command line cannot
+drift apart. jaxserve's earlier names stay accepted as aliases (`num_kv_blocks` for vLLM's
+`num_gpu_blocks_override`, `expert_parallel` for `enable_expert_parallel`). An unknown
+keyword raises TypeError naming the accepted ones, as any Python function (vLLM's `LLM`
+included) does. Values are checked where they are resolved: EngineConfig.create.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from jaxserve.config.engine_config import (
+    ATTENTION_BACKENDS,
+    BACKENDS,
+    DTYPE_CHOICES,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    SCHEDULING_POLICIES,
+)
+
+_PRECOMPILE = {"all": True, "background": "background", "lazy": False}
+
+
+def _arg(default, help: str, *, choices=None, parse=None, aliases: tuple[str, ...] = (),
+         short: tuple[str, ...] = (), cli_help: str | None = None, metavar: str | None = None):
+    """A field with what the CLI needs: help text, choices, a parser for the flag's text,
+    old names (keywords and flags) and short flags."""
+    return dataclasses.field(default=default, metadata=dict(
+        help=help, choices=choices, parse=parse, aliases=aliases, short=short,
+        cli_help=cli_help, metavar=metavar))
+
+
+def _cache_dir(text: str) -> str | None:
+    return None if text.lower() == "none" else text
+
+
+def _precompile(text: str):
+    if text not in _PRECOMPILE:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice {text!r} (choose from {', '.join(_PRECOMPILE)})")
+    return _PRECOMPILE[text]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineArgs:
+    """The engine's arguments. None means: resolved from the model and the platform."""
+
+    model: str | None = _arg(
+        None, "Hugging Face model folder (config.json, *.safetensors, tokenizer files); "
+        "default: the built-in model")
+    tokenizer: str | None = _arg(None, "tokenizer folder (default: the model folder)")
+    trust_remote_code: bool = _arg(
+        False, "vLLM's permission to run code from the model folder; jaxserve never does (its "
+        "own model code covers the supported architectures), so True is refused")
+    dtype: str = _arg(
+        "auto", "data type of weights and activations; auto: the checkpoint's on an "
+        "accelerator, float32 on the CPU (unless the model is too large for it); half = "
+        "float16, float = float32", choices=DTYPE_CHOICES)
+    load_format: str = _arg(
+        "auto", "auto: the model folder's safetensors; dummy: random weights of the model's "
+        "shape, made on the devices (benchmarks)", choices=LOAD_FORMATS)
+    max_model_len: int | None = _arg(
+        None, "longest sequence (prompt + output) in tokens (default: the model's "
+        "max_position_embeddings, at most 8192 on an accelerator and 2048 on the CPU)")
+    seed: int = _arg(0, "random seed of the engine (requests without a seed draw from it)")
+    generation_config: str = _arg(
+        "auto", "where the default sampling parameters come from: auto (the model folder's "
+        "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens), vllm (ignore it), or a folder holding a generation_config.json; a "
+        "request's own values win")
+    block_size: int = _arg(16, "tokens per KV-cache block", choices=(8, 16, 32, 64, 128))
+    num_gpu_blocks_override: int | None = _arg(
+        None, "KV-cache size in blocks, instead of sizing it from the memory budget",
+        aliases=("num_kv_blocks",))
+    gpu_memory_utilization: float = _arg(
+        0.9, "fraction of each accelerator's memory the engine may use (weights, KV cache)")
+    kv_cache_memory_bytes: int | None = _arg(
+        None, "KV-cache budget in bytes per device, instead of gpu_memory_utilization (the "
+        "CPU default is 1 GiB)")
+    enable_prefix_caching: bool = _arg(
+        True, "reuse the KV cache of shared prompt prefixes")
+    kv_cache_dtype: str = _arg(
+        "auto", "data type of the KV cache: auto (the model's dtype); fp8 (= fp8_e4m3) or "
+        "int8: one byte per element, twice the blocks of bfloat16, with a scale per layer "
+        "and kv head calibrated at start-up", choices=KV_CACHE_DTYPES)
+    max_num_seqs: int | None = _arg(
+        None, "most sequences in one step (default 256 on an accelerator, 128 on the CPU)")
+    max_num_batched_tokens: int | None = _arg(
+        None, "most tokens in one step (default 2048 on an accelerator, 512 on the CPU)")
+    scheduling_policy: str = _arg(
+        "fcfs", "fcfs: first come, first served; priority: requests with a lower priority "
+        "value go first, and the lowest-priority running request is preempted first",
+        choices=SCHEDULING_POLICIES)
+    mesh: str | None = _arg(
+        None, "device mesh DATAxMODEL, e.g. 2x4 (or data=2,model=4): DATA replicas, each "
+        "tensor-parallel over MODEL devices (default 1x1)")
+    tensor_parallel_size: int = _arg(1, "the model axis of the mesh (vLLM's name)",
+                                     short=("-tp",))
+    data_parallel_size: int = _arg(1, "the data axis of the mesh (vLLM's name)",
+                                   short=("-dp",))
+    enable_expert_parallel: bool = _arg(
+        False, "MoE models: split whole experts over the model axis instead of splitting "
+        "every expert", aliases=("expert_parallel",))
+    backend: str = _arg(
+        "auto", "which framework runs the model: jax (auto; every mesh) or torch (PyTorch "
+        "with Triton kernels on one NVIDIA/AMD GPU, or the CPU; needs the torch extra)",
+        choices=BACKENDS)
+    attention_backend: str = _arg(
+        "auto", "auto: the Pallas kernel on TPU/GPU, XLA:CPU-tuned JAX on the CPU (torch "
+        "backend: the Triton kernels on a GPU, the PyTorch reference on the CPU); pallas; "
+        "reference; interpret / interpret-gpu (the TPU / GPU Pallas kernel in interpret "
+        "mode, slow); torch backend: triton, triton-interpret (the Triton kernels in "
+        "interpret mode on the CPU, slow)", choices=ATTENTION_BACKENDS)
+    compilation_cache_dir: str | None = _arg(
+        "default", "folder of the compiled-function caches (default "
+        "$XDG_CACHE_HOME/jaxserve/xla or ~/.cache/jaxserve/xla; None / 'none' turns them "
+        "off)", parse=_cache_dir)
+    precompile: bool | str | None = _arg(
+        None, "when to compile the shape buckets: True (all at start-up), 'background' (the "
+        "first at start-up, the rest while serving) or False (each on first use); None: the "
+        "entry point's default (LLM and generate: on first use, serve: background)",
+        parse=_precompile, metavar="{" + ",".join(_PRECOMPILE) + "}", cli_help="when to compile the shape buckets: all (at start-up), "
+        "background (the first at start-up, the rest while serving; serve's default) or "
+        "lazy (each on first use; generate's default)")
+
+    quantization: str | None = _arg(
+        None, "int8: store the linear layers' weights as int8 with a float scale per output "
+        "channel, quantized when they load (activations keep dtype; JAX backend)",
+        choices=("int8",))
+    speculative_config: dict | str | None = _arg(
+        None, "n-gram speculative decoding (prompt lookup), as vLLM's JSON: {\"method\": "
+        "\"ngram\", \"num_speculative_tokens\": K, \"prompt_lookup_min\": a, "
+        "\"prompt_lookup_max\": b}; each step verifies up to K tokens proposed from the "
+        "sequence's own earlier tokens (JAX backend)", parse=str, metavar="JSON")
+    request_limits: dict | str | None = _arg(
+        None, "what one request may ask for, as JSON of limit names to values, e.g. "
+        "{\"max_n\": 32, \"max_stop_strings\": 64} (the others keep their defaults; the "
+        "names and defaults: docs/architecture.md, 'Admission'); every front end checks "
+        "them", parse=str, metavar="JSON")
+
+    # ---- from keywords and from the command line ----------------------------------------
+    @classmethod
+    def from_kwargs(cls, caller: str = "EngineArgs", /, **kwargs: Any) -> EngineArgs:
+        """Keywords with vLLM's names or jaxserve's aliases; TypeError for any other."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        alias_of = {alias: f.name for f in dataclasses.fields(cls)
+                    for alias in f.metadata["aliases"]}
+        values: dict[str, Any] = {}
+        unknown = []
+        for key, value in kwargs.items():
+            name = alias_of.get(key, key)
+            if name not in names:
+                unknown.append(key)
+                continue
+            if name in values:
+                raise TypeError(f"{caller}() got both {name!r} and its alias {key!r}; give "
+                                "one of them.")
+            values[name] = value
+        if unknown:
+            accepted = sorted(names | set(alias_of))
+            raise TypeError(f"{caller}() got unexpected keyword argument(s) "
+                            f"{', '.join(map(repr, sorted(unknown)))}; the engine accepts "
+                            f"{', '.join(accepted)}.")
+        return cls(**values)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """One flag per field (--max-num-seqs for max_num_seqs), with its aliases."""
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            flags = [_flag(f.name), *(_flag(a) for a in meta["aliases"]), *meta["short"]]
+            help_text = meta["cli_help"] or meta["help"]
+            if isinstance(f.default, bool):
+                parser.add_argument(*flags, dest=f.name, default=f.default,
+                                    action=argparse.BooleanOptionalAction, help=help_text)
+                continue
+            # The annotation's first type ("int | None" -> int) reads the flag's text.
+            kind = meta["parse"] or _TYPES[str(f.type).split("|")[0].strip()]
+            choices = None if meta["parse"] else meta["choices"]
+            if choices is not None:
+                choices = list(choices)
+            parser.add_argument(*flags, dest=f.name, default=f.default, type=kind,
+                                choices=choices, metavar=meta["metavar"],
+                                help=help_text + _default_text(f.default))
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    def engine_config(self, model: str, *, on_accelerator: bool,
+                      default_precompile: bool | str = True):
+        """The resolved EngineConfig for a model folder (self.model resolved by the
+        caller: the built-in model when None)."""
+        from jaxserve.config.engine_config import EngineConfig
+
+        if self.trust_remote_code:
+            raise ValueError("trust_remote_code=True: jaxserve never runs code from the model "
+                             "folder; its own implementations of the supported architectures "
+                             "need none. Drop trust_remote_code.")
+        precompile = self.precompile if self.precompile is not None else default_precompile
+        return EngineConfig.create(
+            model, tokenizer=self.tokenizer, dtype=self.dtype, load_format=self.load_format,
+            max_model_len=self.max_model_len, seed=self.seed, block_size=self.block_size,
+            num_kv_blocks=self.num_gpu_blocks_override,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            enable_prefix_caching=self.enable_prefix_caching,
+            kv_cache_dtype=self.kv_cache_dtype, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, mesh=self.mesh,
+            tensor_parallel_size=self.tensor_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            expert_parallel=self.enable_expert_parallel,
+            attention_backend=self.attention_backend, backend=self.backend,
+            compilation_cache_dir=self.compilation_cache_dir, precompile=precompile,
+            generation_config=self.generation_config,
+            scheduling_policy=self.scheduling_policy,
+            speculative_config=self.speculative_config, quantization=self.quantization,
+            request_limits=self.request_limits, on_accelerator=on_accelerator)
+
+
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _default_text(default) -> str:
+    return "" if default is None else f" (default: {default})"

@@ -1,0 +1,393 @@
+"""Engine configuration: one frozen dataclass per concern, composed by EngineConfig.
+
+Argument names follow vLLM's engine arguments so that a vLLM user's call works unchanged.
+Every value is checked here, once, with a message that says what would be accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from pathlib import Path
+
+from jaxserve.config.generation_config import sampling_defaults
+from jaxserve.config.mesh import MeshShape, ModelDims, parse_mesh, plan_sharding
+from jaxserve.config.request_limits import RequestLimits
+from jaxserve.config.speculative import SpeculativeConfig
+from jaxserve.models import resolve_architecture
+from jaxserve.models.quantization import check_quantization
+
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+ORBAX_MARKER = "jaxserve_orbax.json"  # in a `jaxserve convert` folder (orbax_checkpoint.py)
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names
+DTYPE_CHOICES = SUPPORTED_DTYPES + tuple(DTYPE_ALIASES)
+# The JAX backend's attention implementations (attend.py) and the torch backend's
+# (torch_runner.py); "auto" and "reference" exist on both.
+JAX_ATTENTION_BACKENDS = ("auto", "pallas", "reference", "interpret", "interpret-gpu")
+TORCH_ATTENTION_BACKENDS = ("auto", "reference", "triton", "triton-interpret")
+ATTENTION_BACKENDS = tuple(dict.fromkeys(JAX_ATTENTION_BACKENDS + TORCH_ATTENTION_BACKENDS))
+# Which framework runs the model: JAX (every mesh) or PyTorch/Triton (one device).
+BACKENDS = ("auto", "jax", "torch")
+LOAD_FORMATS = ("auto", "dummy")
+PRECOMPILE = (True, False, "background")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    tokenizer: str
+    dtype: str  # resolved: float32 | bfloat16 | float16
+    max_model_len: int
+    seed: int
+    hf_config: dict = dataclasses.field(repr=False, compare=False, hash=False)
+    # auto: the folder's safetensors; dummy: random weights made on the devices (benchmarks
+    # of a model's shape without its checkpoint, as vLLM's --load-format dummy)
+    load_format: str = "auto"
+    # SamplingParams fields the model's generation_config.json sets (generation_config.py)
+    sampling_defaults: dict = dataclasses.field(default_factory=dict, compare=False,
+                                                hash=False)
+    quantization: str | None = None  # "int8": linear weights as int8 (quantization.py)
+
+    def __post_init__(self) -> None:
+        check_quantization(self.quantization)
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got "
+                             f"{self.load_format!r}.")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from the memory budget
+    gpu_memory_utilization: float = 0.9  # fraction of accelerator memory the engine may use
+    kv_cache_memory_bytes: int | None = None  # explicit KV budget (the CPU default is 1 GiB)
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks shared by prompts
+    # auto: the model's dtype; fp8 (= fp8_e4m3) or int8: one byte per element with a
+    # float32 scale per layer and kv head, calibrated at start-up (docs/architecture.md)
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}.")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}.")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(
+                f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}.")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}.")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError("enable_prefix_caching must be True or False, got "
+                             f"{self.enable_prefix_caching!r}.")
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    # fcfs: first come, first served (a request's priority must be 0); priority: waiting
+    # requests by priority (lower first), and the lowest-priority running request is the
+    # one preempted (vLLM's --scheduling-policy).
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}"
+                             f", got {self.policy!r}.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}): every running sequence needs a token slot.")
+
+    @functools.cached_property  # read every step by pick_bucket: computed once
+    def token_buckets(self) -> tuple[int, ...]:
+        """T buckets: powers of two from 16 up to max_num_batched_tokens (always included)."""
+        return _power_buckets(16, self.max_num_batched_tokens)
+
+    @functools.cached_property
+    def step_buckets(self) -> tuple[tuple[int, int], ...]:
+        """The compiled (T, R) shapes.
+
+        R follows T (R = min(T, max_num_seqs)): a step of T tokens rarely has far fewer
+        sequences than tokens, except prefill-heavy steps, where the extra rows cost little
+        next to the T-token forward pass. Only the smallest T, where decode steps of a few
+        sequences land, gets every power-of-two R, so that one or two streams do not pay
+        for sampling a full row set. This keeps start-up compilation to about
+        len(T buckets) + log2(R) functions instead of their product.
+        """
+        tokens = self.token_buckets
+        smallest = min(tokens[0], self.max_num_seqs)
+        pairs = [(tokens[0], r) for r in _power_buckets(1, smallest)]
+        pairs += [(t, min(t, self.max_num_seqs)) for t in tokens[1:]]
+        return tuple(dict.fromkeys(pairs))
+
+    def pick_bucket(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        """The smallest compiled (T, R) that holds a step of num_tokens from num_seqs."""
+        for t, r in self.step_buckets:
+            if t >= num_tokens and r >= num_seqs:
+                return t, r
+        raise ValueError(f"a step of {num_tokens} tokens from {num_seqs} sequences exceeds "
+                         f"max_num_batched_tokens={self.max_num_batched_tokens} / "
+                         f"max_num_seqs={self.max_num_seqs}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Device placement: the (data, model) mesh (jaxserve/config/mesh.py) and whether MoE experts are
+    split whole over the model axis (expert parallelism) instead of inside each expert."""
+
+    mesh: MeshShape = MeshShape()
+    expert_parallel: bool = False
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.mesh.data
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.mesh.model
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Which ragged paged attention the step runs (attend.attention_for resolves it on the
+    JAX backend, torch_runner.make_attend on the torch backend).
+
+    JAX backend: auto: the Pallas kernel on TPU and GPU, the XLA:CPU-tuned pure-JAX version
+    on the CPU; pallas: the platform's Pallas kernel (TPU or GPU only); reference: the
+    pure-JAX reference; interpret / interpret-gpu: the TPU / GPU kernel in Pallas interpret
+    mode (any platform, slow: for testing a kernel end to end).
+    Torch backend: auto: the Triton kernels on a GPU, the PyTorch reference on the CPU;
+    triton (GPU only); reference; triton-interpret: the Triton kernels in interpret mode
+    (the CPU, slow).
+    """
+
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.backend!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    attention: AttentionConfig = AttentionConfig()
+    backend: str = "jax"  # resolved: jax | torch
+    compilation_cache_dir: str | None = None
+    # True: compile every bucket at start-up; False: each on first use; "background": the
+    # first bucket at start-up, the others in a thread while steps run on compiled ones
+    precompile: bool | str = True
+    speculative: SpeculativeConfig | None = None  # n-gram speculative decoding (None: off)
+    # What one request may ask for: every front end checks it (admission.py).
+    limits: RequestLimits = RequestLimits()
+
+    def __post_init__(self) -> None:
+        if self.precompile not in PRECOMPILE:
+            raise ValueError(f"precompile must be True, False or 'background', got "
+                             f"{self.precompile!r}.")
+        _check_backend(self.backend, self.attention.backend, self.parallel.mesh)
+        if self.model.quantization is not None and self.backend == "torch":
+            raise ValueError("quantization: int8 weights run on the JAX backend only; drop "
+                             "quantization or use backend='jax'.")
+        if self.model.quantization is not None and (
+                Path(self.model.model) / ORBAX_MARKER).is_file():
+            raise ValueError("quantization: an Orbax checkpoint (jaxserve convert) is restored "
+                             "as saved; quantize from the Hugging Face folder instead.")
+        if self.backend == "torch" and self.speculative is not None:
+            raise ValueError("speculative_config: speculative decoding runs on the JAX backend "
+                             "only; drop speculative_config or use backend='jax'.")
+        if self.backend == "torch" and (Path(self.model.model) / ORBAX_MARKER).is_file():
+            raise ValueError(f"{self.model.model} is an Orbax checkpoint (jaxserve convert), "
+                             "which the JAX backend restores; the torch backend loads Hugging "
+                             "Face folders. Use backend='jax' or the original folder.")
+
+    @classmethod
+    def create(
+        cls,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        load_format: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_memory_bytes: int | None = None,
+        enable_prefix_caching: bool = True,
+        kv_cache_dtype: str = "auto",
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        mesh: str | MeshShape | None = None,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        expert_parallel: bool = False,
+        attention_backend: str = "auto",
+        backend: str = "auto",
+        compilation_cache_dir: str | None = "default",
+        precompile: bool | str = True,
+        generation_config: str = "auto",
+        scheduling_policy: str = "fcfs",
+        speculative_config: SpeculativeConfig | dict | str | None = None,
+        quantization: str | None = None,
+        request_limits: RequestLimits | dict | str | None = None,
+        on_accelerator: bool = False,
+    ) -> EngineConfig:
+        """Resolve defaults against the model folder's config.json and validate everything."""
+        hf_config = read_hf_config(model)
+        resolve_architecture(hf_config)
+        resolved_dtype = _resolve_dtype(dtype, hf_config, model, on_accelerator)
+        limit = int(hf_config.get("max_position_embeddings") or 2048)
+        if max_model_len is None:
+            max_model_len = min(limit, 8192 if on_accelerator else 2048)
+        if not isinstance(max_model_len, int) or max_model_len < 2:
+            raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}.")
+        if max_model_len > limit:
+            raise ValueError(f"max_model_len ({max_model_len}) is larger than the model's "
+                             f"max_position_embeddings ({limit}); use at most {limit}.")
+        if max_num_seqs is None:
+            max_num_seqs = 256 if on_accelerator else 128
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 2048 if on_accelerator else 512
+        if compilation_cache_dir == "default":
+            cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+            compilation_cache_dir = os.path.join(cache_home, "jaxserve", "xla")
+        return cls(
+            model=ModelConfig(model=str(model), tokenizer=str(tokenizer or model),
+                              dtype=resolved_dtype, max_model_len=max_model_len, seed=seed,
+                              hf_config=hf_config, load_format=load_format,
+                              sampling_defaults=sampling_defaults(str(model),
+                                                                  generation_config),
+                              quantization=check_quantization(quantization)),
+            cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
+                              gpu_memory_utilization=gpu_memory_utilization,
+                              kv_cache_memory_bytes=kv_cache_memory_bytes,
+                              enable_prefix_caching=enable_prefix_caching,
+                              kv_cache_dtype=kv_cache_dtype),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len, policy=scheduling_policy),
+            parallel=_parallel_config(hf_config, mesh, data_parallel_size,
+                                      tensor_parallel_size, expert_parallel),
+            attention=AttentionConfig(backend=attention_backend),
+            backend=resolve_backend(backend),
+            compilation_cache_dir=compilation_cache_dir,
+            precompile=precompile,
+            speculative=SpeculativeConfig.parse(speculative_config),
+            limits=RequestLimits.parse(request_limits),
+        )
+
+
+def resolve_backend(backend: str) -> str:
+    """auto -> jax (the torch backend is chosen, never picked for the user)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}.")
+    return "jax" if backend == "auto" else backend
+
+
+def _check_backend(backend: str, attention: str, mesh: MeshShape) -> None:
+    """The attention implementation exists on the backend; the torch backend runs on one
+    device."""
+    if backend not in BACKENDS[1:]:
+        raise ValueError(f"backend must be jax or torch once resolved, got {backend!r}.")
+    own = JAX_ATTENTION_BACKENDS if backend == "jax" else TORCH_ATTENTION_BACKENDS
+    if attention not in own:
+        other = "torch" if backend == "jax" else "jax"
+        raise ValueError(f"attention_backend={attention!r} belongs to the {other} backend; "
+                         f"the {backend} backend takes {', '.join(own)}.")
+    if backend == "torch" and mesh != MeshShape():
+        raise ValueError(f"The torch backend runs on one device; got mesh {mesh}. Use the "
+                         "JAX backend for tensor, data and expert parallelism (tensor "
+                         "parallelism for the torch backend is later work).")
+
+
+def _parallel_config(hf_config: dict, mesh, data_parallel_size: int, tensor_parallel_size: int,
+                     expert_parallel: bool) -> ParallelConfig:
+    """The mesh from `mesh` or vLLM's data/tensor_parallel_size, checked against the model
+    now (heads, kv heads, widths, experts), so a bad split fails before anything loads."""
+    sizes = MeshShape(data_parallel_size, tensor_parallel_size)
+    shape = parse_mesh(mesh) if mesh is not None else parse_mesh(sizes)
+    if mesh is not None and sizes != MeshShape() and sizes != shape:
+        raise ValueError(f"mesh={str(mesh)!r} contradicts data_parallel_size="
+                         f"{data_parallel_size} / tensor_parallel_size={tensor_parallel_size}; "
+                         "give one of them.")
+    if not isinstance(expert_parallel, bool):
+        raise ValueError(f"expert_parallel must be True or False, got {expert_parallel!r}.")
+    dims = ModelDims.from_hf(hf_config)
+    if expert_parallel and not dims.num_experts:
+        raise ValueError("expert_parallel needs a mixture-of-experts model; this one is dense.")
+    plan_sharding(dims, shape.model, expert_parallel)  # raises with the sizes that work
+    return ParallelConfig(mesh=shape, expert_parallel=expert_parallel)
+
+
+def read_hf_config(model: str | os.PathLike) -> dict:
+    folder = Path(model)
+    if not folder.is_dir():
+        raise ValueError(f"model must be a Hugging Face model folder or Hub id (org/name); "
+                         f"{str(model)!r} is not a directory.")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{folder} has no config.json; expected a Hugging Face model folder "
+                         "(config.json, *.safetensors, tokenizer files).")
+    return json.loads(path.read_text())
+
+
+def _resolve_dtype(dtype: str, hf_config: dict, model: str, on_accelerator: bool) -> str:
+    """auto: the checkpoint's dtype on an accelerator. On the CPU, float32 (XLA:CPU has no
+    bf16 matmul: it converts the weights to f32 at every step, and bf16 decode steps measured
+    1.24-2.08x slower than f32 ones, scripts/bench_cpu_dtype.py), unless the f32 weights would
+    take more than a quarter of the host's memory: then the checkpoint's dtype."""
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}.")
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
+    if dtype != "auto":
+        return dtype
+    saved = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+    saved = saved if saved in SUPPORTED_DTYPES[1:] else "float32"
+    if on_accelerator or saved == "float32":
+        return saved
+    f32_bytes = 2 * sum(p.stat().st_size for p in Path(model).glob("*.safetensors"))
+    return "float32" if f32_bytes <= _host_memory_bytes() // 4 else saved
+
+
+def _host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+def _power_buckets(low: int, high: int) -> tuple[int, ...]:
+    buckets = []
+    size = low
+    while size < high:
+        buckets.append(size)
+        size *= 2
+    buckets.append(high)
+    return tuple(buckets)

@@ -1,0 +1,371 @@
+"""The memory and compile plan of an engine configuration, from config.json alone.
+
+`jaxserve plan` prints it, and the engine logs it at start-up: per-device bytes of the
+weights (by group) and of the KV cache, the number of KV blocks, the concurrency at
+max_model_len and the compiled (T, R) buckets. The weights' shapes come from the model built
+abstractly (`nnx.eval_shape`, as the runner builds it) and their placement from mesh.py's
+partition rules, so the numbers are the runner's, without reading a weight or allocating an
+array. The KV budget follows runner._num_kv_blocks on an accelerator: device memory x
+gpu_memory_utilization - the weights (the runner subtracts the bytes its device reports in
+use after loading, so a real start-up can differ from the plan by runtime overheads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import re
+
+from jaxserve.config import kv_sizing
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.config.mesh import (
+    MODEL,
+    MeshShape,
+    ModelDims,
+    ShardingPlan,
+    param_spec,
+    plan_sharding,
+)
+from jaxserve.models import model_family, resolve_architecture
+from jaxserve.models.quantization import SCALE_SUFFIX
+
+GROUPS = ("embeddings", "attention", "mlp", "norms", "other")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightGroup:
+    name: str  # one of GROUPS
+    params: int  # parameters of one replica (replicated kv heads counted K' times)
+    bytes_per_device: int
+    split: str  # "split", "replicated" or "partly split" over the model axis
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    model: str
+    architecture: str
+    dtype: str
+    mesh: MeshShape
+    sharding: ShardingPlan
+    num_layers: int
+    num_heads: int  # N
+    num_kv_heads: int  # K, as in the checkpoint
+    head_dim: int  # H
+    intermediate_size: int  # F of the dense MLP
+    num_experts: int  # E (0: dense)
+    expert_intermediate_size: int  # F of one expert (0: dense)
+    device_memory_bytes: int
+    gpu_memory_utilization: float
+    weights: tuple[WeightGroup, ...]
+    sampler_state_bytes: int  # per device: penalty counts, prompt mask, logit bias rows
+    kv_budget_bytes: int  # per device
+    kv_budget_source: str  # "device memory", "kv_cache_memory_bytes" or "num_kv_blocks"
+    bytes_per_block: int  # KV bytes of one block on each device
+    block_size: int  # S
+    num_blocks: int  # P, the null block included
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    token_buckets: tuple[int, ...]
+    step_buckets: tuple[tuple[int, int], ...]
+    quantization: str | None = None  # "int8": the linear layers' weights
+    kv_cache_dtype: str = "auto"  # CacheConfig.kv_cache_dtype
+
+    @property
+    def kv_element(self) -> str:
+        """One cache element (kv_sizing.cache_element): the dtype or the quantized format."""
+        return kv_sizing.cache_element(self.dtype, self.kv_cache_dtype)
+
+    @property
+    def weight_bytes_per_device(self) -> int:
+        return sum(g.bytes_per_device for g in self.weights)
+
+    @property
+    def num_params(self) -> int:
+        return sum(g.params for g in self.weights)
+
+    @property
+    def usable_memory_bytes(self) -> int:
+        return int(self.device_memory_bytes * self.gpu_memory_utilization)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.bytes_per_block // self.block_size
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.num_blocks - 1  # block 0 is the null block padding writes into
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.usable_blocks * self.block_size
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return kv_sizing.blocks_per_seq(self.max_model_len, self.block_size)
+
+    @property
+    def max_concurrency(self) -> int:
+        """Sequences of max_model_len tokens that fit in the cache at once."""
+        return self.usable_blocks // self.blocks_per_seq
+
+    @property
+    def concurrency(self) -> float:
+        return self.usable_blocks / self.blocks_per_seq
+
+
+def make_plan(config: EngineConfig, device_memory_bytes: int) -> Plan:
+    """The plan of `config` on devices of `device_memory_bytes` each. ValueError (saying what
+    would help) when the weights do not fit, or the KV cache cannot hold one sequence."""
+    if device_memory_bytes <= 0:
+        raise ValueError(f"device memory must be > 0 bytes, got {device_memory_bytes}.")
+    hf, dtype = config.model.hf_config, config.model.dtype
+    dims = ModelDims.from_hf(hf)
+    mesh = config.parallel.mesh
+    sharding = plan_sharding(dims, mesh.model, config.parallel.expert_parallel)
+    weights = _weight_groups(hf, sharding, dtype, config.model.quantization)
+    arch = model_family(hf).arch_from_hf(hf)
+    cache, sched = config.cache, config.scheduler
+    element = kv_sizing.cache_element(dtype, cache.kv_cache_dtype)
+    per_block = _bytes_per_block(hf, sharding, cache.block_size, element)
+    state = kv_sizing.sampler_state_bytes(sched.max_num_seqs, arch.vocab_size)
+    used = sum(g.bytes_per_device for g in weights) + state
+    usable = device_memory_bytes * cache.gpu_memory_utilization
+    needed = kv_sizing.blocks_per_seq(config.model.max_model_len, cache.block_size) + 1
+    kv = kv_sizing.kv_budget(cache, per_block, device_limit=device_memory_bytes, in_use=used)
+    blocks, budget, source = kv.blocks, kv.budget_bytes, kv.source
+    if used + max(blocks, needed) * per_block > usable:
+        raise ValueError(_no_fit_message(config, device_memory_bytes, used,
+                                         max(blocks, needed) * per_block))
+    kv_sizing.check_holds_one_sequence(blocks, cache.block_size, config.model.max_model_len)
+    return Plan(
+        model=config.model.model, architecture=resolve_architecture(hf), dtype=dtype,
+        quantization=config.model.quantization, kv_cache_dtype=cache.kv_cache_dtype, mesh=mesh,
+        sharding=sharding, num_layers=arch.num_layers, num_heads=dims.num_heads,
+        num_kv_heads=dims.num_kv_heads, head_dim=arch.head_dim,
+        intermediate_size=dims.intermediate_size, num_experts=dims.num_experts,
+        expert_intermediate_size=dims.expert_intermediate_size,
+        device_memory_bytes=int(device_memory_bytes),
+        gpu_memory_utilization=cache.gpu_memory_utilization, weights=weights,
+        sampler_state_bytes=state, kv_budget_bytes=int(budget), kv_budget_source=source, bytes_per_block=per_block,
+        block_size=cache.block_size, num_blocks=int(blocks),
+        max_model_len=config.model.max_model_len, max_num_seqs=sched.max_num_seqs,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        token_buckets=sched.token_buckets, step_buckets=sched.step_buckets)
+
+
+def _bytes_per_block(hf: dict, sharding: ShardingPlan, block_size: int, element: str) -> int:
+    """runner.bytes_per_block: K and V of one block, this device's share of the kv heads;
+    element: kv_sizing.cache_element's."""
+    arch = model_family(hf).arch_from_hf(hf)
+    return kv_sizing.bytes_per_block(arch.num_layers, block_size,
+                                     sharding.kv_heads_per_device, arch.head_dim, element)
+
+
+def _no_fit_message(config: EngineConfig, memory: int, used: int, kv: int) -> str:
+    """Why one replica's weights and KV cache do not fit on its devices, and what would."""
+    cache, mesh = config.cache, config.parallel.mesh
+    hf, dtype = config.model.hf_config, config.model.dtype
+    element = kv_sizing.cache_element(dtype, cache.kv_cache_dtype)
+    usable = memory * cache.gpu_memory_utilization
+    needed = kv_sizing.blocks_per_seq(config.model.max_model_len, cache.block_size) + 1
+    state = kv_sizing.sampler_state_bytes(config.scheduler.max_num_seqs,
+                                          model_family(hf).arch_from_hf(hf).vocab_size)
+    what = ("the weights alone do not fit" if used > usable
+            else "the weights leave too little room for the KV cache")
+    hints = []
+    for m in range(mesh.model + 1, 65):  # the smallest model axis that fits, if any
+        try:
+            sharding = plan_sharding(ModelDims.from_hf(hf), m, config.parallel.expert_parallel)
+        except ValueError:
+            continue
+        weights = sum(g.bytes_per_device for g in _weight_groups(
+            hf, sharding, dtype, config.model.quantization))
+        if weights + state + needed * _bytes_per_block(hf, sharding, cache.block_size,
+                                                       element) <= usable:
+            hints.append(f"a model axis of {m} fits (--mesh {mesh.data}x{m}, "
+                         f"{mesh.data * m} devices)")
+            break
+    if dtype == "float32":
+        hints.append("--dtype bfloat16 halves the weights and the KV cache")
+    if kv_sizing.ITEMSIZE[element] > 1:
+        hints.append("--kv-cache-dtype fp8 (or int8) stores the KV cache in one byte per "
+                     "element")
+    if used <= usable:
+        hints.append("a lower --max-model-len (or --num-kv-blocks)")
+    hints.append("devices with more memory")
+    return (f"Mesh {mesh}: {what}. Each device of a replica needs {_size(used)} of {dtype} "
+            f"weights and sampler state and {_size(kv)} of KV cache, but {_size(memory)} x "
+            f"gpu_memory_utilization {cache.gpu_memory_utilization:g} = {_size(usable)} is "
+            f"usable. What helps: {'; '.join(hints)}.")
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_groups(hf_json: str, sharding: ShardingPlan, dtype: str,
+                   quantization: str | None = None) -> tuple[WeightGroup, ...]:
+    # The family's parameter table (numpy): no model is built, and jax is never imported.
+    hf = json.loads(hf_json)
+    family = model_family(hf)
+    arch = dataclasses.replace(family.arch_from_hf(hf), num_kv_heads=sharding.kv_heads,
+                               kv_replicas=sharding.kv_replicas)  # as ModelRunner builds it
+    params = {g: 0 for g in GROUPS}
+    split = {g: 0 for g in GROUPS}
+    whole = {g: 0 for g in GROUPS}
+    for path, (full, stored) in family.param_shapes(arch, quantization).items():
+        spec = param_spec(path, sharding)
+        shape = [-(-n // sharding.model) if i < len(spec) and spec[i] == MODEL else n
+                 for i, n in enumerate(full)]
+        group = _group(path)
+        if not str(path[-1]).endswith(SCALE_SUFFIX):  # int8 scales: bytes, not parameters
+            params[group] += math.prod(full)
+        nbytes = math.prod(shape) * kv_sizing.ITEMSIZE[stored or dtype]
+        (split if MODEL in spec else whole)[group] += nbytes
+    return tuple(WeightGroup(g, params[g], split[g] + whole[g],
+                             "replicated" if not split[g] else
+                             "split" if not whole[g] else "partly split")
+                 for g in GROUPS if params[g])
+
+
+def _weight_groups(hf: dict, sharding: ShardingPlan, dtype: str,
+                   quantization: str | None = None) -> tuple[WeightGroup, ...]:
+    """Parameters and per-device bytes by group; cached, as the no-fit hints try many."""
+    return _cached_groups(json.dumps(hf, sort_keys=True), sharding, dtype, quantization)
+
+
+def _group(path: tuple) -> str:
+    names = [str(p) for p in path]
+    if names[-1] in ("embed", "lm_head"):
+        return "embeddings"
+    if any("norm" in n for n in names):
+        return "norms"
+    if "attn" in names:
+        return "attention"
+    if "mlp" in names:
+        return "mlp"
+    return "other"
+
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'16GiB', '16Gi' and '16G' (binary), '80GB' (decimal), '16e9' or '17179869184' (bytes)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?)\s*([kmgtKMGT]?)(i?)([bB]?)\s*",
+                         str(text))
+    if not match or (match[3] and not match[2]):
+        raise ValueError(f"device memory must look like 16GiB, 16G (binary), 80GB (decimal) or "
+                         f"16e9 (bytes), got {text!r}.")
+    number, prefix, binary, byte = match.groups()
+    unit = _UNITS[prefix.lower()]
+    if prefix and byte and not binary:  # "GB": decimal, as disk and GPU vendors count
+        unit = 1000 ** ("kmgt".index(prefix.lower()) + 1)
+    value = int(float(number) * unit)
+    if value <= 0:
+        raise ValueError(f"device memory must be > 0, got {text!r}.")
+    return value
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+_LABELS = {"embeddings": "embeddings", "attention": "attention", "mlp": "MLP",
+           "norms": "norms", "other": "other"}
+
+
+def format_plan(plan: Plan) -> str:
+    """A readable table of the plan (what `jaxserve plan` prints)."""
+    s, mesh = plan.sharding, plan.mesh
+    kv_split = (f"{plan.num_kv_heads} -> K'={s.kv_heads} (each replicated {s.kv_replicas}x)"
+                if s.kv_replicas > 1 else f"{s.kv_heads} (not replicated)")
+    embed = {"hidden": "on the hidden axis D", "vocab": "on the vocabulary V"}.get(
+        s.embed_axis, "not split (replicated)")
+    if not plan.num_experts:
+        mlp = f"MLP width {plan.intermediate_size} -> {plan.intermediate_size // s.model}"
+    elif s.expert_parallel:
+        mlp = f"experts {plan.num_experts} -> {plan.num_experts // s.model} whole"
+    else:
+        mlp = (f"experts {plan.num_experts}, each of width {plan.expert_intermediate_size} -> "
+               f"{plan.expert_intermediate_size // s.model}")
+    labels = dict(_LABELS, mlp="MLP + experts" if plan.num_experts else "MLP")
+    lines = [
+        f"model        {plan.model} ({plan.architecture}, {plan.dtype}"
+        f"{f' with {plan.quantization} linear layers' if plan.quantization else ''}, "
+        f"{plan.num_params:,} parameters per replica)",
+        f"mesh         {mesh}: {_count(mesh.data, 'replica')}, each split over "
+        f"{_count(mesh.model, 'device')} = {_count(mesh.num_devices, 'device')}; numbers below "
+        "are per device",
+        f"split        query heads {plan.num_heads} -> {plan.num_heads // s.model} per device; "
+        f"kv heads {kv_split} -> {s.kv_heads_per_device} per device",
+        f"             {mlp} per device; embeddings / lm_head split {embed}",
+        f"memory       {_size(plan.device_memory_bytes)} x gpu_memory_utilization "
+        f"{plan.gpu_memory_utilization:g} = {_size(plan.usable_memory_bytes)} usable per device",
+        "",
+        f"{'weights per device':<20} {'parameters':>15} {'bytes':>15} {'':>10}  placement",
+    ]
+    placement = {"split": f"split over {s.model}", "replicated": f"replicated x{s.model}",
+                 "partly split": f"partly split over {s.model}"}
+    for g in plan.weights:
+        lines.append(f"  {labels[g.name]:<18} {g.params:>15,} {g.bytes_per_device:>15,} "
+                     f"{_size(g.bytes_per_device):>10}  "
+                     f"{placement[g.split] if s.model > 1 else 'one device'}")
+    used = plan.weight_bytes_per_device
+    state = plan.sampler_state_bytes
+    lines += [
+        f"  {'total':<18} {plan.num_params:>15,} {used:>15,} {_size(used):>10}",
+        f"{'sampler state':<20} {'':>15} {state:>15,} {_size(state):>10}  "
+        f"{plan.max_num_seqs + 1} rows x vocabulary x "
+        f"{kv_sizing.SAMPLER_STATE_BYTES_PER_ENTRY} B + 1 bit (penalties, logit bias, grammar)",
+        "",
+        f"KV cache per device  {plan.bytes_per_token:,} B per token (2 x {plan.num_layers} "
+        f"layers x {_count(s.kv_heads_per_device, 'kv head')} x {plan.head_dim} x "
+        f"{kv_sizing.ITEMSIZE[plan.kv_element]} B {plan.kv_element}); {plan.bytes_per_block:,} B "
+        f"({_size(plan.bytes_per_block)}) per block of {plan.block_size} tokens"
+        + ("" if plan.kv_cache_dtype == "auto"
+           else "; plus a float32 scale per layer and kv head"),
+        f"  budget             {plan.kv_budget_bytes:,} B ({_size(plan.kv_budget_bytes)}), "
+        + ("usable memory - weights - sampler state"
+           if plan.kv_budget_source == "device memory"
+           else f"from {plan.kv_budget_source}"),
+        f"  blocks             {plan.num_blocks:,} ({plan.usable_blocks:,} usable + the null "
+        f"block) = {plan.kv_tokens:,} tokens",
+        f"  max concurrency    {plan.max_concurrency:,} sequences of max_model_len="
+        f"{plan.max_model_len} ({plan.concurrency:.2f}; {plan.blocks_per_seq} blocks each); "
+        f"max_num_seqs={plan.max_num_seqs}",
+        "",
+        f"compile buckets      {len(plan.step_buckets)} step shapes (T tokens x R sequences), "
+        f"max_num_batched_tokens={plan.max_num_batched_tokens}",
+        "  " + " ".join(f"{t}x{r}" for t, r in plan.step_buckets),
+    ]
+    return "\n".join(lines)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def summary_line(plan: Plan) -> str:
+    """One line for the start-up log."""
+    return (f"Plan: mesh {plan.mesh} ({plan.mesh.num_devices} devices), per device: weights "
+            f"{_size(plan.weight_bytes_per_device)}, KV {_size(plan.bytes_per_block)}/block, "
+            f"{plan.usable_blocks:,} blocks = {plan.kv_tokens:,} tokens; max concurrency at "
+            f"max_model_len={plan.max_model_len}: {plan.concurrency:.2f}; "
+            f"{len(plan.step_buckets)} compile buckets")
+
+
+def plan_dict(plan: Plan) -> dict:
+    """The plan as plain JSON values (`jaxserve plan --json`), derived numbers included."""
+    out = dataclasses.asdict(plan)
+    out["mesh"] = {"data": plan.mesh.data, "model": plan.mesh.model,
+                   "num_devices": plan.mesh.num_devices}
+    out["sharding"]["kv_heads_per_device"] = plan.sharding.kv_heads_per_device
+    for name in ("weight_bytes_per_device", "num_params", "usable_memory_bytes",
+                 "bytes_per_token", "usable_blocks", "kv_tokens", "blocks_per_seq",
+                 "max_concurrency", "concurrency"):
+        out[name] = getattr(plan, name)
+    return out

@@ -1,0 +1,161 @@
+"""Request: one sequence's tokens, progress, sampling settings and KV blocks (host side)."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import numpy as np
+
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.token_constraints import TokenConstraints
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # the engine failed on this request (as vLLM v1's ERROR)
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
+
+
+class Request:
+    """One sequence. There is no prefill or decode phase: each step advances
+    num_computed_tokens toward num_tokens by some number of new tokens."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 *, seed: int, max_model_len: int, eos_token_ids: frozenset[int],
+                 priority: int = 0, constraints: TokenConstraints | None = None,
+                 grammar=None) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.seed = seed
+        self.priority = priority
+        self.arrival_time = time.monotonic()
+        self.scheduled_time: float | None = None  # first admitted to running (queue time)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        budget = max_model_len - self.num_prompt_tokens
+        self.max_output_tokens = min(params.max_tokens or budget, budget)
+        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        # Sampling settings as the step's input builder reads them, row by row.
+        self.sampling_floats = (params.temperature, params.top_p, params.min_p,
+                                params.presence_penalty, params.frequency_penalty,
+                                params.repetition_penalty)
+        self.sampling_top_k = params.top_k
+        self.stop_token_ids = frozenset(params.stop_token_ids)
+        # logit_bias, allowed_token_ids, bad_words (shared by a request's n children).
+        self.constraints = constraints
+        # Structured outputs: this sequence's llguidance matcher (None: unconstrained), and
+        # the token it waits for before it applies (None: it applies from the start).
+        self.grammar = grammar
+        self.grammar_waits_for: int | None = None
+        # i32[max_model_len]: prompt then outputs; the first num_tokens entries are valid.
+        self.token_ids = np.zeros(self.num_prompt_tokens + self.max_output_tokens, np.int32)
+        self.token_ids[: self.num_prompt_tokens] = prompt_token_ids
+        self.num_tokens = self.num_prompt_tokens
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        # Prefix caching: the hash chain of every full block of token_ids (grows as blocks
+        # fill, outputs included), and how many leading blocks are registered in the cache.
+        self.block_hashes: list[bytes] = []
+        self.extra_keys: tuple = ()  # hashed into every block (a LoRA id, later)
+        self.num_registered_blocks = 0
+        # Prompt scoring needs every prompt position computed, and the device-side penalty
+        # state counts only the tokens fed to the model: both must compute everything.
+        self.reads_prefix_cache = params.prompt_logprobs is None and (
+            params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+            and params.repetition_penalty == 1.0)
+        # Speculative decoding proposes tokens only where every sampling stage is the same at
+        # each proposed position: not with penalties (their counts would have to include the
+        # proposals), bad words or structured outputs (their masks depend on the tokens
+        # before), nor below min_tokens (see may_speculate).
+        self.speculates = params.presence_penalty == 0.0 and params.frequency_penalty == 0.0 \
+            and params.repetition_penalty == 1.0 and grammar is None and not (
+                constraints is not None and constraints.bad_sequences)
+        self.num_cached_tokens: int | None = None  # cache hits at its first admission
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.num_proposed = 0  # proposals in its last scheduled step (speculative decoding)
+        self.spec_drafts = 0  # its steps that verified proposals
+        self.spec_first_kept = 0  # of those, the ones that kept the first proposal
+        self.state_slot = 0  # row of the device-side penalty state; 0 = none held
+        self.needs_state_reset = False  # set when a row is handed out, cleared once it ran
+        self.cumulative_logprob = 0.0  # of the output tokens, when logprobs are asked for
+
+    @property
+    def grammar_active(self) -> bool:
+        return self.grammar is not None and self.grammar_waits_for is None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens].tolist()
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens: self.num_tokens].tolist()
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def status(self) -> RequestStatus:
+        return self._status
+
+    @status.setter
+    def status(self, value: RequestStatus) -> None:
+        self._status = value
+        # A plain attribute: read for every request at every step.
+        self.finished = value.finished
+
+    @property
+    def may_speculate(self) -> bool:
+        """Whether proposals may be verified for it in its next step: it speculates, has
+        reached min_tokens (no stop-token masks) and only its last token is left to compute
+        (it is decoding)."""
+        return (self.speculates and self.num_output_tokens >= self.params.min_tokens
+                and self.num_computed_tokens == self.num_tokens - 1)
+
+    @property
+    def max_proposals(self) -> int:
+        """Proposals that can still be used: one token always follows them, and the output
+        ends at max_output_tokens."""
+        return self.max_output_tokens - self.num_output_tokens - 1
+
+    def set_proposals(self, token_ids) -> None:
+        """Write proposed tokens after the known ones (scratch room: num_tokens stays), for
+        the next step's input builder to feed."""
+        self.token_ids[self.num_tokens: self.num_tokens + len(token_ids)] = token_ids
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids[self.num_tokens] = token_id
+        self.num_tokens += 1
+
+    def drop_tokens_after(self, num_tokens: int) -> None:
+        """Forget the tokens past the first num_tokens (of a finished request: a stop string
+        ended it within the tokens one speculative step appended)."""
+        if not self.finished or num_tokens < self.num_prompt_tokens:
+            raise RuntimeError("only a finished request's output tokens can be dropped")
+        self.num_tokens = min(self.num_tokens, num_tokens)
+
+    def check_stop_token(self) -> bool:
+        """After appending a token: finish on EOS / stop_token_ids (after min_tokens) or length."""
+        last = int(self.token_ids[self.num_tokens - 1])
+        if self.num_output_tokens >= max(self.params.min_tokens, 1) and (
+            last in self.eos_token_ids or last in self.stop_token_ids
+        ):
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = None if last in self.eos_token_ids else last
+            return True
+        if self.num_output_tokens >= self.max_output_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

@@ -1,0 +1,303 @@
+"""Scheduler: owns request and block state; forms each step's ragged batch under a token
+budget and folds each finished step back in (host side).
+
+One invariant, as in vLLM v1: every scheduled request moves num_computed_tokens toward
+num_tokens. Running requests go first (oldest first), then waiting ones in FCFS order (by
+priority first, when given). Long prompts are cut into chunks that fit the budget. When the
+KV pool runs dry, the newest running request is preempted: its blocks are freed and it is
+recomputed later (from its cached prefix, when prefix caching still holds its blocks).
+
+A waiting request is admitted with its cached prefix (KVCacheManager.get_computed_blocks):
+it starts with those blocks and num_computed_tokens at their end, and only the rest is
+scheduled and charged to the token budget.
+
+Speculative decoding (n-gram, spec_decode.py): a decoding request that may speculate gets
+up to K proposals from its own tokens, scheduled after its last token (they count against
+the budget and get KV slots like any token, but only the budget left by the running
+requests' own tokens and the prompts admitted). spec_policy.py then keeps those that pay for
+the bucket they need, from the step times the engine measures (observe_step) and the
+acceptance seen so far; the others are dropped before the step runs. The step emits the
+accepted proposals plus one token; the computed count then drops back past the rejected
+ones, whose KV slots the next step overwrites.
+
+Every change to requests and blocks goes through here: schedule, then update_from_output
+with the step's sampled tokens (computed tokens, appended tokens, stop tokens, EOS, length),
+finish (stop strings, aborts, failures) and recompute (a step lost on the device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+
+from jaxserve.config.engine_config import SchedulerConfig
+from jaxserve.config.speculative import SpeculativeConfig
+from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.spec_decode import SpecDecodeStats, propose_ngram
+from jaxserve.core.spec_policy import StepTimes, expected_gains, proposals_to_keep
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    requests: list[Request]  # batch order
+    num_scheduled_tokens: list[int]  # per request, same order
+    preempted: list[Request]
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
+                 speculative: SpeculativeConfig | None = None) -> None:
+        self.config = config
+        self.kv_manager = kv_manager
+        self.speculative = speculative
+        self.spec_stats = SpecDecodeStats.empty(
+            speculative.num_speculative_tokens if speculative else 0)
+        self._speculating = False  # this step makes proposals (see schedule)
+        self._step_times = StepTimes(config.token_buckets)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._free_slots = list(range(config.max_num_seqs, 0, -1))  # penalty-state rows
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, request: Request) -> None:
+        """Queue a request: last (fcfs), or after every waiting request of the same or a
+        lower priority value (priority policy)."""
+        index = len(self.waiting)
+        if self.config.policy == "priority":
+            while index and self.waiting[index - 1].priority > request.priority:
+                index -= 1
+        self.waiting.insert(index, request)
+
+    def schedule(self, limits: tuple[int, int] | None = None) -> SchedulerOutput:
+        """limits: (tokens, sequences) this step may hold at most, below the configured
+        budget (the compiled buckets while a background warm-up runs); a running request
+        over the sequence limit waits for a later step."""
+        budget = self.config.max_num_batched_tokens
+        max_seqs = self.config.max_num_seqs
+        if limits is not None:
+            budget, max_seqs = min(budget, limits[0]), min(max_seqs, limits[1])
+        scheduled: list[Request] = []
+        counts: list[int] = []
+        preempted: list[Request] = []
+        spec = self.speculative
+        self._speculating = spec is not None and (spec.disable_by_batch_size is None or len(
+            self.running) <= spec.disable_by_batch_size)
+
+        # The running requests' own tokens come before any proposal.
+        reserved = sum(r.num_tokens - r.num_computed_tokens for r in self.running[:max_seqs])
+        index = 0
+        while index < len(self.running) and budget > 0 and index < max_seqs:
+            request = self.running[index]
+            remaining = request.num_tokens - request.num_computed_tokens
+            reserved -= remaining
+            request.num_proposed = self._propose(request, budget - remaining - reserved)
+            num_new = min(remaining + request.num_proposed, budget)
+            if request.num_proposed and not self.kv_manager.allocate_slots(request, num_new):
+                request.num_proposed = 0  # no room for proposals: never preempt for them
+                num_new = min(remaining, budget)
+            while not self.kv_manager.allocate_slots(request, num_new):
+                # Victims come from running past index: none of them has been scheduled in
+                # this pass. That matters for prefix caching: allocate_slots registers the
+                # blocks a scheduled request fills this step, and those must be written by
+                # this step; a scheduled request is never preempted before.
+                victim = self._victim(index)
+                self.running.remove(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            scheduled.append(request)
+            counts.append(num_new)
+            budget -= num_new
+            index += 1
+
+        # Waiting requests' prompt tokens come before proposals too: proposals keep only the
+        # budget admission leaves (a prompt token is always used, a proposal only if kept).
+        proposed = sum(r.num_proposed for r in scheduled)
+        budget = self._admit(budget + proposed, max_seqs, scheduled, counts, preempted)
+        if proposed:
+            budget -= self._choose_proposals(scheduled, counts, budget)
+            # The head of the queue may have been refused blocks for a bigger chunk.
+            self._admit(budget, max_seqs, scheduled, counts, preempted)
+        return SchedulerOutput(scheduled, counts, preempted)
+
+    def _admit(self, budget: int, max_seqs: int, scheduled: list[Request], counts: list[int],
+               preempted: list[Request]) -> int:
+        """Admit waiting requests in order while the budget, the sequence limit and the KV
+        pool allow, and only when nothing had to give way this step; the budget left."""
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < max_seqs):
+            request = self.waiting[0]
+            hits = self.kv_manager.get_computed_blocks(request)  # no reference taken yet
+            num_hit = len(hits) * self.kv_manager.block_size
+            num_new = min(request.num_tokens - num_hit, budget)
+            if not self.kv_manager.allocate_slots(request, num_new, hits):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit
+            self.kv_manager.record_lookup(request, num_hit)
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            if request.scheduled_time is None:
+                request.scheduled_time = time.monotonic()
+            request.state_slot = self._free_slots.pop()
+            request.num_proposed = 0
+            request.needs_state_reset = True
+            self.running.append(request)
+            scheduled.append(request)
+            counts.append(num_new)
+            budget -= num_new
+        return budget
+
+    def _propose(self, request: Request, room: int) -> int:
+        """Propose up to K tokens for a decoding request (written after its tokens, see
+        Request.set_proposals) within `room` budget tokens; how many."""
+        spec = self.speculative
+        if not self._speculating or room <= 0 or not request.may_speculate:
+            return 0
+        k = min(spec.num_speculative_tokens, room, request.max_proposals)
+        if k <= 0:
+            return 0
+        proposals = propose_ngram(request.token_ids[: request.num_tokens],
+                                  spec.prompt_lookup_min, spec.prompt_lookup_max, k)
+        request.set_proposals(proposals)
+        return len(proposals)
+
+    def _choose_proposals(self, scheduled: list[Request], counts: list[int],
+                          room: int) -> int:
+        """Keep at most `room` proposals, those that pay for the token bucket they need
+        (spec_policy.py); drop the rest, the least likely to be kept first. Returns how many
+        are kept."""
+        proposed = sum(r.num_proposed for r in scheduled)
+        rows = [i for i, r in enumerate(scheduled) if r.num_proposed]
+        gains = [expected_gains(self.spec_stats, scheduled[i].spec_drafts,
+                                scheduled[i].spec_first_kept, scheduled[i].num_proposed)
+                 for i in rows]
+        plain = sum(counts) - proposed
+        floor = self.config.pick_bucket(plain, len(scheduled))[0]
+        keep = proposals_to_keep(plain, floor, gains, self._step_times, room)
+        for i, kept in zip(rows, keep):
+            counts[i] -= scheduled[i].num_proposed - kept
+            scheduled[i].num_proposed = kept
+        return sum(keep)
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """Step `out` took `seconds` from dispatch to results: what the proposal choice
+        weighs a bigger token bucket by (speculative decoding only)."""
+        if self.speculative is not None and out.requests:
+            bucket = self.config.pick_bucket(out.total_num_scheduled_tokens, len(out.requests))
+            self._step_times.observe(bucket[0], seconds)
+
+    def update_from_output(self, out: SchedulerOutput, sampled,
+                           num_emitted=None) -> list[tuple[Request, list[int]]]:
+        """Fold a finished step into its requests: each scheduled request (not finished
+        meanwhile) has its scheduled tokens computed; one that caught up with its tokens
+        appends the tokens sampled for its row and finishes on a stop token, EOS or length,
+        freeing its blocks.
+
+        sampled.token_ids holds each row's num_proposed + 1 draws, row after row (the
+        runner's slots), of which row r emitted num_emitted[r] (i32[R]; None: one each,
+        sampled is i32[R]): its accepted proposals and one more. sampled.logprobs (same
+        layout) adds to cumulative_logprob when the request asked for logprobs. Rejected
+        proposals are uncomputed again. Returns (request, indices into sampled of its new
+        tokens) for each request that got tokens, in batch order."""
+        appended = []
+        start = 0  # the row's first slot
+        for row, (request, count) in enumerate(zip(out.requests, out.num_scheduled_tokens)):
+            first, start = start, start + request.num_proposed + 1
+            proposed, request.num_proposed = request.num_proposed, 0
+            if request.finished:
+                continue  # stopped (stop string), aborted or failed while the step ran
+            request.needs_state_reset = False  # the step reset its penalty-state row
+            request.num_computed_tokens += count
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk: nothing sampled yet
+            emitted = 1 if num_emitted is None else int(num_emitted[row])
+            if not 1 <= emitted <= proposed + 1:
+                raise RuntimeError(f"row {row} emitted {emitted} tokens for {proposed} "
+                                   "proposals")
+            if proposed:
+                request.num_computed_tokens -= proposed - (emitted - 1)
+                self.spec_stats.record(proposed, emitted - 1)
+                request.spec_drafts += 1
+                request.spec_first_kept += emitted > 1
+            taken = []
+            for index in range(first, first + emitted):
+                request.append_token(int(sampled.token_ids[index]))
+                if request.params.logprobs is not None:
+                    request.cumulative_logprob += float(sampled.logprobs[index])
+                taken.append(index)
+                if request.check_stop_token():
+                    self.finish(request, request.status)
+                    break
+            appended.append((request, taken))
+        return appended
+
+    def _victim(self, index: int) -> Request:
+        """The running request to preempt, from running[index:]: the newest (fcfs), or the
+        one with the lowest priority, newest among equals (priority)."""
+        if self.config.policy == "priority":
+            return max(self.running[index:], key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_manager.free(request)
+        self._release_slot(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_proposed = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        # Back to the front of the waiting queue (of its priority class).
+        index = 0
+        while (self.config.policy == "priority" and index < len(self.waiting)
+               and self.waiting[index].priority < request.priority):
+            index += 1
+        self.waiting.insert(index, request)
+
+    def recompute(self, request: Request) -> None:
+        """Send a running request back to the waiting queue, to be computed again from its
+        first token: the results of its last step were lost. Its blocks are freed."""
+        if request in self.running:
+            self.running.remove(request)
+            self._preempt(request)
+
+    def _release_slot(self, request: Request) -> None:
+        if request.state_slot:
+            self._free_slots.append(request.state_slot)
+            request.state_slot = 0
+
+    def finish(self, request: Request, status: RequestStatus,
+               stop_reason: int | str | None = None, num_tokens: int | None = None) -> None:
+        """Take a request out (finished or aborted) and free what it holds. stop_reason: the
+        stop string that ended it (a stop token is recorded by update_from_output);
+        num_tokens: where its tokens end (a stop string matched before the last of the
+        tokens a speculative step appended: the later ones are dropped)."""
+        request.status = status
+        if stop_reason is not None:
+            request.stop_reason = stop_reason
+        if num_tokens is not None:
+            request.drop_tokens_after(num_tokens)
+        if request in self.running:
+            self.running.remove(request)
+            self.kv_manager.free(request)
+            self._release_slot(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)

@@ -1,0 +1,294 @@
+"""The admission path: every request, from every front end, becomes a trusted EngineRequest
+here (vLLM's InputProcessor).
+
+The HTTP server, the gRPC service and the offline LLM all call one InputProcessor, in this
+order, so that the cheap checks come before any expensive work:
+1. check_params: the request limits table (request_limits.py: n, stops, token-id lists,
+   bad words, logit bias, logprobs, structured-output caps) and, for a structured output,
+   its schema parsed with a depth bound and its structure checked (grammar_checks.py);
+   check_request_id, check_prompt_count, check_priority likewise;
+2. render_chat / encode: chat templates and tokenization (request text stays text);
+3. process: truncation, the model's checks (length, vocabulary), bad words tokenized, the
+   worst-case response size, the structured output's start token: an EngineRequest;
+4. compile_grammar: the constraint compiled, first in the sandbox process
+   (grammar_sandbox.py), then here; the server runs it on threads of its own, so grammar
+   compiles never occupy the threads that parse ordinary requests.
+Every refusal is a ValueError naming the field (a 400 / INVALID_ARGUMENT in the servers).
+The engine takes EngineRequests as they are: its own checks only assert this contract.
+The server calls 1-3 (and 4) off the event loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from jaxserve.config.request_limits import RequestLimits, limit_error
+from jaxserve.core import grammar_checks
+from jaxserve.core.input_builder import MAX_BANNED_IDS
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.structured_output import GrammarCompiler
+from jaxserve.core.token_constraints import TokenConstraints
+from jaxserve.inputs.tokenizer import apply_chat_template, encode_prompt, with_special_tokens
+
+# What one token of a response can cost in bytes, for the worst-case size: its text and id,
+# and each logprob entry ({"token", "logprob", "bytes", ...} in JSON).
+_TOKEN_BYTES = 16
+_LOGPROB_ENTRY_BYTES = 96
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRequest:
+    """A request the admission path has checked: the engine runs it as it is."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]  # truncated, checked against the model
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    constraints: TokenConstraints | None = None  # logit_bias, allowed ids, bad words
+    grammar: Any = None  # the compiled constraint (llguidance matcher), copied per sequence
+    grammar_start: int | None = None  # the token after which the grammar applies
+
+    def with_grammar(self, grammar) -> EngineRequest:
+        return dataclasses.replace(self, grammar=grammar)
+
+
+class InputProcessor:
+    """Checks, renders, tokenizes and compiles requests for one engine. Thread-safe: the
+    server calls it from several worker threads at once."""
+
+    def __init__(self, model_config, scheduling_policy: str, tokenizer, eos_token_ids,
+                 grammars: GrammarCompiler, limits: RequestLimits) -> None:
+        self.max_model_len = model_config.max_model_len
+        self.vocab_size = model_config.vocab_size
+        self.scheduling_policy = scheduling_policy
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.grammars = grammars
+        self.limits = limits
+
+    # ---- 1. the limits table: cheap, before anything else -----------------------------------
+    def check_params(self, params: SamplingParams) -> SamplingParams:
+        """params against the limits table; returns it with a structured output's schema
+        parsed (bounded) and checked. ValueError naming the field and the limit."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got "
+                             f"{type(params).__name__}.")
+        limits = self.limits
+        counts = (
+            ("n", params.n, "the number of sequences per prompt", "max_n"),
+            ("stop", len(params.stop), "the number of stop strings", "max_stop_strings"),
+            ("stop_token_ids", len(params.stop_token_ids), "the number of stop_token_ids",
+             "max_stop_token_ids"),
+            ("allowed_token_ids", len(params.allowed_token_ids or ()),
+             "the number of allowed_token_ids", "max_allowed_token_ids"),
+            ("logit_bias", len(params.logit_bias or ()), "the number of logit_bias entries",
+             "max_logit_bias"),
+            ("bad_words", len(params.bad_words or ()), "the number of bad_words",
+             "max_bad_words"),
+            ("logprobs", params.logprobs or 0, "the number of logprobs per token",
+             "max_logprobs"),
+            ("prompt_logprobs", params.prompt_logprobs or 0,
+             "the number of logprobs per prompt token", "max_prompt_logprobs"),
+        )
+        for field, value, what, name in counts:
+            if value > getattr(limits, name):
+                raise limit_error(field, what, name, getattr(limits, name), value)
+        longest = max(map(len, params.stop), default=0)
+        if longest > limits.max_stop_length:
+            raise limit_error("stop", "the length of a stop string", "max_stop_length",
+                              limits.max_stop_length, longest)
+        longest = max(map(len, params.bad_words or ()), default=0)
+        if longest > limits.max_bad_word_length:
+            raise limit_error("bad_words", "the length of a bad word", "max_bad_word_length",
+                              limits.max_bad_word_length, longest)
+        structured = params.structured_outputs
+        if structured is not None:
+            try:
+                checked = grammar_checks.check_constraint(structured, limits,
+                                                          "structured_outputs")
+            except ValueError as err:
+                err.param = "structured_outputs"  # the front end names its own field
+                raise
+            if checked is not structured:
+                params = params.clone(structured_outputs=checked)
+        return params
+
+    def check_request_id(self, request_id: str, field: str = "request_id") -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"{field} must be a non-empty string.")
+        if len(request_id) > self.limits.max_request_id_length:
+            raise limit_error(field, "the length of a request id", "max_request_id_length",
+                              self.limits.max_request_id_length, len(request_id))
+
+    def check_prompt_count(self, count: int, field: str = "prompt") -> None:
+        if count > self.limits.max_prompts:
+            raise limit_error(field, "the number of prompts in one request", "max_prompts",
+                              self.limits.max_prompts, count)
+
+    def check_priority(self, priority: int) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r:.40}.")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} needs priority scheduling: start the engine "
+                             "with scheduling_policy='priority' (--scheduling-policy "
+                             "priority).")
+
+    # ---- 2. templates and tokenization ----------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids (the tokenizer releases the GIL while it works)."""
+        return encode_prompt(self.tokenizer, text, add_special_tokens)
+
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False, chat_template: str | None = None,
+                    **kwargs) -> list[int]:
+        """A conversation through the chat template, tokenized so that no text the request
+        supplied becomes a special token (tokenizer.apply_chat_template)."""
+        ids = apply_chat_template(self.tokenizer, messages,
+                                  add_generation_prompt=add_generation_prompt,
+                                  chat_template=chat_template, **kwargs)
+        return with_special_tokens(self.tokenizer, ids) if add_special_tokens else ids
+
+    # ---- 3. the model's checks -------------------------------------------------------------
+    def truncate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt as params.truncate_prompt_tokens keeps it, as vLLM: k tokens (-1:
+        max_model_len - 1), the last k unless truncation_side is "right"."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return prompt_token_ids
+        if k == -1:
+            k = self.max_model_len - 1
+        if k > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens={k} cannot be greater than "
+                             f"max_model_len={self.max_model_len}; request a smaller "
+                             "truncation size.")
+        if params.truncation_side == "right":
+            return list(prompt_token_ids[:k])
+        return list(prompt_token_ids[-k:])
+
+    def process(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                params: SamplingParams, priority: int = 0, cache_salt: str | None = None,
+                *, compile_grammar: bool = True) -> EngineRequest:
+        """One prompt of a request, ready for the engine (its params already through
+        check_params). compile_grammar=False leaves the grammar to compile_grammar (the
+        server runs that on its grammar threads) and with_grammar."""
+        self.check_request_id(request_id)
+        self.check_priority(priority)
+        ids = self.check_prompt(self.truncate(prompt_token_ids, params))
+        self.check_response_size(params, [len(ids)])
+        vocab = self.vocab_size
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got "
+                             f"{params.stop_token_ids[:8]}.")
+        constraints = self._constraints(params)
+        grammar = grammar_start = None
+        if params.structured_outputs is not None:
+            grammar_start = self._grammar_start(params, ids)
+            if compile_grammar:
+                grammar = self.compile_grammar(params)
+        return EngineRequest(request_id, prompt, ids, params, priority, cache_salt,
+                             constraints, grammar, grammar_start)
+
+    def check_prompt(self, prompt_token_ids) -> list[int]:
+        """The prompt as a list of ints in the vocabulary, shorter than max_model_len."""
+        max_len, vocab = self.max_model_len, self.vocab_size
+        count = len(prompt_token_ids)
+        if count == 0:
+            raise ValueError("prompt must not be empty (it has 0 tokens).")
+        if count >= max_len:
+            raise ValueError(f"prompt is {count} tokens long, but must be shorter than "
+                             f"max_model_len={max_len} to leave room for output.")
+        try:
+            ids = np.asarray(prompt_token_ids)
+        except (ValueError, TypeError):
+            ids = np.asarray([], np.int64)  # ragged or odd: reported below
+        if ids.ndim != 1 or ids.size != count or ids.dtype.kind not in "iu" or \
+                ids.min() < 0 or ids.max() >= vocab:
+            bad = [t for t in prompt_token_ids if isinstance(t, bool) or not (
+                isinstance(t, (int, np.integer)) and 0 <= t < vocab)][:3]
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}) (the model's "
+                             f"vocabulary); got {bad!r:.80}.")
+        return ids.tolist()
+
+    def check_response_size(self, params: SamplingParams, prompt_lengths: list[int]) -> None:
+        """The worst case of what the request's responses could hold (every choice running
+        to its max_tokens, each token with its logprob entries) against max_response_bytes."""
+        per_token = _TOKEN_BYTES + _LOGPROB_ENTRY_BYTES * (
+            params.logprobs + 1 if params.logprobs is not None else 0)
+        per_prompt_token = _LOGPROB_ENTRY_BYTES * (
+            params.prompt_logprobs + 1 if params.prompt_logprobs is not None else 0)
+        total = 0
+        for length in prompt_lengths:
+            new = self.max_model_len - length
+            if params.max_tokens is not None:
+                new = min(new, params.max_tokens)
+            total += params.n * (new * per_token + length * per_prompt_token)
+        limit = self.limits.max_response_bytes
+        if total > limit:
+            fields = "max_tokens, n" + (", logprobs" if params.logprobs is not None else "") \
+                + (", prompt_logprobs" if params.prompt_logprobs is not None else "")
+            err = ValueError(f"The response to this request could reach {total / 2**20:.0f} "
+                             f"MiB, over the limit of {limit / 2**20:.0f} MiB (request limit "
+                             f"max_response_bytes): lower {fields}.")
+            err.param = "max_tokens" if params.logprobs is None else "logprobs"
+            raise err
+
+    def _constraints(self, params: SamplingParams) -> TokenConstraints | None:
+        constraints = TokenConstraints.from_params(params, self.tokenizer)
+        if constraints is None:
+            return None
+        vocab = self.vocab_size
+        bad = [t for t in constraints.token_ids() if not 0 <= t < vocab][:3]
+        if bad:
+            field = ("logit_bias" if any(t in (params.logit_bias or {}) for t in bad) else
+                     "allowed_token_ids")
+            raise ValueError(f"{field} must name token ids in [0, {vocab}) (the model's "
+                             f"vocabulary); got {bad}.")
+        stops = len(self.eos_token_ids | set(params.stop_token_ids)) if params.min_tokens \
+            else 0
+        if stops > MAX_BANNED_IDS:
+            raise ValueError(f"min_tokens works with at most {MAX_BANNED_IDS} stop_token_ids "
+                             "(EOS included).")
+        if stops + len(constraints.bad_sequences) > MAX_BANNED_IDS:
+            raise ValueError(f"bad_words: at most {MAX_BANNED_IDS - stops} words of several "
+                             f"tokens (each spelling counts), got "
+                             f"{len(constraints.bad_sequences)}.")
+        return constraints
+
+    # ---- 4. grammars -----------------------------------------------------------------------
+    def compile_grammar(self, params: SamplingParams):
+        """The compiled constraint of params.structured_outputs (sandboxed the first time,
+        then cached by its text); ValueError naming structured_outputs when it cannot be
+        used. Blocks for up to the grammar_compile_timeout limit: call it off the event
+        loop, on threads other than those that parse requests."""
+        try:
+            return self.grammars.compile(params.structured_outputs,
+                                         self.limits.grammar_compile_timeout)
+        except ValueError as err:
+            raise ValueError(f"structured_outputs: {err}") from None
+
+    def _grammar_start(self, params: SamplingParams, prompt: list[int]) -> int | None:
+        """The token a constraint waits for (structured_outputs.starts_after), or None when
+        it applies at once: none is set, or the prompt already holds it after the last
+        opening "<think>" (a template that turned thinking off)."""
+        after = params.structured_outputs.starts_after
+        if after is None:
+            return None
+        end = self._single_token(after, "structured_outputs.starts_after")
+        start = self._single_token(after.replace("/", "", 1), None) if "/" in after else None
+        last_end = max((i for i, t in enumerate(prompt) if t == end), default=-1)
+        last_start = max((i for i, t in enumerate(prompt) if t == start), default=-1)
+        return None if last_end > last_start else end
+
+    def _single_token(self, text: str, field: str | None) -> int | None:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) != 1:
+            if field is None:
+                return None
+            raise ValueError(f"{field} must be one token of the vocabulary; {text!r} is "
+                             f"{len(ids)} tokens.")
+        return ids[0]

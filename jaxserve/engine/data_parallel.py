@@ -1,0 +1,138 @@
+"""Data parallelism: one engine per data rank behind one front end.
+
+With `--mesh DxM`, D replicas each run a whole LLMEngine (its own scheduler, KV block pool
+and compiled steps) on its own (1, M) sub-mesh: replica r gets devices r*M .. r*M + M - 1.
+This front end has LLMEngine's interface; it sends each new request to the replica with the
+fewest unfinished requests (the lowest rank on a tie), routes aborts to the owner, and steps
+every replica in turn. A replica's step only launches device work and returns (JAX dispatch
+is asynchronous), so while the host serves replica 1 the devices of replica 0 are computing:
+all ranks stay busy under load.
+
+One engine per rank rather than one scheduler over all ranks: each replica's batch, blocks
+and buckets are exactly those of a single-replica engine, so nothing in the scheduler, the
+block manager or the runner knows about data parallelism, and a replica's requests never
+wait for another replica's step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.core.kv_cache_manager import PrefixCacheStats
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+
+def create_engine(config: EngineConfig):
+    """An LLMEngine, or a DataParallelEngine when the mesh has more than one data rank."""
+    if config.parallel.data_parallel_size == 1:
+        return LLMEngine(config)
+    return DataParallelEngine(config)
+
+
+class DataParallelEngine:
+    def __init__(self, config: EngineConfig, replicas: list | None = None) -> None:
+        """replicas: the engines (tests pass stand-ins); one LLMEngine per data rank."""
+        self.config = config
+        size = config.parallel.data_parallel_size
+        if replicas is None:
+            replicas = []
+            for rank in range(size):
+                logger.info("Data-parallel replica %d of %d", rank + 1, size)
+                replicas.append(LLMEngine(config, rank=rank))
+        self.replicas = replicas
+        self.tokenizer = self.replicas[0].tokenizer
+        self._owner: dict[str, LLMEngine] = {}
+        self.routed = [0] * size  # requests sent to each replica so far
+
+    # ---- the LLMEngine interface ----------------------------------------------------------
+    @property
+    def runner(self):
+        """Replica 0's runner (every replica runs the same model on its own devices)."""
+        return self.replicas[0].runner
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.replicas[0].eos_token_ids
+
+    def reset_prefix_cache(self) -> None:
+        for replica in self.replicas:
+            replica.reset_prefix_cache()
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            replica.close()
+
+    @property
+    def compiling(self) -> int:
+        return sum(replica.compiling for replica in self.replicas)
+
+    @property
+    def warm_up_done(self) -> bool:
+        return all(replica.warm_up_done for replica in self.replicas)
+
+    @property
+    def num_compilations(self) -> int:
+        return self.replicas[0].num_compilations  # process-wide
+
+    def stats(self) -> EngineStats:
+        """The replicas' snapshots merged (take it on the thread that steps the engine)."""
+        return EngineStats.merge([replica.stats() for replica in self.replicas])
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.stats().preemptions
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        stats = self.stats()
+        return PrefixCacheStats(stats.prefix_cache_queries, stats.prefix_cache_hits)
+
+    @property
+    def processor(self):
+        """The admission path (replica 0's: every replica has the same model and limits)."""
+        return self.replicas[0].processor
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, priority: int = 0,
+                    cache_salt: str | None = None) -> None:
+        params = self.processor.check_params(params)
+        self.add_processed(self.processor.process(request_id, prompt, prompt_token_ids, params,
+                                                  priority, cache_salt))
+
+    def add_processed(self, request) -> None:
+        """Queue an admitted request (admission.EngineRequest) on the least-loaded replica."""
+        if request.request_id in self._owner:
+            raise ValueError(f"request_id {request.request_id!r} is already in use.")
+        rank = min(range(len(self.replicas)),
+                   key=lambda i: self.replicas[i].num_unfinished_requests)
+        self.replicas[rank].add_processed(request)
+        self._owner[request.request_id] = self.replicas[rank]
+        self.routed[rank] += 1
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        replica = self._owner.pop(request_id, None)
+        return replica.abort_request(request_id) if replica is not None else None
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._owner)
+
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One step of every replica that has work; their outputs together."""
+        outputs = []
+        for replica in self.replicas:
+            if replica.has_unfinished_requests():
+                outputs.extend(replica.step(final_only))
+        for output in outputs:
+            if output.finished:
+                self._owner.pop(output.request_id, None)
+        return outputs
+
+    def load(self) -> list[int]:
+        """Unfinished requests per replica."""
+        return [r.num_unfinished_requests for r in self.replicas]

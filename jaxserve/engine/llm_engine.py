@@ -1,0 +1,569 @@
+"""LLMEngine: validates and admits requests, runs scheduler -> runner -> outputs, step by step.
+
+A request with n > 1 becomes n sequences (children) that share the prompt; each child has
+its own seed (seed + i when a seed is given), detokenizer and finish reason.
+
+One request never stops the engine. When preparing, running or reading a step raises, the
+engine finds the request(s) that caused it and fails only those (finish_reason "error",
+RequestOutput.error says why), freeing their blocks:
+- a step that cannot be dispatched is dispatched again one request at a time, at once
+  (nothing ran on the device); a request that fails alone is the culprit;
+- a step that fails on the device has unknown effects on the device state of its requests:
+  they are recomputed from scratch, each in a step of its own (suspects), and a suspect
+  whose own step fails is the culprit;
+- a failure while reading one request's results, detokenizing it or building its output
+  fails that request.
+After a culprit's step failed, an empty step checks the device; only when that fails too (an
+error that persists with no request in it: the device is lost) does step() raise
+EngineDeadError.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxserve.backends.protocol import Runner
+from jaxserve.backends.selection import create_runner
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.core.input_builder import samples_this_step
+from jaxserve.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.scheduler import Scheduler, SchedulerOutput
+from jaxserve.core.structured_output import GrammarCompiler
+from jaxserve.engine.admission import EngineRequest, InputProcessor
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.output_processor import OutputBuilder, TrackedRequest
+from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.stats import EngineStats
+from jaxserve.inputs.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine can no longer run steps: a step with no request in it failed too."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, runner: Runner | None = None,
+                 rank: int = 0) -> None:
+        """runner: the device side; built from config on data-parallel replica `rank`'s
+        devices when not given (benchmarks pass a null runner to measure the host side)."""
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model.tokenizer)
+        self.runner = runner if runner is not None else create_runner(config, rank)
+        self.eos_token_ids = frozenset(_eos_token_ids(config, self.tokenizer))
+        blocks, size = self.runner.num_blocks, config.cache.block_size
+        self.kv_manager = KVCacheManager(blocks, size,
+                                         enable_caching=config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.speculative)
+        self.grammars = GrammarCompiler(self.tokenizer, config.model.vocab_size,
+                                        self.eos_token_ids)
+        # The admission path (checks, templates, tokenization, grammars): every front end
+        # hands the engine what it made.
+        self.processor = InputProcessor(config.model, config.scheduler.policy, self.tokenizer,
+                                        self.eos_token_ids, self.grammars, config.limits)
+        max_len = config.model.max_model_len
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at "
+                    "max_model_len=%d: %.2f; prefix caching %s", blocks - 1, size,
+                    (blocks - 1) * size, blocks * self.runner.bytes_per_block / 2**20, max_len,
+                    (blocks - 1) / self.runner.blocks_per_seq,
+                    "on" if config.cache.enable_prefix_caching else "off")
+        if config.model.sampling_defaults:
+            logger.info("Default sampling parameters from the model's generation_config.json: "
+                        "%s (a request's own values win; generation_config='vllm' / "
+                        "--generation-config vllm ignores the file).",
+                        config.model.sampling_defaults)
+        if config.precompile:
+            self.runner.warm_up(background=config.precompile == "background")
+        self._rng = np.random.default_rng(config.model.seed)
+        self.outputs = OutputBuilder(self.tokenizer)
+        self._tracked: dict[str, TrackedRequest] = {}
+        self._by_child: dict[str, TrackedRequest] = {}
+        # The step dispatched to the device and not collected yet, as (batch, runner handle,
+        # dispatch time) parts: one part, unless suspects or a failed dispatch split the step.
+        self._in_flight: list[tuple[SchedulerOutput, object, float]] = []
+        # Children whose step failed on the device -> the computed length up to which they
+        # run alone (the end of that step): a culprit fails alone before it catches up.
+        self._suspects: dict[str, int] = {}
+        self._failed: list[TrackedRequest] = []  # failed since the last step() returned
+        self._device_failure: BaseException | None = None  # a culprit's step failed
+
+    # ---- admission ----------------------------------------------------------------------
+    @property
+    def num_compilations(self) -> int:
+        return self.runner.stats().compilations
+
+    def close(self) -> None:
+        """Stop the runner's background work (warm-up), release worker hosts, and stop the
+        grammar sandbox's processes."""
+        self.runner.close()
+        self.grammars.close()
+
+    @property
+    def compiling(self) -> int:
+        """Functions the runner is compiling right now."""
+        return self.runner.stats().compiling
+
+    @property
+    def warm_up_done(self) -> bool:
+        """Whether every bucket is compiled (a background warm-up may still be running)."""
+        return self.runner.stats().warm_up_done
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the load and counters; take it on the thread that steps the engine
+        (other threads read the snapshot, never the queues)."""
+        scheduler, kv, runner = self.scheduler, self.kv_manager, self.runner.stats()
+        spec = scheduler.spec_stats
+        return EngineStats(
+            running=len(scheduler.running), waiting=len(scheduler.waiting),
+            unfinished_requests=len(self._tracked), kv_usage=kv.usage,
+            kv_capacity_tokens=kv.capacity_tokens,
+            prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits,
+            preemptions=scheduler.num_preemptions, compilations=runner.compilations,
+            compiling=runner.compiling, warm_up_done=runner.warm_up_done,
+            spec_drafts=spec.num_drafts, spec_draft_tokens=spec.num_draft_tokens,
+            spec_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(spec.accepted_per_pos))
+
+    @property
+    def in_flight(self) -> SchedulerOutput | None:
+        """The batch of the step running on the device, not collected yet (None if none)."""
+        if not self._in_flight:
+            return None
+        parts = [out for out, _, _ in self._in_flight]
+        return SchedulerOutput([r for p in parts for r in p.requests],
+                               [n for p in parts for n in p.num_scheduled_tokens],
+                               [r for p in parts for r in p.preempted])
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Tokens looked up in the prefix cache and tokens served from it, so far."""
+        return self.kv_manager.stats
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, priority: int = 0,
+                    cache_salt: str | None = None) -> None:
+        """Admit a request through the admission path (self.processor: limits, the model's
+        checks, bad words, the grammar) and queue it; ValueError naming the field for
+        anything it refuses. priority: lower runs first (needs the priority scheduling
+        policy); cache_salt: the request shares cached prefix blocks only with requests of
+        the same salt."""
+        params = self.processor.check_params(params)
+        self.add_processed(self.processor.process(request_id, prompt, prompt_token_ids, params,
+                                                  priority, cache_salt))
+
+    def add_processed(self, request: EngineRequest) -> None:
+        """Queue a request the admission path made (InputProcessor.process; with its grammar
+        compiled when it has a structured output). Only the id is checked here: nothing
+        else can have changed since admission."""
+        assert isinstance(request, EngineRequest), type(request)
+        params, ids = request.params, request.prompt_token_ids
+        assert 0 < len(ids) < self.config.model.max_model_len, len(ids)
+        assert (params.structured_outputs is None) == (request.grammar is None), \
+            "a structured output's grammar is compiled before the request is added"
+        if request.request_id in self._tracked:
+            raise ValueError(f"request_id {request.request_id!r} is already in use.")
+        children, detoks = [], []
+        for i in range(params.n):
+            seed = (params.seed + i if params.seed is not None
+                    else int(self._rng.integers(0, 2**32)))
+            grammar = (None if request.grammar is None else
+                       self.grammars.new_matcher(request.grammar))
+            child = Request(f"{request.request_id}#{i}", ids, params, seed=seed % 2**32,
+                            max_model_len=self.config.model.max_model_len,
+                            eos_token_ids=self.eos_token_ids, priority=request.priority,
+                            constraints=request.constraints, grammar=grammar)
+            child.grammar_waits_for = request.grammar_start
+            if request.cache_salt is not None:
+                child.extra_keys = ("cache_salt", str(request.cache_salt))
+            children.append(child)
+            detoks.append(IncrementalDetokenizer(
+                self.tokenizer, ids, stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens))
+        tracked = TrackedRequest(request.request_id, request.prompt, ids, params, children,
+                                 detoks, [None] if params.prompt_logprobs is not None else None)
+        self._tracked[request.request_id] = tracked
+        for child in children:
+            self._by_child[child.request_id] = tracked
+            self.scheduler.add(child)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks. Returns its last output (unfinished choices
+        end with finish_reason 'abort'), or None if it is not (or no longer) known."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return None
+        for child in tracked.children:
+            if not child.finished:
+                self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+        self._forget(request_id)
+        if tracked.error is not None:  # failed, not reported yet: report it now instead
+            self._failed.remove(tracked)
+            return self.outputs.error_output(tracked)
+        return self.outputs.make_output(tracked)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._tracked)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._tracked)
+
+    # ---- one step -----------------------------------------------------------------------
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Fold in the results of the step on the device, start the next one, and while it
+        runs detokenize and build outputs (JAX dispatch is asynchronous, so that host work
+        overlaps the device's).
+
+        Returns the outputs of the requests that got tokens or failed (finished ones are
+        then forgotten); with final_only, only of those that finished (offline generation
+        needs no intermediate outputs). Results come one call after the step that made
+        them: call until has_unfinished_requests() is False. Raises EngineDeadError when
+        the device no longer runs even an empty step."""
+        try:
+            changed = self._step()
+        except EngineDeadError:
+            raise
+        except Exception as err:  # noqa: BLE001 - outside any one request: fail them all
+            logger.error("The engine failed outside any one request (%s): failing all %d "
+                         "requests", _describe(err), len(self._tracked), exc_info=err)
+            self._in_flight = []
+            self._drop_cached_blocks()
+            for tracked in list(self._tracked.values()):
+                self._fail(tracked, err, "in the engine", log=False)
+            self._device_failure = err
+            changed = []
+        if self._device_failure is not None:
+            self._check_device()
+        outputs = []
+        for tracked in changed:
+            if tracked.error is not None:
+                continue  # failed after its tokens came: reported with the failures
+            try:
+                output = self.outputs.make_output(tracked)
+            except Exception as err:  # noqa: BLE001 - this request's output only
+                self._fail(tracked, err, "while building its output")
+                continue
+            if not final_only or output.finished:
+                outputs.append(output)
+        outputs += [self.outputs.error_output(t) for t in self._failed]
+        self._failed = []
+        for output in outputs:
+            if output.finished:
+                self._forget(output.request_id)
+        return outputs
+
+    def _step(self) -> list[TrackedRequest]:
+        """Collect, launch, detokenize; the requests that got tokens."""
+        appended = self._collect()  # sampling results: tokens, stop tokens, lengths
+        self._launch()  # the next step, scheduled with those tokens
+        changed: dict[str, TrackedRequest] = {}
+        for tracked, req, tokens in appended:  # overlaps the device step just launched
+            if tracked.error is not None:
+                continue
+            try:
+                self._detokenize(tracked, req, tokens)
+            except Exception as err:  # noqa: BLE001 - this request only
+                self._fail(tracked, err, "while detokenizing")
+                continue
+            changed[tracked.request_id] = tracked
+        return list(changed.values())
+
+    def _forget(self, request_id: str) -> None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is not None:
+            for child in tracked.children:
+                self._by_child.pop(child.request_id, None)
+                self._suspects.pop(child.request_id, None)
+
+    def _launch(self) -> None:
+        out = self.scheduler.schedule(self.runner.step_limits())
+        if out.empty:
+            return
+        if not self._suspects:
+            self._dispatch(out)
+            return
+        rest = SchedulerOutput([], [], out.preempted)
+        for req, count in zip(out.requests, out.num_scheduled_tokens):
+            if req.request_id in self._suspects:
+                self._dispatch(SchedulerOutput([req], [count], []))
+            else:
+                rest.requests.append(req)
+                rest.num_scheduled_tokens.append(count)
+        if rest.requests:
+            self._dispatch(rest)
+
+    def _dispatch(self, out: SchedulerOutput) -> None:
+        """Start a step on the device. If it cannot start, nothing of it ran: start its
+        requests one at a time, and fail one that cannot start alone."""
+        try:
+            masks, broken = self._grammar_masks(out)
+            handle = self.runner.dispatch(out, self._prompt_score_targets(out), masks)
+        except BaseException as err:
+            self._drop_cached_blocks()
+            if not isinstance(err, Exception):
+                raise  # Ctrl-C, exit
+            if len(out.requests) == 1:
+                self._fail(self._by_child[out.requests[0].request_id], err,
+                           "while its step was prepared", device=True)
+                return
+            logger.warning("A step of %d requests could not start (%s); starting them one at "
+                           "a time", len(out.requests), _describe(err))
+            for req, count in zip(out.requests, out.num_scheduled_tokens):
+                if not req.finished:
+                    self._dispatch(SchedulerOutput([req], [count], []))
+            return
+        self._in_flight.append((out, handle, time.perf_counter()))
+        self._fail_masks(broken)
+
+    def _grammar_masks(self, out: SchedulerOutput):
+        """The next-token bitmask of each constrained request that samples in this step
+        (None when none does), and the requests whose matcher failed to give one (out of its
+        per-step fuel: they fail alone, once the step is dispatched; their rows sample
+        freely meanwhile and their results are dropped)."""
+        rows = [req for req, count in zip(out.requests, out.num_scheduled_tokens)
+                if req.grammar_active and samples_this_step(req, count)]
+        if not rows:
+            return None, []
+        masks = self.grammars.fill_masks([req.grammar for req in rows])
+        broken = []
+        for i, req in enumerate(rows):
+            if req.grammar.is_error():
+                masks[i] = -1
+                broken.append(req)
+        return [(req.state_slot, masks[i]) for i, req in enumerate(rows)], broken
+
+    def _fail_masks(self, broken: list[Request]) -> None:
+        for req in broken:
+            logger.info("Request %s failed: its structured output's next-token mask could not "
+                        "be computed within the per-step budget", req.request_id[:64])
+            self._fail(self._by_child[req.request_id], RuntimeError(
+                f"the grammar's next-token mask ran past its per-step budget: "
+                f"{_describe_grammar(req.grammar.get_error())}"), "while computing its "
+                "structured output's next-token mask", log=False, param="structured_outputs")
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (vLLM's reset_prefix_cache): later prompts hit nothing
+        cached before now. Running requests keep their blocks; nothing is preempted."""
+        self.kv_manager.reset_prefix_cache()
+
+    def _drop_cached_blocks(self) -> None:
+        # Scheduling registered the blocks a step fills; if the step did not run (an error,
+        # Ctrl-C), their KV may be missing, so no later request may hit them.
+        self.kv_manager.reset_prefix_cache()
+
+    def _collect(self) -> list[tuple[TrackedRequest, Request, list[int]]]:
+        """Wait for the step in flight and fold its results in: computed tokens, prompt
+        logprobs, sampled tokens, and the finishes that need no text (stop token ids, EOS,
+        length). Returns the (request, new tokens) pairs sampled."""
+        parts, self._in_flight = self._in_flight, []
+        appended = []
+        for out, handle, started in parts:
+            try:
+                result = self.runner.fetch(handle)
+            except BaseException as err:
+                self._drop_cached_blocks()
+                if not isinstance(err, Exception):
+                    raise  # Ctrl-C, exit
+                self._step_failed(out, err)
+                continue
+            if len(parts) == 1:  # a step that shared the device times nothing
+                self.scheduler.observe_step(out, time.perf_counter() - started)
+            appended += self._fold(out, result)
+            if self._suspects:  # a suspect that ran alone up to its failed step is cleared
+                for req in out.requests:
+                    if req.num_computed_tokens >= self._suspects.get(req.request_id, 0):
+                        self._suspects.pop(req.request_id, None)
+        return appended
+
+    def _step_failed(self, out: SchedulerOutput, err: Exception) -> None:
+        """A step failed on the device. What it did to its requests' KV and penalty state is
+        unknown, so they are recomputed from scratch, each alone; one that was alone already
+        is the culprit."""
+        if len(out.requests) == 1:
+            if not out.requests[0].finished:
+                self._fail(self._by_child[out.requests[0].request_id], err,
+                           "while its step ran", device=True)
+            return
+        logger.warning("A step of %d requests failed on the device (%s); recomputing each "
+                       "alone", len(out.requests), _describe(err))
+        for req, count in zip(out.requests, out.num_scheduled_tokens):
+            if not req.finished:
+                self._suspects[req.request_id] = req.num_computed_tokens + count
+                self.scheduler.recompute(req)
+
+    def _fold(self, out: SchedulerOutput,
+              result) -> list[tuple[TrackedRequest, Request, list[int]]]:
+        """A step's results: prompt logprobs recorded, then the scheduler's update (computed
+        tokens, sampled tokens, finishes), then the sampled tokens' logprob entries."""
+        if result.prompt_scores is not None:
+            start = 0
+            for req, count in zip(out.requests, out.num_scheduled_tokens):
+                first, start = start, start + count
+                tracked = self._by_child.get(req.request_id)
+                if req.finished or tracked.prompt_logprobs is None or \
+                        req is not tracked.children[0]:
+                    continue
+                try:
+                    self.outputs.record_prompt_logprobs(tracked, req, first, count,
+                                                        result.prompt_scores)
+                except Exception as err:  # noqa: BLE001 - this request only
+                    self._fail(tracked, err, "while its results were read")
+        appended = []
+        sampled = result.sampled
+        for req, indices in self.scheduler.update_from_output(out, sampled,
+                                                               result.num_emitted):
+            tracked = self._by_child[req.request_id]
+            tokens = req.token_ids[req.num_tokens - len(indices): req.num_tokens].tolist()
+            if req.grammar is not None and not all(
+                    self._advance_grammar(tracked, req, token) for token in tokens):
+                continue
+            if req.params.logprobs is not None:
+                k = req.params.logprobs
+                try:
+                    tracked.logprobs[tracked.children.index(req)].extend(
+                        self.outputs.logprob_dict(token, float(sampled.logprobs[i]),
+                                                  int(sampled.ranks[i]), sampled.top_ids[i][:k],
+                                                  sampled.top_logprobs[i][:k])
+                        for token, i in zip(tokens, indices))
+                except Exception as err:  # noqa: BLE001 - this request only
+                    self._fail(tracked, err, "while its results were read")
+                    continue
+            appended.append((tracked, req, tokens))
+        return appended
+
+    def _advance_grammar(self, tracked: TrackedRequest, req: Request, token: int) -> bool:
+        """Feed a sampled token to the request's grammar; a grammar that has reached its end
+        finishes the request ("stop"). False (the request failed) if the grammar refuses
+        the token, which the step's mask should have made impossible."""
+        if req.grammar_waits_for is not None:  # free text (reasoning) until its end token
+            if token == req.grammar_waits_for:
+                req.grammar_waits_for = None
+            return True
+        if not req.grammar.consume_token(token):
+            logger.info("Request %s failed: its structured output's grammar gave up at a "
+                        "token (over its per-step budget)", tracked.request_id[:64])
+            self._fail(tracked, RuntimeError(
+                f"the grammar gave up at the output's token {req.num_output_tokens} (its "
+                f"lexer or parser ran past its per-step budget): "
+                f"{_describe_grammar(req.grammar.get_error())}"),
+                "while matching its structured output", log=False, param="structured_outputs")
+            return False
+        if req.grammar.is_stopped() and not req.finished:
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        return True
+
+    def _detokenize(self, tracked: TrackedRequest, req: Request, tokens: list[int]) -> None:
+        """Text for the new tokens (one, or a speculative step's several), and stop
+        strings, token by token: a request that matches one finishes at that token (later
+        tokens of the same step are dropped, as if they had never been sampled), and its row
+        in the step already running is dropped when that step is collected."""
+        child = tracked.children.index(req)
+        detok = tracked.detokenizers[child]
+        for i, token in enumerate(tokens):
+            later = len(tokens) - 1 - i
+            # The token itself ended the request (EOS, a stop token id): its text is not
+            # shown. A grammar that reached its end also stops the request, after a token
+            # that is.
+            by_token = not later and req.status is RequestStatus.FINISHED_STOPPED and (
+                token in req.eos_token_ids or token in req.stop_token_ids)
+            stop_str = detok.update(
+                [token], stop_terminated=by_token,
+                check_stop=req.num_output_tokens - later > req.params.min_tokens)
+            if stop_str is None:
+                continue
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop_reason=stop_str,
+                                  num_tokens=req.num_tokens - later)
+            if later:
+                if req.params.logprobs is not None:
+                    entries = tracked.logprobs[child]
+                    for token_id, entry in zip(tokens[i + 1:], entries[-later:]):
+                        req.cumulative_logprob -= entry[token_id].logprob
+                    del entries[-later:]
+            return
+
+    def _fail(self, tracked: TrackedRequest, err: BaseException, stage: str, *,
+              device: bool = False, log: bool = True, param: str | None = None) -> None:
+        """End a request with finish_reason "error" and free what it holds. device: the
+        error came from its own step on the runner, so the device is checked next. param:
+        the request field whose value caused it (the error then says what, and the server
+        answers as to a bad request)."""
+        if tracked.error is not None:
+            return
+        if param is not None:
+            tracked.error, tracked.error_param = f"{param}: {str(err)[:300]}", param
+        else:
+            tracked.error = f"the engine failed on this request {stage} ({type(err).__name__})"
+        if log:
+            logger.error("Request %s failed %s: %s", tracked.request_id, stage,
+                         _describe(err), exc_info=err)
+        for child in tracked.children:
+            self._suspects.pop(child.request_id, None)
+            if not child.finished:
+                self.scheduler.finish(child, RequestStatus.FINISHED_ERROR)
+        self._failed.append(tracked)
+        if device:
+            self._device_failure = err
+
+    def _check_device(self) -> None:
+        """After a culprit's step failed: does the device still run an empty step?"""
+        cause, self._device_failure = self._device_failure, None
+        try:
+            self.runner.fetch(self.runner.dispatch(SchedulerOutput([], [], [])))
+        except Exception as err:  # noqa: BLE001 - reported as the reason the engine died
+            raise EngineDeadError(f"the device fails even an empty step: {_describe(err)} "
+                                  f"(first failure: {_describe(cause)})") from err
+
+    def _prompt_score_targets(self, out) -> np.ndarray | None:
+        wanted = []
+        for req in out.requests:
+            tracked = self._by_child[req.request_id]
+            wanted.append(tracked.prompt_logprobs is not None and req is tracked.children[0]
+                          and req.num_computed_tokens < req.num_prompt_tokens - 1)
+        if not any(wanted):
+            return None
+        targets = np.full(out.total_num_scheduled_tokens, -1, np.int32)
+        start = 0
+        for req, count, want in zip(out.requests, out.num_scheduled_tokens, wanted):
+            first = req.num_computed_tokens
+            end = min(first + count, req.num_prompt_tokens - 1)
+            if want and end > first:
+                targets[start: start + end - first] = req.token_ids[first + 1: end + 1]
+            start += count
+        return targets
+
+def _describe(err: BaseException) -> str:
+    """A one-line, bounded description of an exception (no traceback)."""
+    text = str(err).splitlines()[0] if str(err) else ""
+    text = text if len(text) <= 200 else text[:197] + "..."
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _describe_grammar(error: str) -> str:
+    """llguidance's error, first line only (its later lines show parser state)."""
+    first = error.strip().splitlines()[0] if error.strip() else "no reason given"
+    return first if len(first) <= 200 else first[:197] + "..."
+
+
+def _eos_token_ids(config: EngineConfig, tokenizer) -> set[int]:
+    """EOS ids from generation_config.json, else config.json, else the tokenizer."""
+    path = Path(config.model.model) / "generation_config.json"
+    for source in (json.loads(path.read_text()) if path.is_file() else {},
+                   config.model.hf_config):
+        eos = source.get("eos_token_id")
+        if eos is not None:
+            return set(eos) if isinstance(eos, list) else {int(eos)}
+    return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()

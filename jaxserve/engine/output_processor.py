@@ -1,0 +1,103 @@
+"""What the engine reports for a user request: its children's state as a RequestOutput.
+
+TrackedRequest groups the sequences (children) of one user request (n > 1 makes several)
+with their detokenizers, prompt logprobs and failure; OutputBuilder turns it into vLLM's
+RequestOutput, and builds the logprob entries the step results become.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from jaxserve.core.request import Request
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+
+
+@dataclasses.dataclass
+class TrackedRequest:
+    """One user request: its children sequences and what has been reported."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[Request]
+    detokenizers: list[IncrementalDetokenizer]
+    prompt_logprobs: list | None
+    error: str | None = None  # set when the engine failed this request
+    error_param: str | None = None  # the request field at fault (RequestOutput.error_param)
+    # Per child, per output token {token_id: Logprob} (chosen + top-k), when asked for.
+    logprobs: list[list[dict]] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.logprobs = self.logprobs or [[] for _ in self.children]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.children)
+
+
+class OutputBuilder:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        # A token's text for logprob entries (up to 21 per sampled token), cached.
+        self._decode_one = functools.lru_cache(maxsize=65536)(self._decode_token)
+
+    def record_prompt_logprobs(self, tracked: TrackedRequest, req: Request, start: int,
+                               count: int, scores) -> None:
+        """Append the prompt logprobs of the positions a step computed (req's tokens from
+        num_computed_tokens, at rows start.. of scores) that are not recorded yet."""
+        k = tracked.params.prompt_logprobs
+        have = len(tracked.prompt_logprobs)  # positions 0..have-1 are done
+        first = req.num_computed_tokens
+        for pos in range(max(first, have - 1), min(first + count, req.num_prompt_tokens - 1)):
+            i = start + pos - first
+            target = int(req.token_ids[pos + 1])
+            tracked.prompt_logprobs.append(self.logprob_dict(
+                target, float(scores.logprobs[i]), int(scores.ranks[i]),
+                scores.top_ids[i][:k], scores.top_logprobs[i][:k]))
+
+    def logprob_dict(self, token, logprob, rank, top_ids, top_logprobs) -> dict[int, Logprob]:
+        entries = {int(t): Logprob(float(lp), r + 1, self._decode_one(int(t)))
+                   for r, (t, lp) in enumerate(zip(top_ids, top_logprobs))}
+        if token not in entries:
+            entries = {token: Logprob(logprob, rank, self._decode_one(token)), **entries}
+        return entries
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def make_output(self, tracked: TrackedRequest) -> RequestOutput:
+        completions = []
+        for i, (child, detok) in enumerate(zip(tracked.children, tracked.detokenizers)):
+            logprobs = cumulative = None
+            if child.params.logprobs is not None:
+                logprobs, cumulative = list(tracked.logprobs[i]), child.cumulative_logprob
+            # Safe text: while running, the tail that could still become a stop string (or
+            # an incomplete character) is held back, so streamed deltas never retract.
+            finished = child.finished
+            text = detok.get_next_output_text(finished=finished, delta=False)
+            reason = child.status.value if finished else None
+            completions.append(CompletionOutput(i, text, child.output_token_ids, cumulative,
+                                                logprobs, reason, child.stop_reason))
+        scheduled = [c.scheduled_time for c in tracked.children if c.scheduled_time is not None]
+        metrics = RequestMetrics(tracked.children[0].arrival_time,
+                                 min(scheduled) if scheduled else None)
+        # Prompt tokens served from the prefix cache, for the first choice (with n > 1 the
+        # other choices usually hit the blocks the first one computed).
+        cached = tracked.children[0].num_cached_tokens or 0
+        return RequestOutput(tracked.request_id, tracked.prompt, tracked.prompt_token_ids,
+                             tracked.prompt_logprobs, completions, tracked.finished,
+                             num_cached_tokens=cached, metrics=metrics)
+
+    def error_output(self, tracked: TrackedRequest) -> RequestOutput:
+        """The last output of a failed request: every choice ends with "error", with the
+        tokens it had (no text: the detokenizer may be what failed)."""
+        completions = [CompletionOutput(i, "", child.output_token_ids, None, None, "error")
+                       for i, child in enumerate(tracked.children)]
+        return RequestOutput(tracked.request_id, tracked.prompt, tracked.prompt_token_ids,
+                             None, completions, True, error=tracked.error,
+                             error_param=tracked.error_param)

@@ -1,0 +1,212 @@
+"""Tool-call parsers: a model's text -> (content, tool calls), under vLLM's parser names.
+
+- hermes (Qwen2.5/Qwen3 and many fine-tunes): <tool_call>{"name": ..., "arguments": {...}}
+  </tool_call>, any number, after optional content.
+- llama3_json (Llama 3.1+): the whole answer is a JSON call {"name": ..., "parameters": {...}}
+  (optionally after <|python_tag|>), several separated by ";".
+- mistral: [TOOL_CALLS] followed by a JSON list of {"name", "arguments"}, or (newer
+  tokenizers) by name[ARGS]{...} pairs.
+
+A call that does not parse is left in the content, as text: whatever the model wrote (JSON
+nested thousands deep included), parsing never raises. For streaming, safe_prefix says
+how much of the text so far is certainly content (it never changes once sent); the calls
+are read from the whole text when it ends, so the streamed pieces join up to exactly the
+non-streamed answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+
+from jaxserve.inputs import bounded_json
+
+# What reading a model's text can raise: it is then content, never a failed response.
+_PARSE_ERRORS = (ValueError, RecursionError, TypeError)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text of the arguments object
+    id: str = dataclasses.field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def as_openai(self) -> dict:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def load_json(text: str):
+    """json.loads of model text; ValueError when it is not JSON or nests deeper than
+    bounded_json's limit (never RecursionError)."""
+    return bounded_json.loads(text, "model output")
+
+
+def _call(obj, args_key: str) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
+    if isinstance(args, str):
+        try:
+            args = load_json(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def held_tail(text: str, marker: str) -> int:
+    """Length of the longest tail of text that is a proper prefix of marker (text a stream
+    must hold back: it may still become the marker)."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class ToolParser:
+    name = ""
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a finished answer; (text, []) when its calls cannot be read."""
+        try:
+            return self._parse(text)
+        except _PARSE_ERRORS:
+            return text, []
+
+    def _parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        raise NotImplementedError
+
+    def safe_prefix(self, text: str) -> int:
+        raise NotImplementedError
+
+
+class _MarkerParser(ToolParser):
+    """Content, then calls after a marker."""
+
+    marker = ""
+
+    def safe_prefix(self, text: str) -> int:
+        at = text.find(self.marker)
+        if at >= 0:
+            return at
+        return len(text) - held_tail(text, self.marker)
+
+    def _parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        at = text.find(self.marker)
+        if at < 0:
+            return text, []
+        calls = self._calls(text[at:])
+        if calls is None:
+            return text, []  # malformed: all of it stays text
+        return (text[:at] or None), calls
+
+    def _calls(self, region: str) -> list[ToolCall] | None:
+        raise NotImplementedError
+
+
+class HermesParser(_MarkerParser):
+    name = "hermes"
+    marker = "<tool_call>"
+    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>|<tool_call>\s*(.*)\s*$", re.S)
+
+    def _calls(self, region: str) -> list[ToolCall] | None:
+        calls, end = [], 0
+        for match in self._BLOCK.finditer(region):
+            if region[end:match.start()].strip():
+                return None  # text between calls: not a clean list of calls
+            body = match.group(1) if match.group(1) is not None else match.group(2)
+            try:
+                call = _call(load_json(body), "arguments")
+            except ValueError:
+                return None
+            if call is None:
+                return None
+            calls.append(call)
+            end = match.end()
+        if region[end:].strip() or not calls:
+            return None
+        return calls
+
+
+class MistralParser(_MarkerParser):
+    name = "mistral"
+    marker = "[TOOL_CALLS]"
+
+    def _calls(self, region: str) -> list[ToolCall] | None:
+        body = region[len(self.marker):].strip()
+        if "[ARGS]" in body:  # name[ARGS]{...}[TOOL_CALLS]name[ARGS]{...}
+            calls = []
+            for part in body.split(self.marker):
+                name, sep, args = part.strip().partition("[ARGS]")
+                if not sep:
+                    return None
+                try:
+                    call = _call({"name": name.strip(), "arguments": load_json(args)},
+                                 "arguments")
+                except ValueError:
+                    return None
+                if call is None:
+                    return None
+                calls.append(call)
+            return calls
+        try:
+            items = load_json(body)
+        except ValueError:
+            return None
+        items = items if isinstance(items, list) else [items]
+        calls = [_call(item, "arguments") for item in items]
+        return None if not calls or None in calls else calls
+
+
+class Llama3JsonParser(ToolParser):
+    name = "llama3_json"
+    _TAG = "<|python_tag|>"
+
+    def _body(self, text: str) -> str | None:
+        """The call text when the answer is a call (starts with { or the python tag)."""
+        stripped = text.lstrip()
+        if stripped.startswith(self._TAG):
+            return stripped[len(self._TAG):]
+        return stripped if stripped.startswith("{") else None
+
+    def safe_prefix(self, text: str) -> int:
+        stripped = text.lstrip()
+        if not stripped or self._TAG.startswith(stripped) or self._body(text) is not None:
+            return 0  # could still be (or is) a call: hold it
+        return len(text)
+
+    def _parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        body = self._body(text)
+        if body is None or bounded_json.too_deep(body):  # raw_decode below recurses like json.loads
+            return text, []
+        calls = []
+        decoder = json.JSONDecoder()
+        rest = body.strip()
+        while rest:
+            try:
+                obj, end = decoder.raw_decode(rest)
+            except ValueError:
+                return text, []
+            call = _call(obj, "parameters")
+            if call is None:
+                return text, []
+            calls.append(call)
+            rest = rest[end:].strip()
+            if rest.startswith(";"):
+                rest = rest[1:].strip()
+            elif rest:
+                return text, []
+        return (None, calls) if calls else (text, [])
+
+
+PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
+
+
+def tool_parser(name: str) -> ToolParser:
+    if name not in PARSERS:
+        raise ValueError(f"--tool-call-parser must be one of {sorted(PARSERS)}, got {name!r}.")
+    return PARSERS[name]()

@@ -1,0 +1,138 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) as a Flax NNX module.
+
+The variants differ only through LlamaArch: GQA, RoPE (default, linear, llama3 scaling),
+optional q/k/v bias (Qwen2), optional per-head q/k RMSNorm (Qwen3), sliding-window layers
+(Mistral), tied or untied lm_head. quantization="int8" stores the projections' kernels as
+int8 with per-output-channel scales (models/quantization.py). The forward pass takes the ragged batch of
+docs/architecture.md, writes each layer's K/V into its paged cache at slot_mapping and
+attends through one entry point.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.kernels_pallas.ref import ragged_paged_attention, write_kv
+from jaxserve.models.jax.quantized import kernel, matmul
+from jaxserve.models.llama_arch import LlamaArch, hf_param_path, rope_inv_freq  # noqa: F401
+
+
+def apply_rope(x, cos, sin):
+    """x: [T, N, H]; cos, sin: [T, H] (HF's rotate_half convention: halves, not pairs)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype) -> None:
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * xf.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, arch: LlamaArch, layer: int, dtype, quantization=None) -> None:
+        d, n, k, h = arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim
+        kernel(self, "wq", (d, n, h), dtype, quantization)  # [D, N, H]
+        kernel(self, "wk", (d, k, h), dtype, quantization)  # [D, K, H]
+        kernel(self, "wv", (d, k, h), dtype, quantization)  # [D, K, H]
+        kernel(self, "wo", (n, h, d), dtype, quantization)  # [N, H, D]
+        if arch.attention_bias:
+            self.bq = nnx.Param(jnp.zeros((n, h), dtype))
+            self.bk = nnx.Param(jnp.zeros((k, h), dtype))
+            self.bv = nnx.Param(jnp.zeros((k, h), dtype))
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(h, arch.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(h, arch.rms_norm_eps, dtype)
+        self.bias = arch.attention_bias
+        self.qk_norm = arch.qk_norm
+        self.scale = h ** -0.5
+        self.window = arch.sliding_windows[layer]
+
+    def __call__(self, x, cos, sin, kv_cache, batch, attend):
+        q = matmul("td,dnh->tnh", x, self, "wq")
+        k = matmul("td,dkh->tkh", x, self, "wk")
+        v = matmul("td,dkh->tkh", x, self, "wv")
+        if self.bias:
+            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out, kv_cache = attend(q, k, v, kv_cache, batch, scale=self.scale,
+                               sliding_window=self.window)
+        return matmul("tnh,nhd->td", out, self, "wo"), kv_cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, arch: LlamaArch, dtype, quantization=None) -> None:
+        d, f = arch.hidden_size, arch.intermediate_size
+        kernel(self, "w_gate", (d, f), dtype, quantization)  # [D, F]
+        kernel(self, "w_up", (d, f), dtype, quantization)  # [D, F]
+        kernel(self, "w_down", (f, d), dtype, quantization)  # [F, D]
+
+    def __call__(self, x):
+        gate = jax.nn.silu(matmul("td,df->tf", x, self, "w_gate"))
+        return matmul("tf,fd->td", gate * matmul("td,df->tf", x, self, "w_up"), self, "w_down")
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, arch: LlamaArch, layer: int, dtype, quantization=None) -> None:
+        self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.attn = Attention(arch, layer, dtype, quantization)
+        self.post_attention_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.mlp = MLP(arch, dtype, quantization)
+
+    def __call__(self, x, cos, sin, kv_cache, batch, attend):
+        attn_out, kv_cache = self.attn(self.input_norm(x), cos, sin, kv_cache, batch, attend)
+        x = x + attn_out
+        return x + self.mlp(self.post_attention_norm(x)), kv_cache
+
+
+class LlamaForCausalLM(nnx.Module):
+    def __init__(self, arch: LlamaArch, dtype=jnp.float32, quantization=None) -> None:
+        self.arch = arch
+        self.embed = nnx.Param(jnp.zeros((arch.vocab_size, arch.hidden_size), dtype))  # [V, D]
+        self.layers = nnx.List([DecoderLayer(arch, i, dtype, quantization)
+                                for i in range(arch.num_layers)])
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        if not arch.tie_word_embeddings:
+            self.lm_head = nnx.Param(jnp.zeros((arch.vocab_size, arch.hidden_size), dtype))
+
+    def __call__(self, kv_caches: list, batch, attend: Callable = None):
+        """Returns (updated per-layer (k, v) caches, final hidden states [T, D]).
+
+        attend(q, k, v, kv_cache, batch, scale=, sliding_window=) -> (out, kv_cache) writes a
+        layer's new K/V and attends (jaxserve/backends/jax/attend.py; the reference when not given)."""
+        attend = attend or reference_attend
+        x = self.embed[...][batch.token_ids]
+        inv_freq = rope_inv_freq(self.arch)  # a compile-time constant
+        freqs = batch.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+        emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, H]
+        cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+        new_caches = []
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, kv_cache = layer(x, cos, sin, kv_cache, batch, attend)
+            new_caches.append(kv_cache)
+        return new_caches, self.norm(x)
+
+    def logits(self, hidden):
+        """hidden: [X, D] -> f32[X, V]."""
+        head = self.embed if self.arch.tie_word_embeddings else self.lm_head
+        return jnp.einsum("xd,vd->xv", hidden, head[...]).astype(jnp.float32)
+
+
+def reference_attend(q, k, v, kv_cache, batch, *, scale, sliding_window=None):
+    """One device, the reference: write the step's K/V at slot_mapping, then attend."""
+    k_cache, v_cache = write_kv(*kv_cache, k, v, batch.slot_mapping)
+    out = ragged_paged_attention(q, k_cache, v_cache, batch, scale=scale,
+                                 sliding_window=sliding_window)
+    return out, (k_cache, v_cache)

@@ -1,0 +1,126 @@
+"""Sparse mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE) as Flax NNX modules.
+
+A MoE model is llama.py's decoder with a sparse MoE block in place of the MLP on its sparse
+layers: attention, norms, RoPE, embeddings, the forward pass and the logits are llama.py's.
+The block is one pure function, `moe_block`, which routes each token to its top-k experts and
+runs them as grouped matmuls (`jax.lax.ragged_dot`) over the assignments sorted by expert. It
+can run on a slice of the experts, so expert parallelism is `moe_block` under `shard_map` on
+each device's experts plus a `psum` (see `expert_parallel`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxserve.models.jax.llama import MLP, DecoderLayer, LlamaForCausalLM
+from jaxserve.models.jax.quantized import dequantized, kernel
+from jaxserve.models.mixtral_arch import MixtralArch, hf_param_path  # noqa: F401
+
+
+def moe_block(x, router_w, w_gate, w_up, w_down, *, top_k: int, normalize: bool,
+              first_expert=0, cast_weights: bool = False):
+    """The sparse MoE MLP of tokens x: [T, D] -> [T, D], as HF computes it.
+
+    router_w: [D, E] over all E experts. w_gate, w_up: [E_local, D, F], w_down: [E_local, F, D]
+    hold experts first_expert .. first_expert + E_local - 1 (all of them by default).
+    first_expert may be traced (e.g. axis_index * E_local under shard_map).
+
+    Routing: softmax over all E experts in float32, top_k, optionally renormalised to sum 1
+    (Mixtral always; Qwen with norm_topk_prob), cast to x's dtype first if cast_weights (Qwen).
+    Every shard routes identically; an assignment to an expert outside this slice contributes
+    zero, so summing (psum) the results of disjoint slices that cover all experts gives the
+    result on all experts. Shapes are static: T * top_k assignment rows whatever the routing.
+    """
+    num_tokens, num_local = x.shape[0], w_gate.shape[0]
+    probs = jax.nn.softmax((x @ router_w).astype(jnp.float32), axis=-1)  # f32[T, E]
+    weights, experts = jax.lax.top_k(probs, top_k)  # [T, k]
+    if normalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    if cast_weights:
+        weights = weights.astype(x.dtype)
+    local = experts - first_expert  # i32[T, k]
+    is_local = (local >= 0) & (local < num_local)
+    group = jnp.where(is_local, local, num_local).reshape(-1)  # i32[T*k]; num_local = elsewhere
+    order = jnp.argsort(group, stable=True)  # assignments grouped by local expert, others last
+    group_sizes = jnp.bincount(group, length=num_local + 1)[:num_local].astype(jnp.int32)
+    xs = x[order // top_k]  # [T*k, D]: the token of each sorted assignment
+    h = (jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes))
+         * jax.lax.ragged_dot(xs, w_up, group_sizes))  # [T*k, F]
+    ys = jax.lax.ragged_dot(h, w_down, group_sizes)  # [T*k, D]
+    y = jnp.zeros_like(ys).at[order].set(ys).reshape(num_tokens, top_k, -1)  # [T, k, D]
+    # Each weighted expert output is cast to x's dtype and then summed, like HF's index_add_.
+    contrib = jnp.where(is_local[..., None], y * weights[..., None], 0).astype(x.dtype)
+    return contrib.sum(axis=1)
+
+
+def expert_parallel(mesh: Mesh, axis: str) -> Callable:
+    """moe_block with the experts sharded over mesh axis `axis` (E divisible by its size):
+    each device runs its own experts on all tokens, then the results are summed. x and the
+    router are replicated over `axis`. Pass it as MixtralForCausalLM(..., moe_fn=...)."""
+
+    def fn(x, router_w, w_gate, w_up, w_down, **kw):
+        def local(x, router_w, w_gate, w_up, w_down):
+            first = jax.lax.axis_index(axis) * w_gate.shape[0]
+            out = moe_block(x, router_w, w_gate, w_up, w_down, first_expert=first, **kw)
+            return jax.lax.psum(out, axis)
+
+        rep, split = PartitionSpec(), PartitionSpec(axis)
+        return jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, split, split, split),
+                             out_specs=rep)(x, router_w, w_gate, w_up, w_down)
+
+    return fn
+
+
+class SparseMoE(nnx.Module):
+    def __init__(self, arch: MixtralArch, dtype, moe_fn: Callable = moe_block,
+                 quantization=None) -> None:
+        d, e, f = arch.hidden_size, arch.num_experts, arch.moe_intermediate_size
+        self.router = nnx.Param(jnp.zeros((d, e), dtype))  # [D, E]
+        kernel(self, "experts_gate", (e, d, f), dtype, quantization)  # [E, D, F]
+        kernel(self, "experts_up", (e, d, f), dtype, quantization)  # [E, D, F]
+        kernel(self, "experts_down", (e, f, d), dtype, quantization)  # [E, F, D]
+        if arch.shared_expert_size:
+            shared = dataclasses.replace(arch, intermediate_size=arch.shared_expert_size)
+            self.shared_expert = MLP(shared, dtype, quantization)
+            self.shared_gate = nnx.Param(jnp.zeros((d, 1), dtype))  # [D, 1]
+        self.has_shared = bool(arch.shared_expert_size)
+        self.moe_fn = functools.partial(moe_fn, top_k=arch.top_k, normalize=arch.norm_topk_prob,
+                                        cast_weights=arch.cast_routing_weights)
+
+    def __call__(self, x):
+        out = self.moe_fn(x, self.router[...], *(dequantized(self, name, x.dtype) for name in
+                                                 ("experts_gate", "experts_up", "experts_down")))
+        if self.has_shared:
+            out = out + jax.nn.sigmoid(x @ self.shared_gate[...]) * self.shared_expert(x)
+        return out
+
+
+class MoEDecoderLayer(DecoderLayer):
+    """llama.py's decoder layer (its forward pass included) with the MoE block as its MLP on
+    sparse layers; dense layers keep llama's MLP of intermediate_size."""
+
+    def __init__(self, arch: MixtralArch, layer: int, dtype, moe_fn: Callable,
+                 quantization=None) -> None:
+        super().__init__(arch, layer, dtype, quantization)
+        if arch.sparse_layers[layer]:
+            self.mlp = SparseMoE(arch, dtype, moe_fn, quantization)
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Mixtral, Qwen2-MoE and Qwen3-MoE: LlamaForCausalLM (call, logits) with MoE layers.
+    moe_fn replaces moe_block (same signature), e.g. by expert_parallel(mesh, axis)."""
+
+    def __init__(self, arch: MixtralArch, dtype=jnp.float32, moe_fn: Callable = moe_block,
+                 quantization=None) -> None:
+        # llama's dense layers are built, then replaced: free under nnx.eval_shape, which is
+        # how the runner builds models.
+        super().__init__(arch, dtype, quantization)
+        self.layers = nnx.List([MoEDecoderLayer(arch, i, dtype, moe_fn, quantization)
+                                for i in range(arch.num_layers)])

@@ -1,0 +1,1 @@
+"""The PyTorch models of the torch backend (installs as `jaxserve.models.torch`)."""
