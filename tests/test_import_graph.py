@@ -17,7 +17,8 @@ FOLDERS = {"jaxserve": "jaxserve", "models": "jaxserve.models",
            "kernels_pallas": "jaxserve.kernels_pallas",
            "kernels_triton": "jaxserve.kernels_triton", "server": "jaxserve.server"}
 # The layers, lowest first. A module belongs to the longest package below that names it;
-# the package root (`jaxserve`: __init__, llm, cli) is the top, the entry points.
+# the package root (`jaxserve`: __init__, llm, cli) holds the entry points; only the
+# benchmarks' library is above it.
 LAYERS = [
     ("jaxserve.kernels_pallas", "jaxserve.kernels_triton"),
     ("jaxserve.models",),
@@ -29,6 +30,7 @@ LAYERS = [
     ("jaxserve.engine",),
     ("jaxserve.server",),
     ("jaxserve",),
+    ("jaxserve.benchmarks",),  # benchmark and device-check code: uses everything, used by none
 ]
 # Twins that never import each other (a backend, or a model, of one kind never needs the
 # other kind's).

@@ -9,7 +9,7 @@ import pathlib
 def default_model_path() -> pathlib.Path:
     """The built-in model shipped inside the package (a small Llama trained on the Python
     standard library by scripts/train_default_model.py; see its README.md)."""
-    return pathlib.Path(__file__).resolve().parent / "default_model"
+    return pathlib.Path(__file__).resolve().parents[1] / "default_model"  # jaxserve/default_model
 
 
 def resolve_model(model: str | None, logger) -> str:

@@ -49,16 +49,19 @@ _INDEX = ".idx"
 
 @functools.lru_cache(maxsize=1)
 def source_digest() -> str:
-    """A hash of jaxserve's own Python source: any code change gives new keys."""
-    root = Path(__file__).resolve().parent
-    package_dirs = [root, root.parent / "models", root.parent / "kernels_pallas"]
+    """A hash of the Python source of the packages a step is traced from (jaxserve and its
+    subfolders, the models, the Pallas kernels): any code change gives new keys."""
+    import jaxserve
+    import jaxserve.kernels_pallas
+    import jaxserve.models
+
     digest = hashlib.sha256()
-    for folder in package_dirs:
-        if not folder.is_dir():
-            continue
-        for path in sorted(folder.glob("*.py")):
-            digest.update(path.name.encode())
-            digest.update(path.read_bytes())
+    for package in (jaxserve, jaxserve.models, jaxserve.kernels_pallas):
+        for folder in package.__path__:
+            root = Path(folder)
+            for path in sorted(root.rglob("*.py")):
+                digest.update(str(path.relative_to(root)).encode())
+                digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 
