@@ -48,7 +48,7 @@ class FakeReplica:
         self.waiting: collections.deque[str] = collections.deque()
         self.steps_to_finish = steps_to_finish
         self.steps = 0
-        self.tokenizer = object()
+        self.tokenizer, self.runner, self.eos_token_ids = object(), object(), frozenset()
         self.processor = PassThrough()
         self.blocks_used, self.hits = blocks_used, hits
         # What the front end used to read from another thread (the race the snapshot ends).

@@ -27,7 +27,8 @@ from jaxserve.core.input_builder import build_step_inputs
 from jaxserve.core.kv_cache_manager import BlockPool, KVCacheManager
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.scheduler import Scheduler, SchedulerOutput
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler_output import SchedulerOutput
 
 VOCAB = 50_000
 PAD = -2  # what padding tokens write (into the null block)

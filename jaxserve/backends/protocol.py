@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from jaxserve.core.scheduler import SchedulerOutput
+from jaxserve.core.scheduler_output import SchedulerOutput
 
 
 @dataclasses.dataclass

@@ -1,4 +1,4 @@
-"""The model's sampling defaults from generation_config.json, as vLLM applies them.
+"""The model's sampling defaults and EOS ids from generation_config.json, as vLLM applies them.
 
 `generation_config="auto"` (vLLM's default): the model folder's generation_config.json sets
 the defaults of temperature, top_p, top_k, min_p, repetition_penalty and max_tokens (from
@@ -34,3 +34,14 @@ def sampling_defaults(model: str, generation_config: str) -> dict:
         raise ValueError(f"{path} is not valid JSON ({err}).") from None
     return {field: values[key] for key, field in _KEYS.items()
             if isinstance(values, dict) and values.get(key) is not None}
+
+
+def eos_token_ids(model: str, hf_config: dict, tokenizer_eos: int | None) -> set[int]:
+    """EOS ids from the model folder's generation_config.json, else config.json, else the
+    tokenizer's EOS token."""
+    path = Path(model) / "generation_config.json"
+    for source in (json.loads(path.read_text()) if path.is_file() else {}, hf_config):
+        eos = source.get("eos_token_id")
+        if eos is not None:
+            return set(eos) if isinstance(eos, list) else {int(eos)}
+    return {tokenizer_eos} if tokenizer_eos is not None else set()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxserve.core.scheduler import SchedulerOutput
+from jaxserve.core.scheduler_output import SchedulerOutput
 
 # Tokens masked in one step of one sequence: its stop tokens while below min_tokens, and the
 # last tokens of multi-token bad words whose other tokens end the output.
@@ -127,3 +127,41 @@ def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, bloc
                     wants_logprobs=wants_logprobs, banned_ids=banned_ids,
                     has_bias=has_bias, has_grammar=has_grammar, num_proposed=num_proposed)
     return batch, sampling
+
+
+def prompt_score_targets(out: SchedulerOutput, wanted: list[bool]) -> np.ndarray | None:
+    """i32[T]: for each token of the step, the next prompt token whose logprob it scores
+    (-1: none), for the rows where `wanted` (a prompt-logprobs request) while they still
+    read their prompt; None when no row scores anything."""
+    wanted = [want and req.num_computed_tokens < req.num_prompt_tokens - 1
+              for req, want in zip(out.requests, wanted)]
+    if not any(wanted):
+        return None
+    targets = np.full(out.total_num_scheduled_tokens, -1, np.int32)
+    start = 0
+    for req, count, want in zip(out.requests, out.num_scheduled_tokens, wanted):
+        first = req.num_computed_tokens
+        end = min(first + count, req.num_prompt_tokens - 1)
+        if want and end > first:
+            targets[start: start + end - first] = req.token_ids[first + 1: end + 1]
+        start += count
+    return targets
+
+
+def grammar_masks(out: SchedulerOutput, grammars):
+    """The next-token bitmask of each constrained request that samples in this step, as
+    (state slot, i32[W] mask) pairs (None when none does; grammars: the engine's
+    structured_output.GrammarCompiler), and the requests whose matcher failed to give one
+    (out of its per-step fuel: they fail alone; their rows sample freely meanwhile and
+    their results are dropped)."""
+    rows = [req for req, count in zip(out.requests, out.num_scheduled_tokens)
+            if req.grammar_active and samples_this_step(req, count)]
+    if not rows:
+        return None, []
+    masks = grammars.fill_masks([req.grammar for req in rows])
+    broken = []
+    for i, req in enumerate(rows):
+        if req.grammar.is_error():
+            masks[i] = -1
+            broken.append(req)
+    return [(req.state_slot, masks[i]) for i, req in enumerate(rows)], broken

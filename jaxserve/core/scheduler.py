@@ -27,7 +27,6 @@ finish (stop strings, aborts, failures) and recompute (a step lost on the device
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 
@@ -35,23 +34,9 @@ from jaxserve.config.engine_config import SchedulerConfig
 from jaxserve.config.speculative import SpeculativeConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.core.spec_decode import SpecDecodeStats, propose_ngram
 from jaxserve.core.spec_policy import StepTimes, expected_gains, proposals_to_keep
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    requests: list[Request]  # batch order
-    num_scheduled_tokens: list[int]  # per request, same order
-    preempted: list[Request]
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens)
-
-    @property
-    def empty(self) -> bool:
-        return not self.requests
 
 
 class Scheduler:

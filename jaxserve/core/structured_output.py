@@ -225,6 +225,12 @@ class GrammarCompiler:
         return masks
 
 
+def describe_error(error: str) -> str:
+    """llguidance's error, first line only (its later lines show parser state)."""
+    first = error.strip().splitlines()[0] if error.strip() else "no reason given"
+    return first if len(first) <= 200 else first[:197] + "..."
+
+
 def _limits():
     """Fuel limits, the sandbox's: a pathological schema or grammar fails to compile (or a
     step's mask gives up, failing its request) instead of stalling its thread."""

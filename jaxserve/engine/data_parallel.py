@@ -2,7 +2,7 @@
 
 With `--mesh DxM`, D replicas each run a whole LLMEngine (its own scheduler, KV block pool
 and compiled steps) on its own (1, M) sub-mesh: replica r gets devices r*M .. r*M + M - 1.
-This front end has LLMEngine's interface; it sends each new request to the replica with the
+This front end implements the same EngineInterface as LLMEngine; it sends each new request to the replica with the
 fewest unfinished requests (the lowest rank on a tie), routes aborts to the owner, and steps
 every replica in turn. A replica's step only launches device work and returns (JAX dispatch
 is asynchronous), so while the host serves replica 1 the devices of replica 0 are computing:
@@ -19,8 +19,7 @@ from __future__ import annotations
 import logging
 
 from jaxserve.config.engine_config import EngineConfig
-from jaxserve.core.kv_cache_manager import PrefixCacheStats
-from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.interface import EngineInterface
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.stats import EngineStats
@@ -35,7 +34,7 @@ def create_engine(config: EngineConfig):
     return DataParallelEngine(config)
 
 
-class DataParallelEngine:
+class DataParallelEngine(EngineInterface):
     def __init__(self, config: EngineConfig, replicas: list | None = None) -> None:
         """replicas: the engines (tests pass stand-ins); one LLMEngine per data rank."""
         self.config = config
@@ -46,19 +45,18 @@ class DataParallelEngine:
                 logger.info("Data-parallel replica %d of %d", rank + 1, size)
                 replicas.append(LLMEngine(config, rank=rank))
         self.replicas = replicas
-        self.tokenizer = self.replicas[0].tokenizer
+        # Every replica runs the same model with the same limits: replica 0's tokenizer,
+        # admission path and runner (for its sizes) stand for all of them.
+        first = self.replicas[0]
+        self.tokenizer, self.processor = first.tokenizer, first.processor
+        self.runner, self.eos_token_ids = first.runner, first.eos_token_ids
         self._owner: dict[str, LLMEngine] = {}
         self.routed = [0] * size  # requests sent to each replica so far
 
-    # ---- the LLMEngine interface ----------------------------------------------------------
-    @property
-    def runner(self):
-        """Replica 0's runner (every replica runs the same model on its own devices)."""
-        return self.replicas[0].runner
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return self.replicas[0].eos_token_ids
+    # ---- the EngineInterface: each call goes to every replica, or to a request's owner ---
+    def stats(self) -> EngineStats:
+        """The replicas' snapshots merged (take it on the thread that steps the engine)."""
+        return EngineStats.merge([replica.stats() for replica in self.replicas])
 
     def reset_prefix_cache(self) -> None:
         for replica in self.replicas:
@@ -67,43 +65,6 @@ class DataParallelEngine:
     def close(self) -> None:
         for replica in self.replicas:
             replica.close()
-
-    @property
-    def compiling(self) -> int:
-        return sum(replica.compiling for replica in self.replicas)
-
-    @property
-    def warm_up_done(self) -> bool:
-        return all(replica.warm_up_done for replica in self.replicas)
-
-    @property
-    def num_compilations(self) -> int:
-        return self.replicas[0].num_compilations  # process-wide
-
-    def stats(self) -> EngineStats:
-        """The replicas' snapshots merged (take it on the thread that steps the engine)."""
-        return EngineStats.merge([replica.stats() for replica in self.replicas])
-
-    @property
-    def num_preemptions(self) -> int:
-        return self.stats().preemptions
-
-    @property
-    def prefix_cache_stats(self) -> PrefixCacheStats:
-        stats = self.stats()
-        return PrefixCacheStats(stats.prefix_cache_queries, stats.prefix_cache_hits)
-
-    @property
-    def processor(self):
-        """The admission path (replica 0's: every replica has the same model and limits)."""
-        return self.replicas[0].processor
-
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, priority: int = 0,
-                    cache_salt: str | None = None) -> None:
-        params = self.processor.check_params(params)
-        self.add_processed(self.processor.process(request_id, prompt, prompt_token_ids, params,
-                                                  priority, cache_salt))
 
     def add_processed(self, request) -> None:
         """Queue an admitted request (admission.EngineRequest) on the least-loaded replica."""

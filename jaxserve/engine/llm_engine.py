@@ -20,24 +20,24 @@ EngineDeadError.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from pathlib import Path
 
 import numpy as np
 
 from jaxserve.backends.protocol import Runner
 from jaxserve.backends.selection import create_runner
 from jaxserve.config.engine_config import EngineConfig
-from jaxserve.core.input_builder import samples_this_step
-from jaxserve.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from jaxserve.config.generation_config import eos_token_ids
+from jaxserve.core.input_builder import grammar_masks, prompt_score_targets
+from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.scheduler import Scheduler, SchedulerOutput
-from jaxserve.core.structured_output import GrammarCompiler
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler_output import SchedulerOutput
+from jaxserve.core.structured_output import GrammarCompiler, describe_error
 from jaxserve.engine.admission import EngineRequest, InputProcessor
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.interface import EngineInterface
 from jaxserve.engine.output_processor import OutputBuilder, TrackedRequest
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.stats import EngineStats
@@ -50,7 +50,7 @@ class EngineDeadError(RuntimeError):
     """The engine can no longer run steps: a step with no request in it failed too."""
 
 
-class LLMEngine:
+class LLMEngine(EngineInterface):
     def __init__(self, config: EngineConfig, runner: Runner | None = None,
                  rank: int = 0) -> None:
         """runner: the device side; built from config on data-parallel replica `rank`'s
@@ -58,7 +58,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = load_tokenizer(config.model.tokenizer)
         self.runner = runner if runner is not None else create_runner(config, rank)
-        self.eos_token_ids = frozenset(_eos_token_ids(config, self.tokenizer))
+        self.eos_token_ids = frozenset(eos_token_ids(config.model.model, config.model.hf_config,
+                                                   self.tokenizer.eos_token_id))
         blocks, size = self.runner.num_blocks, config.cache.block_size
         self.kv_manager = KVCacheManager(blocks, size,
                                          enable_caching=config.cache.enable_prefix_caching)
@@ -95,26 +96,12 @@ class LLMEngine:
         self._failed: list[TrackedRequest] = []  # failed since the last step() returned
         self._device_failure: BaseException | None = None  # a culprit's step failed
 
-    # ---- admission ----------------------------------------------------------------------
-    @property
-    def num_compilations(self) -> int:
-        return self.runner.stats().compilations
-
+    # ---- the EngineInterface ----------------------------------------------------------
     def close(self) -> None:
         """Stop the runner's background work (warm-up), release worker hosts, and stop the
         grammar sandbox's processes."""
         self.runner.close()
         self.grammars.close()
-
-    @property
-    def compiling(self) -> int:
-        """Functions the runner is compiling right now."""
-        return self.runner.stats().compiling
-
-    @property
-    def warm_up_done(self) -> bool:
-        """Whether every bucket is compiled (a background warm-up may still be running)."""
-        return self.runner.stats().warm_up_done
 
     def stats(self) -> EngineStats:
         """A snapshot of the load and counters; take it on the thread that steps the engine
@@ -137,31 +124,7 @@ class LLMEngine:
         """The batch of the step running on the device, not collected yet (None if none)."""
         if not self._in_flight:
             return None
-        parts = [out for out, _, _ in self._in_flight]
-        return SchedulerOutput([r for p in parts for r in p.requests],
-                               [n for p in parts for n in p.num_scheduled_tokens],
-                               [r for p in parts for r in p.preempted])
-
-    @property
-    def num_preemptions(self) -> int:
-        return self.scheduler.num_preemptions
-
-    @property
-    def prefix_cache_stats(self) -> PrefixCacheStats:
-        """Tokens looked up in the prefix cache and tokens served from it, so far."""
-        return self.kv_manager.stats
-
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, priority: int = 0,
-                    cache_salt: str | None = None) -> None:
-        """Admit a request through the admission path (self.processor: limits, the model's
-        checks, bad words, the grammar) and queue it; ValueError naming the field for
-        anything it refuses. priority: lower runs first (needs the priority scheduling
-        policy); cache_salt: the request shares cached prefix blocks only with requests of
-        the same salt."""
-        params = self.processor.check_params(params)
-        self.add_processed(self.processor.process(request_id, prompt, prompt_token_ids, params,
-                                                  priority, cache_salt))
+        return SchedulerOutput.concat([out for out, _, _ in self._in_flight])
 
     def add_processed(self, request: EngineRequest) -> None:
         """Queue a request the admission path made (InputProcessor.process; with its grammar
@@ -217,10 +180,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._tracked)
-
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._tracked)
 
     # ---- one step -----------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
@@ -310,7 +269,7 @@ class LLMEngine:
         """Start a step on the device. If it cannot start, nothing of it ran: start its
         requests one at a time, and fail one that cannot start alone."""
         try:
-            masks, broken = self._grammar_masks(out)
+            masks, broken = grammar_masks(out, self.grammars)
             handle = self.runner.dispatch(out, self._prompt_score_targets(out), masks)
         except BaseException as err:
             self._drop_cached_blocks()
@@ -329,30 +288,13 @@ class LLMEngine:
         self._in_flight.append((out, handle, time.perf_counter()))
         self._fail_masks(broken)
 
-    def _grammar_masks(self, out: SchedulerOutput):
-        """The next-token bitmask of each constrained request that samples in this step
-        (None when none does), and the requests whose matcher failed to give one (out of its
-        per-step fuel: they fail alone, once the step is dispatched; their rows sample
-        freely meanwhile and their results are dropped)."""
-        rows = [req for req, count in zip(out.requests, out.num_scheduled_tokens)
-                if req.grammar_active and samples_this_step(req, count)]
-        if not rows:
-            return None, []
-        masks = self.grammars.fill_masks([req.grammar for req in rows])
-        broken = []
-        for i, req in enumerate(rows):
-            if req.grammar.is_error():
-                masks[i] = -1
-                broken.append(req)
-        return [(req.state_slot, masks[i]) for i, req in enumerate(rows)], broken
-
     def _fail_masks(self, broken: list[Request]) -> None:
         for req in broken:
             logger.info("Request %s failed: its structured output's next-token mask could not "
                         "be computed within the per-step budget", req.request_id[:64])
             self._fail(self._by_child[req.request_id], RuntimeError(
                 f"the grammar's next-token mask ran past its per-step budget: "
-                f"{_describe_grammar(req.grammar.get_error())}"), "while computing its "
+                f"{describe_error(req.grammar.get_error())}"), "while computing its "
                 "structured output's next-token mask", log=False, param="structured_outputs")
 
     def reset_prefix_cache(self) -> None:
@@ -459,7 +401,7 @@ class LLMEngine:
             self._fail(tracked, RuntimeError(
                 f"the grammar gave up at the output's token {req.num_output_tokens} (its "
                 f"lexer or parser ran past its per-step budget): "
-                f"{_describe_grammar(req.grammar.get_error())}"),
+                f"{describe_error(req.grammar.get_error())}"),
                 "while matching its structured output", log=False, param="structured_outputs")
             return False
         if req.grammar.is_stopped() and not req.finished:
@@ -527,43 +469,18 @@ class LLMEngine:
             raise EngineDeadError(f"the device fails even an empty step: {_describe(err)} "
                                   f"(first failure: {_describe(cause)})") from err
 
-    def _prompt_score_targets(self, out) -> np.ndarray | None:
+    def _prompt_score_targets(self, out: SchedulerOutput) -> np.ndarray | None:
+        """The prompt tokens whose logprobs this step scores (input_builder's targets), for
+        the first child of each request that asked for prompt logprobs."""
         wanted = []
         for req in out.requests:
             tracked = self._by_child[req.request_id]
-            wanted.append(tracked.prompt_logprobs is not None and req is tracked.children[0]
-                          and req.num_computed_tokens < req.num_prompt_tokens - 1)
-        if not any(wanted):
-            return None
-        targets = np.full(out.total_num_scheduled_tokens, -1, np.int32)
-        start = 0
-        for req, count, want in zip(out.requests, out.num_scheduled_tokens, wanted):
-            first = req.num_computed_tokens
-            end = min(first + count, req.num_prompt_tokens - 1)
-            if want and end > first:
-                targets[start: start + end - first] = req.token_ids[first + 1: end + 1]
-            start += count
-        return targets
+            wanted.append(tracked.prompt_logprobs is not None and req is tracked.children[0])
+        return prompt_score_targets(out, wanted)
+
 
 def _describe(err: BaseException) -> str:
     """A one-line, bounded description of an exception (no traceback)."""
     text = str(err).splitlines()[0] if str(err) else ""
     text = text if len(text) <= 200 else text[:197] + "..."
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
-
-
-def _describe_grammar(error: str) -> str:
-    """llguidance's error, first line only (its later lines show parser state)."""
-    first = error.strip().splitlines()[0] if error.strip() else "no reason given"
-    return first if len(first) <= 200 else first[:197] + "..."
-
-
-def _eos_token_ids(config: EngineConfig, tokenizer) -> set[int]:
-    """EOS ids from generation_config.json, else config.json, else the tokenizer."""
-    path = Path(config.model.model) / "generation_config.json"
-    for source in (json.loads(path.read_text()) if path.is_file() else {},
-                   config.model.hf_config):
-        eos = source.get("eos_token_id")
-        if eos is not None:
-            return set(eos) if isinstance(eos, list) else {int(eos)}
-    return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()

@@ -51,17 +51,17 @@ _INDEX = ".idx"
 def source_digest() -> str:
     """A hash of the Python source of the packages a step is traced from (jaxserve and its
     subfolders, the models, the Pallas kernels): any code change gives new keys."""
-    import jaxserve
     import jaxserve.kernels_pallas
     import jaxserve.models
 
+    package_root = Path(__file__).resolve().parents[2]  # jaxserve/ (this is backends/jax/)
+    roots = [package_root, *map(Path, jaxserve.models.__path__),
+             *map(Path, jaxserve.kernels_pallas.__path__)]
     digest = hashlib.sha256()
-    for package in (jaxserve, jaxserve.models, jaxserve.kernels_pallas):
-        for folder in package.__path__:
-            root = Path(folder)
-            for path in sorted(root.rglob("*.py")):
-                digest.update(str(path.relative_to(root)).encode())
-                digest.update(path.read_bytes())
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 

@@ -80,7 +80,7 @@ from jaxserve.config.mesh import (
 )
 from jaxserve.core.input_builder import build_step_inputs
 from jaxserve.core.sampling_params import MAX_LOGPROBS
-from jaxserve.core.scheduler import SchedulerOutput
+from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.kernels_pallas import ref
 from jaxserve.kernels_pallas.ref import token_layout
 from jaxserve.models import model_family

@@ -45,7 +45,7 @@ from jaxserve.backends.torch.sampler import (
 from jaxserve.config import kv_sizing
 from jaxserve.config.engine_config import TORCH_ATTENTION_BACKENDS, EngineConfig
 from jaxserve.core.input_builder import build_step_inputs
-from jaxserve.core.scheduler import SchedulerOutput
+from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.kernels_triton import ref
 from jaxserve.models import model_family
 from jaxserve.models.torch.llama import LlamaForCausalLM
