@@ -1,4 +1,6 @@
-"""The `jaxserve` command line: `jaxserve generate ...` (more subcommands join here)."""
+"""The `jaxserve` command line: `generate` (offline), `serve` (the OpenAI-compatible HTTP and
+gRPC servers), `plan` (memory and buckets, without loading weights) and `convert` (an Orbax
+checkpoint); engine flags come from EngineArgs."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
-    """Multi-host flags (jaxserve/backends/jax/distributed.py): the same command runs on every host."""
+    """Multi-host flags (backends/jax/distributed.py): the same command runs on every host."""
     parser.add_argument("--coordinator", default=None,
                         help="multi-host: host 0's HOST:PORT, where the hosts meet")
     parser.add_argument("--num-hosts", type=int, default=None, help="multi-host: host count")

@@ -139,7 +139,7 @@ def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
                            interpret: bool = False,
                            block_sizes: BlockSizes | None = None) -> torch.Tensor:
     """q: [T, N, H]; k_cache, v_cache: [P, S, K, H] in q's dtype, or a quantized cache's
-    one-byte values (float8_e4m3fn, int8: torch_kv_quant.py folds their scales into q and
+    one-byte values (float8_e4m3fn, int8: backends/torch/kv_quant.py folds their scales into q and
     the output); returns [T, N, H] in q.dtype (ref.py's contract). interpret=True runs
     Triton's interpreter on the host."""
     _check(q, k_cache, v_cache)

@@ -3,7 +3,8 @@
 LlamaArch holds what differs between Llama 2/3, Mistral, Qwen2 and Qwen3 (read from an HF
 config.json); hf_param_path maps each checkpoint tensor to its parameter in the engine's
 layout (wq [D, N, H], wk/wv [D, K, H], wo [N, H, D], MLP weights [in, out]), which the JAX
-model (llama.py) and the torch model (torch_llama.py) both use. numpy only.
+model (models/jax/llama.py) and the torch model (models/torch/llama.py) both use. numpy
+only.
 """
 
 from __future__ import annotations

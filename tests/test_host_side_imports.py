@@ -3,7 +3,7 @@ flax and torch blocked.
 
 Each check runs in a fresh interpreter whose meta-path finder refuses those packages, so a
 stray `import jax` anywhere in a host module's import chain fails the test. The engine
-reaches a backend only through runner_api.create_runner, which imports it when called.
+reaches a backend only through selection.create_runner, which imports it when called.
 """
 
 from __future__ import annotations

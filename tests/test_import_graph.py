@@ -137,7 +137,8 @@ def test_folders_import_only_downward():
     named = {package for layer in LAYERS for package in layer}
     for module in g:  # a new folder inside jaxserve/ joins the table before it is used
         parts = module.split(".")
-        if len(parts) > 2 and parts[1] not in ("models", "server", "kernels_pallas", "kernels_triton"):
+        if len(parts) > 2 and parts[1] not in ("models", "server", "kernels_pallas",
+                                               "kernels_triton"):
             assert ".".join(parts[:2]) in named, f"{'.'.join(parts[:2])} is missing from LAYERS"
     assert upward_imports(g) == []
 

@@ -306,7 +306,7 @@ TORCH_PARAMS = [pytest.param(impl, fmt, i, id=f"{impl}-{fmt}-{'-'.join(map(str, 
 @pytest.mark.parametrize("impl,fmt,case", TORCH_PARAMS)
 def test_torch_quantized_cache_matrix(impl, fmt, case):
     """The torch backend's attention (the Triton kernel in interpret mode, the PyTorch
-    reference) over a quantized cache, through torch_kv_quant.quantized_attend: as exact as
+    reference) over a quantized cache, through the torch kv_quant.quantized_attend: as exact as
     unquantized against the values it reads, within QUANT_TOL of the unquantized cache."""
     import torch
     from test_triton_kernels import to_torch, torch_batch

@@ -35,7 +35,7 @@ def test_wheel_holds_every_module(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     modules = {n for n in names if n.endswith(".py")}
     expected = source_modules()
-    assert "jaxserve/models/llama.py" in expected and "jaxserve/kernels_pallas/ref.py" in expected
+    assert "jaxserve/models/jax/llama.py" in expected and "jaxserve/kernels_pallas/ref.py" in expected
     assert expected - modules == set(), "modules missing from the wheel (list them in pyproject)"
     top_level = {n.split("/")[0] for n in names}
     assert all(t == "jaxserve" or t.endswith(".dist-info") for t in top_level), top_level

@@ -2,7 +2,7 @@
 their distribution.
 
 Every test runs against the JAX sampler (sampler.py) and the torch backend's
-(torch_sampler.py) through one small adapter each, so the two keep the same semantics:
+(backends/torch/sampler.py) through one small adapter each, so the two keep the same semantics:
 same greedy tokens, same supports under top-k / top-p / min-p, same penalty arithmetic,
 same logprobs, and draws whose frequencies match the exact distribution within tolerance.
 """

@@ -2,7 +2,7 @@
 
 kv_cache_dtype fp8 (= fp8_e4m3) or int8 stores one byte per element, x ~= stored * scale,
 with a float32 scale per layer and kv head for keys and another for values; both backends
-(kv_quant.py for JAX, torch_kv_quant.py for torch) quantize, attend and calibrate by the
+(jax/kv_quant.py and torch/kv_quant.py) quantize, attend and calibrate by the
 rules here, so their caches hold the same values.
 
 The scales are calibrated once at start-up, as vLLM's calculate_kv_scales does from a first

@@ -1,11 +1,11 @@
 """The runner protocol: what the host engine needs from a device backend.
 
 The host side (engine, scheduler, KV block manager, input builder, detokenizer, server)
-imports neither jax nor torch; it drives one Runner, built by runners.create_runner (the
-JAX runner today; the PyTorch/Triton runner implements the same protocol). A step is
+imports neither jax nor torch; it drives one Runner, built by selection.create_runner:
+backends/jax/runner.py's ModelRunner or backends/torch/runner.py's TorchRunner. A step is
 dispatched (returning at once, so host work overlaps the device's) and fetched later:
 
-    handle = runner.dispatch(scheduler_output, score_targets)   # starts the step
+    handle = runner.dispatch(scheduler_output, score_targets, grammar_masks)  # starts it
     result = runner.fetch(handle)                                # waits: a StepResult
 
 Every runner pads the step to a (T, R) bucket of the same policy (SchedulerConfig.step_buckets)

@@ -2,8 +2,8 @@
 
 The host side imports this module, never a backend: the backend is imported when a runner
 is built, so the engine, the scheduler and the server load without jax or torch. Two
-backends implement runner_api.Runner: JAX (runner.py, any mesh) and PyTorch/Triton
-(torch_runner.py, one device), chosen by EngineConfig.backend.
+backends implement protocol.Runner: JAX (backends/jax/runner.py, any mesh) and PyTorch/Triton
+(backends/torch/runner.py, one device), chosen by EngineConfig.backend.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ ORBAX_MARKER = "jaxserve_orbax.json"  # in a `jaxserve convert` folder (orbax_ch
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names
 DTYPE_CHOICES = SUPPORTED_DTYPES + tuple(DTYPE_ALIASES)
 # The JAX backend's attention implementations (attend.py) and the torch backend's
-# (torch_runner.py); "auto" and "reference" exist on both.
+# (backends/torch/runner.py); "auto" and "reference" exist on both.
 JAX_ATTENTION_BACKENDS = ("auto", "pallas", "reference", "interpret", "interpret-gpu")
 TORCH_ATTENTION_BACKENDS = ("auto", "reference", "triton", "triton-interpret")
 ATTENTION_BACKENDS = tuple(dict.fromkeys(JAX_ATTENTION_BACKENDS + TORCH_ATTENTION_BACKENDS))
@@ -153,7 +153,7 @@ class SchedulerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """Device placement: the (data, model) mesh (jaxserve/config/mesh.py) and whether MoE experts are
+    """Device placement: the (data, model) mesh (config/mesh.py) and whether MoE experts are
     split whole over the model axis (expert parallelism) instead of inside each expert."""
 
     mesh: MeshShape = MeshShape()
@@ -171,7 +171,7 @@ class ParallelConfig:
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     """Which ragged paged attention the step runs (attend.attention_for resolves it on the
-    JAX backend, torch_runner.make_attend on the torch backend).
+    JAX backend, backends/torch/runner.py's make_attend on the torch backend).
 
     JAX backend: auto: the Pallas kernel on TPU and GPU, the XLA:CPU-tuned pure-JAX version
     on the CPU; pallas: the platform's Pallas kernel (TPU or GPU only); reference: the

@@ -1,8 +1,8 @@
 """Builds one step's padded numpy inputs from a SchedulerOutput (host side, numpy only).
 
 Work is per sequence (slices of each request's token and block arrays), never per token in
-Python. The arrays follow docs/architecture.md's batch layout and SamplingInputs, padded to the (T, R)
-bucket the runner picked.
+Python. The arrays follow docs/architecture.md's batch layout and SamplingInputs, padded to
+the (T, R) bucket the runner picked.
 """
 
 from __future__ import annotations

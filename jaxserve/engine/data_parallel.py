@@ -2,9 +2,9 @@
 
 With `--mesh DxM`, D replicas each run a whole LLMEngine (its own scheduler, KV block pool
 and compiled steps) on its own (1, M) sub-mesh: replica r gets devices r*M .. r*M + M - 1.
-This front end implements the same EngineInterface as LLMEngine; it sends each new request to the replica with the
-fewest unfinished requests (the lowest rank on a tie), routes aborts to the owner, and steps
-every replica in turn. A replica's step only launches device work and returns (JAX dispatch
+This front end implements LLMEngine's interface (interface.EngineInterface); it sends each
+new request to the replica with the fewest unfinished requests (the lowest rank on a tie),
+routes aborts to the owner, and steps every replica in turn. A replica's step only launches device work and returns (JAX dispatch
 is asynchronous), so while the host serves replica 1 the devices of replica 0 are computing:
 all ranks stay busy under load.
 

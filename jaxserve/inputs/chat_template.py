@@ -7,7 +7,7 @@ documents, chat_template_kwargs) is escaped: each special-token text in it, and 
 begin one (which what the template writes next might complete), is replaced by a marker, a
 per-call nonce and an index between two rare brackets. The rendered text is then split at the
 special-token texts left (the template's) and the text between them is encoded with special-token
-parsing off once the markers are put back (`jaxserve.inputs.tokenizer.apply_chat_template`). A call whose
+parsing off once the markers are put back (`tokenizer.apply_chat_template`). A call whose
 strings hold none of this renders the inputs as they are.
 """
 

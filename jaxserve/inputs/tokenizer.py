@@ -62,7 +62,7 @@ def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_promp
 
     Only the template's own markup becomes special tokens: a special-token text in any string
     the caller supplies (messages, tools, documents, other template variables) is tokenized as
-    plain text (`jaxserve.inputs.chat_template`). Roles outside chat_template.KNOWN_ROLES and keywords
+    plain text (`chat_template.py`). Roles outside chat_template.KNOWN_ROLES and keywords
     that would replace the tokenizer's special-token variables (bos_token, ...) are refused.
     A conversation whose strings hold no special-token text is rendered and encoded in one
     piece, exactly as `tokenizer.apply_chat_template(..., tokenize=True)` does.

@@ -3,8 +3,8 @@
 The variants differ only through LlamaArch: GQA, RoPE (default, linear, llama3 scaling),
 optional q/k/v bias (Qwen2), optional per-head q/k RMSNorm (Qwen3), sliding-window layers
 (Mistral), tied or untied lm_head. quantization="int8" stores the projections' kernels as
-int8 with per-output-channel scales (models/quantization.py). The forward pass takes the ragged batch of
-docs/architecture.md, writes each layer's K/V into its paged cache at slot_mapping and
+int8 with per-output-channel scales (models/quantization.py). The forward pass takes the
+ragged batch of docs/architecture.md, writes each layer's K/V into its paged cache at slot_mapping and
 attends through one entry point.
 """
 
@@ -111,7 +111,7 @@ class LlamaForCausalLM(nnx.Module):
         """Returns (updated per-layer (k, v) caches, final hidden states [T, D]).
 
         attend(q, k, v, kv_cache, batch, scale=, sliding_window=) -> (out, kv_cache) writes a
-        layer's new K/V and attends (jaxserve/backends/jax/attend.py; the reference when not given)."""
+        layer's new K/V and attends (backends/jax/attend.py; the reference when not given)."""
         attend = attend or reference_attend
         x = self.embed[...][batch.token_ids]
         inv_freq = rope_inv_freq(self.arch)  # a compile-time constant

@@ -9,7 +9,7 @@ parameter named "layers.3.attn.wq" is the JAX model's ("layers", 3, "attn", "wq"
 
 The forward pass takes the ragged batch of docs/architecture.md (T tokens of R sequences)
 as torch tensors, writes each layer's K/V into its paged cache in place and attends through
-`attend` (torch_runner picks the Triton kernels or the PyTorch reference). The MoE block
+`attend` (the torch runner picks the Triton kernels or the PyTorch reference). The MoE block
 runs each expert on the tokens routed to it (a loop over experts), as HF does.
 """
 

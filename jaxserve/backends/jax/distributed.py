@@ -3,8 +3,8 @@
 `jaxserve serve --coordinator HOST:PORT --num-hosts N --host-id I` (or JAX's own
 environment, e.g. on a Cloud TPU pod slice where jax.distributed finds everything itself)
 joins the N processes with jax.distributed. The mesh then spans every host's devices. Host 0
-runs the engine (scheduler, detokenizer, HTTP server); every other host runs `runners.run_worker`: it
-builds the same runner (weights load on each host from its own copy of the model folder,
+runs the engine (scheduler, detokenizer, HTTP server); every other host runs
+`backends.selection.run_worker`: it builds the same runner (weights load on each host from its own copy of the model folder,
 each device taking its slice) and then, step after step, receives the step host 0 is about
 to run (its (T, R) bucket, the packed int32 inputs, the prompt-scoring targets) and runs the
 same compiled function on them, so the collectives inside the step line up on all hosts.

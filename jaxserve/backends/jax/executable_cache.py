@@ -1,6 +1,6 @@
 """Compiled step executables on disk, so that a second start skips tracing and lowering.
 
-JAX's persistent compilation cache (compilation.py) saves the XLA compile, but every start
+JAX's persistent compilation cache (compile_stats.py) saves the XLA compile, but every start
 still traces and lowers each bucket's step to look it up. This store keeps the compiled
 executable itself (jax.experimental.serialize_executable): a warm start loads it in a
 fraction of that time.
@@ -16,7 +16,7 @@ go to a temporary file renamed into place, so concurrent starts never read half 
 entry or index that cannot be used (stale, foreign, truncated, corrupt) is reported in one
 log line and recompiled; it never stops a start.
 
-This store replaces JAX's persistent cache in the engine's process (compilation.py turns
+This store replaces JAX's persistent cache in the engine's process (compile_stats.py turns
 JAX's on only where this one is off: several hosts). On XLA:CPU an executable that JAX
 loaded from its own cache serializes without the code of its kernels ("Function ... not
 found" when a later process runs it), and JAX decides once per process whether its cache
@@ -205,8 +205,8 @@ class ExecutableCache:
 
 
 def executable_cache_for(config, runner) -> ExecutableCache | None:
-    """The executable cache of a ModelRunner's configuration (an EngineConfig), beside the XLA cache. None when
-    compilation_cache_dir is None; on several hosts (each compiles; JAX's persistent cache
+    """The executable cache of a ModelRunner's configuration (an EngineConfig), beside the
+    XLA cache. None when compilation_cache_dir is None; on several hosts (each compiles; JAX's persistent cache
     serves them instead); and when JAX's own persistent cache was configured outside
     jaxserve (an executable loaded from it cannot be stored: executable_cache.py)."""
     if not config.compilation_cache_dir or jax.process_count() > 1:

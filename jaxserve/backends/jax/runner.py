@@ -1,7 +1,7 @@
 """Model runner: owns the weights, the paged KV cache and the compiled step per (T, R) bucket.
 
-The step is one jitted function, compiled per bucket (jaxserve/backends/jax/bucket_compiler.py: on first use or
-by a warm-up, through the executable cache):
+The step is one jitted function, compiled per bucket (bucket_compiler.py: on first use or by
+a warm-up, through the executable cache):
 
     step(params, kv_caches, penalty_state, packed_inputs)
         -> (kv_caches, penalty_state, hidden, packed_sample_result)
@@ -13,10 +13,10 @@ entries, row after row (row r's num_proposed[r] + 1 entries first, at the sum of
 rows' counts), and the count each row emitted. Steps without proposals run the one-token
 sampler into the same layout.
 
-It is the step of docs/architecture.md, step(params, kv_caches, batch, sampling), with two
-additions: the Batch and SamplingInputs travel packed into one int32 buffer (one
-host-to-device transfer; unpacked inside by static slices, see packing.py), and the penalty
-state (per-request token counts) rides along with the KV cache. kv_caches and penalty_state
+It is the step of docs/architecture.md ("Device side"): the Batch and SamplingInputs travel
+packed into one int32 buffer (one host-to-device transfer; unpacked inside by static
+slices, see packing.py), and the penalty state (per-request token counts, logit-bias rows,
+grammar bitmasks) rides along with the KV cache. kv_caches and penalty_state
 are donated, so both are updated in place. hidden (the final hidden states, [T, D]) stays
 on the device for prompt_logprobs.
 Every device array is placed through the engine's Mesh (one device by default).
@@ -376,7 +376,7 @@ class ModelRunner:
         targets = jax.ShapeDtypeStruct((num_tokens,), jnp.int32, sharding=self.replicated)
         return self._score.lower(self._params_spec, hidden, targets)
 
-    # ---- compiled functions: jaxserve/backends/jax/bucket_compiler.py -----------------------------------------
+    # ---- compiled functions: bucket_compiler.py ------------------------------------------
     def warm_up(self, background: bool = False) -> None:
         self.compiled.warm_up(background)
 

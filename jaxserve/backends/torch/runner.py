@@ -1,9 +1,9 @@
-"""The PyTorch/Triton runner: the Runner protocol (runner_api.py) on one torch device.
+"""The PyTorch/Triton runner: the Runner protocol (backends/protocol.py) on one torch device.
 
 For NVIDIA and AMD users whose stack is PyTorch: the host side (scheduler, KV block manager,
 input builder, detokenizer, server) is the JAX backend's, unchanged; this runner holds the
 torch model (models/torch/llama.py), the paged KV cache (per layer [P, S, K, H], written in
-place) and the torch sampler (torch_sampler.py), and runs each step on the same (T, R)
+place) and the torch sampler (backends/torch/sampler.py), and runs each step on the same (T, R)
 bucket and the same inputs (input_builder.build_step_inputs) as the JAX runner:
 
     dispatch: inputs -> device, bias / grammar rows written, forward(batch) -> hidden [T, D],
@@ -88,7 +88,7 @@ def make_attend(backend: str, device: torch.device, head_dim: int,
                 kv_cache_dtype: str = "auto"):
     """attend(q, k, v, kv_cache, batch, *, scale, sliding_window) -> out [T, N, H] for the
     models: writes the layer's new K/V into its cache in place, then attends (a quantized
-    cache's layers bring their scales: torch_kv_quant.quantized_attend); the name of the
+    cache's layers bring their scales: kv_quant.quantized_attend); the name of the
     implementation for the log; and whether a CUDA graph can capture it (the compiled
     Triton kernels read nothing on the host). ValueError for a backend this device cannot
     run."""
@@ -187,7 +187,7 @@ def build_model(config: EngineConfig, device: torch.device) -> LlamaForCausalLM:
 
 
 class TorchRunner:
-    """A Runner (runner_api.py) on one torch device."""
+    """A Runner (backends/protocol.py) on one torch device."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
