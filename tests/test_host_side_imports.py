@@ -41,15 +41,11 @@ BLOCKER = textwrap.dedent("""
 
 # The host side, by folder: every module in these folders (not their subfolders) imports
 # with jax, flax and torch blocked. A backend's own folder (backends/jax, backends/torch,
-# models/jax, models/torch) is the only place they may be imported.
-HOST_FOLDERS = ["jaxserve/config", "jaxserve/inputs", "jaxserve/parsers", "jaxserve/core",
-                "jaxserve/engine", "jaxserve/backends", "models", "server"]
+# models/jax, models/torch), the kernels and the benchmarks are the only places they may be
+# imported at module level.
+HOST_FOLDERS = ["jaxserve", "jaxserve/config", "jaxserve/inputs", "jaxserve/parsers",
+                "jaxserve/core", "jaxserve/engine", "jaxserve/backends", "models", "server"]
 PACKAGE_OF = {"models": "jaxserve.models", "server": "jaxserve.server"}
-# Modules of those folders that need a device library, each with why.
-DEVICE_MODULES = {
-    "jaxserve.server.launch": "starts the engine's backend (XLA flags, the compile counter)",
-    "jaxserve.server.metrics": "reads JAX's compile counters",
-}
 
 
 def host_modules() -> list[str]:
@@ -57,10 +53,8 @@ def host_modules() -> list[str]:
     for folder in HOST_FOLDERS:
         package = PACKAGE_OF.get(folder, folder.replace("/", "."))
         for path in sorted((ROOT / folder).glob("*.py")):
-            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
-            if name not in DEVICE_MODULES:
-                found.append(name)
-    return found + ["jaxserve", "jaxserve.llm"]
+            found.append(package if path.stem == "__init__" else f"{package}.{path.stem}")
+    return found
 
 
 HOST_MODULES = host_modules()
