@@ -398,7 +398,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from jaxserve.config.model_path import resolve_model
     from jaxserve.config.plan import format_plan, make_plan, plan_dict
 
-    model = resolve_model(_model_of(args), logging.getLogger("jaxserve.config.plan"))
+    model = resolve_model(_model_of(args), logging.getLogger("jaxserve.plan"))
     config = engine_config(args, model, on_accelerator=True)
     plan = make_plan(config, args.device_memory)
     print(json.dumps(plan_dict(plan), indent=2) if args.json else format_plan(plan))
