@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.backends.jax.batch import Batch
+from jaxserve.benchmarks.ragged_batch import jax_batch, make_batch
 from jaxserve.kernels_pallas import cpu_attention, ref
 
 IMPLS = {"ref": ref.ragged_paged_attention,
@@ -36,32 +36,6 @@ CASES = {
     "chunk 256 after ctx 256 + 64 decode": ([(256, 512)] + [(1, 200)] * 64, 512, 256),
     "suffix 32 after cached 1024, x 8": ([(32, 1056)] * 8, 256, 256),
 }
-
-
-def make_batch(specs, num_tokens, num_rows, rng):
-    cu = np.zeros(num_rows + 1, np.int32)
-    cu[1: len(specs) + 1] = np.cumsum([q for q, _ in specs])
-    cu[len(specs) + 1:] = cu[len(specs)]
-    kv = np.zeros(num_rows, np.int32)
-    kv[: len(specs)] = [n for _, n in specs]
-    tables = np.zeros((num_rows, MAX_LEN // S), np.int32)
-    slots = np.zeros(num_tokens, np.int32)
-    positions = np.zeros(num_tokens, np.int32)
-    pages = rng.permutation(np.arange(1, sum(-(-n // S) for _, n in specs) + 1))
-    used = 0
-    for row, (q_len, kv_len) in enumerate(specs):
-        count = -(-kv_len // S)
-        tables[row, :count] = pages[used: used + count]
-        used += count
-        pos = np.arange(kv_len - q_len, kv_len)
-        positions[cu[row]: cu[row + 1]] = pos
-        slots[cu[row]: cu[row + 1]] = tables[row, pos // S] * S + pos % S
-    batch = Batch(token_ids=jnp.zeros(num_tokens, jnp.int32), positions=jnp.asarray(positions),
-                  slot_mapping=jnp.asarray(slots), cu_q_lens=jnp.asarray(cu),
-                  kv_lens=jnp.asarray(kv), block_tables=jnp.asarray(tables),
-                  num_seqs=jnp.array([len(specs)], jnp.int32),
-                  logits_indices=jnp.zeros(num_rows, jnp.int32))
-    return batch, used + 1
 
 
 def time_call(fn, args, repeat: int) -> float:
@@ -86,7 +60,9 @@ def main() -> None:
     for case, (specs, num_tokens, num_rows) in CASES.items():
         if args.case and not any(c in case for c in args.case):
             continue
-        batch, pages = make_batch(specs, num_tokens, num_rows, rng)
+        layout = make_batch(specs, block_size=S, num_tokens=num_tokens, num_rows=num_rows,
+                            width=MAX_LEN // S, rng=rng)
+        batch, pages = jax_batch(layout), layout.num_pages
         k_cache = jnp.asarray(rng.standard_normal((pages, S, K, H), np.float32))
         v_cache = jnp.asarray(rng.standard_normal((pages, S, K, H), np.float32))
         q = jnp.asarray(rng.standard_normal((num_tokens, N, H), np.float32))

@@ -5,7 +5,7 @@
 For each model (the built-in default model; "small", the ~125M benchmark Llama made by
 make_small_checkpoint.py) and each dtype, builds an engine, then measures side by side in
 this one process: the median decode step with 1 and 16 sequences
-(scripts/bench_kv_cache_size.decode_step_ms, after warm-up steps) and the best of three
+(jaxserve/benchmarks/engine_measures.decode_step_ms, after warm-up steps) and the best of three
 prefills of 8 prompts of 128 tokens (one token out each; the first compiles its bucket). Prints each time and the bf16 / f32 ratio (below 1: bf16 is
 faster).
 """
@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_kv_cache_size import decode_step_ms  # noqa: E402
-from make_small_checkpoint import ensure_small_checkpoint  # noqa: E402
+from jaxserve.benchmarks.checkpoints import ensure_small_checkpoint
+from jaxserve.benchmarks.engine_measures import decode_step_ms
 
 DTYPES = ("float32", "bfloat16")
 

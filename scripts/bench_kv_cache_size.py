@@ -15,35 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
-import numpy as np
-
-
-def decode_step_ms(llm, num_seqs: int, steps: int) -> float:
-    """Median wall time of one engine step while num_seqs sequences decode."""
-    from jaxserve import SamplingParams
-
-    engine = llm.engine
-    rng = np.random.default_rng(0)
-    vocab = llm.engine.config.model.vocab_size
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    for i in range(num_seqs):
-        ids = rng.integers(5, vocab, 32).tolist()
-        engine.add_request(f"r{i}", None, ids, params)
-    while engine.scheduler.waiting:  # the prompts' prefill steps
-        engine.step()
-    for _ in range(4):  # the first decode steps (and their buckets' first calls)
-        engine.step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return 1000 * statistics.median(times)
+from jaxserve.benchmarks.engine_measures import decode_step_ms
 
 
 def main() -> None:

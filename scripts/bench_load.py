@@ -24,9 +24,7 @@ import sys
 import tempfile
 import time
 
-SCRIPTS = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(SCRIPTS))
-from make_small_checkpoint import ensure_small_checkpoint  # noqa: E402
+from jaxserve.benchmarks.checkpoints import ensure_small_checkpoint
 
 CHILD = r"""
 import json, resource, sys, time

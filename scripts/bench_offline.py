@@ -27,68 +27,16 @@ caching on and off and the outputs are compared token by token.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import math
 import pathlib
 import resource
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from make_small_checkpoint import ensure_small_checkpoint  # noqa: E402
-
-FIRST_REGULAR_ID = 5  # ids 0..4 are the benchmark tokenizers' special tokens
-
-
-@dataclasses.dataclass
-class Workload:
-    name: str
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-
-def _lognormal_lengths(rng, count: int, median: float, sigma: float, lo: int, hi: int):
-    return np.clip(np.round(rng.lognormal(math.log(median), sigma, count)), lo, hi).astype(int)
-
-
-def make_workload(args, vocab: int, tokenizer) -> Workload:
-    rng = np.random.default_rng(args.seed)
-    ids = lambda n: rng.integers(FIRST_REGULAR_ID, vocab, int(n)).tolist()
-    if args.workload == "random":
-        n = args.num_prompts or 128
-        return Workload("random", [ids(args.input_len) for _ in range(n)], [args.output_len] * n)
-    if args.workload == "sharegpt-like":
-        n = args.num_prompts or 128
-        inputs = _lognormal_lengths(rng, n, 96, 0.8, 8, 512)
-        outputs = _lognormal_lengths(rng, n, 64, 0.8, 8, 256)
-        return Workload("sharegpt-like", [ids(k) for k in inputs], outputs.tolist())
-    if args.workload == "shared-prefix":
-        n = args.num_prompts or 64
-        prefix = ids(args.prefix_len)
-        return Workload("shared-prefix", [prefix + ids(args.suffix_len) for _ in range(n)],
-                        [args.output_len] * n)
-    items = json.loads(pathlib.Path(args.dataset).read_text())
-    if not isinstance(items, list) or not items:
-        raise ValueError(f"{args.dataset}: expected a non-empty JSON list of prompt objects.")
-    prompts, outputs = [], []
-    for item in items[: args.num_prompts or None]:
-        item = {"prompt": item} if isinstance(item, str) else item
-        prompts.append(list(item["prompt_token_ids"]) if "prompt_token_ids" in item
-                       else tokenizer.encode(item["prompt"]))
-        outputs.append(int(item.get("output_len", args.output_len)))
-    return Workload(pathlib.Path(args.dataset).name, prompts, outputs)
-
+from jaxserve.benchmarks.checkpoints import ensure_small_checkpoint
+from jaxserve.benchmarks.hf_baseline import run_hf_baseline
+from jaxserve.benchmarks.workloads import Workload, make_workload
 
 # ----------------------------------------------------------------------------- jaxserve
 
@@ -180,62 +128,6 @@ def run_jaxserve(model: str, workload: Workload, engine_args: dict) -> dict:
 
 def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
-
-# ----------------------------------------------------------------------------- HF baseline
-
-def run_hf(model: str, workload: Workload, batch_size: int, count: int | None = None) -> dict:
-    """HF generate over the first `count` requests in static batches of batch_size."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    hf = _hf_model(model, AutoModelForCausalLM, torch)
-    prompts = workload.prompts[:count]
-    lens = workload.output_lens[:count]
-    useful = generated = 0
-    start = time.perf_counter()
-    with torch.no_grad():
-        for i in range(0, len(prompts), batch_size):
-            batch, want = prompts[i:i + batch_size], lens[i:i + batch_size]
-            width = max(len(p) for p in batch)
-            ids = torch.zeros((len(batch), width), dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, p in enumerate(batch):  # left padding
-                ids[row, width - len(p):] = torch.tensor(p)
-                mask[row, width - len(p):] = 1
-            new = max(want)
-            out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                              max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
-            generated += (out.shape[1] - width) * len(batch)
-            useful += sum(want)
-    wall = time.perf_counter() - start
-    return {"batch_size": batch_size, "requests": len(prompts), "wall_s": wall,
-            "output_tokens": useful, "generated_tokens": generated,
-            "output_tok_s": useful / wall}
-
-
-_HF_CACHE: dict = {}
-
-
-def _hf_model(model: str, cls, torch):
-    if model not in _HF_CACHE:
-        torch.set_num_threads(2)
-        hf = cls.from_pretrained(model, dtype=torch.float32).eval()
-        hf.generation_config.eos_token_id = None  # every request runs to its length
-        _HF_CACHE[model] = hf
-    return _HF_CACHE[model]
-
-
-def run_hf_baseline(model: str, workload: Workload, batch_sizes, sweep_requests: int) -> dict:
-    sweep = []
-    for b in batch_sizes:
-        result = run_hf(model, workload, b, sweep_requests)
-        print(f"  HF sweep: batch {b:3d} on {result['requests']} requests: "
-              f"{result['output_tok_s']:.1f} output tok/s", flush=True)
-        sweep.append(result)
-    best = max(sweep, key=lambda r: r["output_tok_s"])["batch_size"]
-    full = run_hf(model, workload, best)
-    return {"best_batch_size": best, "sweep": sweep, **full}
 
 
 # ----------------------------------------------------------------------------- ceiling

@@ -27,15 +27,13 @@ import argparse
 import json
 import pathlib
 import re
-import sys
 import sysconfig
 import time
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_offline import Workload, make_workload  # noqa: E402
-from make_small_checkpoint import ensure_small_checkpoint  # noqa: E402
+from jaxserve.benchmarks.checkpoints import ensure_small_checkpoint
+from jaxserve.benchmarks.workloads import Workload, make_workload
 
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
                 "prompt_lookup_max": 4}

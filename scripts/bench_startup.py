@@ -26,7 +26,6 @@ path is printed; a server that does not come up has its last 30 log lines printe
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import pathlib
@@ -42,17 +41,26 @@ import time
 
 import httpx
 
-SCRIPTS = pathlib.Path(__file__).resolve().parent
-ROOT = SCRIPTS.parent
-sys.path.insert(0, str(SCRIPTS))
-from bench_serving import free_port, tail  # noqa: E402
-from make_small_checkpoint import ensure_small_checkpoint  # noqa: E402
+from jaxserve.benchmarks.checkpoints import ensure_small_checkpoint
+from jaxserve.benchmarks.local_server import (
+    free_port,
+    kill_group,
+    serve_command,
+    start_server,
+    stop_server,
+    tail,
+)
+from jaxserve.benchmarks.startup_report import table
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 MODELS = ("builtin", "small")
 POLL_S = 0.05
 LOG_LINES = 30
 FINISH_LINE = re.compile(r"^--- finish_reason=(\S+) tokens=(\d+)$", re.MULTILINE)
 COMPLETION = {"prompt": "def add(a, b):", "max_tokens": 16}
+# Ctrl-C (the server drains and exits), then SIGTERM, then SIGKILL: seconds to wait for each
+STOP_STEPS = ((signal.SIGINT, 30.0), (signal.SIGTERM, 30.0))
 # Settings a new user does not have, which could point a cache (or the devices) elsewhere.
 DROPPED_PREFIXES = ("JAX_", "XLA_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_",
                     "JAXSERVE_", "XDG_", "TORCH", "TRITON_", "CUDA_CACHE", "PYTHONPYCACHEPREFIX")
@@ -105,13 +113,6 @@ def fresh_env(home: pathlib.Path) -> dict[str, str]:
 
 def dropped_variables() -> list[str]:
     return sorted(k for k in os.environ if k.startswith(DROPPED_PREFIXES))
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the session this script started the process in."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def folder_size(path: pathlib.Path) -> int:
@@ -227,32 +228,11 @@ class FirstCompletion(threading.Thread):
         return True
 
 
-def stop_server(proc: subprocess.Popen) -> dict:
-    """SIGINT (Ctrl-C: the server drains and exits), then SIGTERM, then SIGKILL; how long it
-    took and how it ended."""
-    if proc.poll() is not None:
-        return {"signal": None, "stop_s": 0.0, "returncode": proc.returncode}
-    start = time.perf_counter()
-    for sig, wait in ((signal.SIGINT, 30.0), (signal.SIGTERM, 30.0)):
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(sig)
-        try:
-            proc.wait(timeout=wait)
-            return {"signal": sig.name, "stop_s": time.perf_counter() - start,
-                    "returncode": proc.returncode}
-        except subprocess.TimeoutExpired:
-            continue
-    kill_group(proc)
-    return {"signal": "SIGKILL", "stop_s": time.perf_counter() - start,
-            "returncode": proc.returncode}
-
-
 def run_serve(model_dir: str | None, home: pathlib.Path, log_dir: pathlib.Path, name: str,
               label: str, timeout: float) -> dict:
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
-    cmd = [jaxserve_executable(), "serve", "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--model", model_dir] if model_dir else []
+    cmd = serve_command([jaxserve_executable()], port, model_dir)
     log_path = log_dir / f"serve-{name}-{label}.log"
     result = {"ok": False, "health_s": None, "ready_s": None, "ready_available": None,
               "ready_last": None,
@@ -264,8 +244,7 @@ def run_serve(model_dir: str | None, home: pathlib.Path, log_dir: pathlib.Path, 
     worker: FirstCompletion | None = None
     with open(log_path, "w") as out:
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=fresh_env(home), stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = start_server(cmd, out, env=fresh_env(home))
         deadline = start + timeout
         last = [start]
         try:
@@ -312,7 +291,7 @@ def run_serve(model_dir: str | None, home: pathlib.Path, log_dir: pathlib.Path, 
                 result["usage"] = worker.response.get("usage")
             if worker is not None:
                 result["completion_attempts"] = worker.attempts
-            result.update(stop_server(proc))
+            result.update(stop_server(proc, STOP_STEPS))
             if worker is not None:
                 worker.join(timeout=5)
     if result["error"] is None and result["first_completion_s"] is not None:
@@ -372,55 +351,6 @@ def poll_ready(client: httpx.Client, base_url: str, result: dict, start: float) 
 
 
 # ---- report ---------------------------------------------------------------------------------
-def seconds(run: dict | None, key: str) -> str:
-    """One table cell: the number, or why there is none."""
-    if run is None:
-        return "-"
-    if key == "wall_s" and not run["ok"]:  # a generate run that ran but failed its checks
-        return "timeout" if "timed out" in (run["error"] or "") else "FAILED"
-    if run.get(key) is not None:
-        return f"{run[key]:.2f}"
-    if key == "ready_s" and run.get("ready_available") is False:
-        return "n/a"
-    if key == "ready_s" and run.get("ready_note"):
-        return "timeout"
-    if not run["ok"]:
-        return "timeout" if "timed out" in (run["error"] or "") else "FAILED"
-    return "-"
-
-
-def table(report: dict) -> str:
-    rows = []
-    gen = report.get("generate")
-    if gen:
-        rows.append(("generate (README command)", seconds(gen["cold"], "wall_s"),
-                     seconds(gen["warm"], "wall_s")))
-    for name, runs in report.get("serve", {}).items():
-        for key, what in (("health_s", "/health 200"), ("ready_s", "/ready 200"),
-                          ("first_completion_s", "first completion")):
-            rows.append((f"serve {name}: {what}", seconds(runs.get("cold"), key),
-                         seconds(runs.get("warm"), key)))
-    width = max([len("phase")] + [len(r[0]) for r in rows])
-    lines = [f"{'phase':<{width}}  {'cold s':>9}  {'warm s':>9}",
-             f"{'-' * width}  {'-' * 9}  {'-' * 9}"]
-    lines += [f"{phase:<{width}}  {cold:>9}  {warm:>9}" for phase, cold, warm in rows]
-    return "\n".join(lines + notes(report))
-
-
-def notes(report: dict) -> list[str]:
-    """Footnotes: /ready that never came, servers that did not exit cleanly."""
-    out = []
-    for name, runs in report.get("serve", {}).items():
-        for label in ("cold", "warm"):
-            run = runs.get(label) or {}
-            if run.get("ready_note"):
-                out.append(f"serve {name} ({label}): {run['ready_note']}")
-            if run.get("returncode") not in (0, None):
-                out.append(f"serve {name} ({label}): exit code {run['returncode']} after "
-                           f"{run['signal']} (not a clean exit)")
-    return ["", "notes:", *(f"  {line}" for line in out)] if out else []
-
-
 def git_state() -> dict:
     def git(*args):
         try:

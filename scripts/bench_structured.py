@@ -18,11 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from make_small_checkpoint import ensure_small_checkpoint  # noqa: E402
+from jaxserve.benchmarks.checkpoints import ensure_small_checkpoint
 
 # At least 200 three-digit numbers: longer than any --output-len used here, so that every
 # request, constrained or not, writes exactly --output-len tokens and the two batches compare

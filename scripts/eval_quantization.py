@@ -28,13 +28,11 @@ import argparse
 import json
 import math
 import pathlib
-import sys
 import sysconfig
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from make_small_checkpoint import ensure_small_checkpoint  # noqa: E402
+from jaxserve.benchmarks.checkpoints import ensure_small_checkpoint
 
 HELD_OUT = ("email", "json", "xmlrpc", "wsgiref")  # train_default_model.py's
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.backends.jax.batch import Batch
+from jaxserve.benchmarks.ragged_batch import jax_batch, make_batch
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}  # max abs error / max abs expected output
 
@@ -28,58 +28,18 @@ def make_case(rng, specs, *, block_size, num_kv_heads, num_heads, head_dim, dtyp
     are padding (kv_len 0, q_len 0) and tokens beyond the last real one are padding too.
     With junk_tables, unused block-table entries point at random pages instead of page 0.
     """
-    S = block_size
-    num_seqs = len(specs)
-    R = num_rows or num_seqs
-    real_tokens = sum(q for q, _ in specs)
-    T = num_tokens or real_tokens
-    B = -(-max_model_len // S)
-    assert R >= num_seqs and T >= real_tokens
     assert all(1 <= q <= kv <= max_model_len for q, kv in specs)
-    needed = sum(-(-kv // S) for _, kv in specs)
+    needed = sum(-(-kv // block_size) for _, kv in specs)
     P = num_pages or needed + 8 + 1
-    assert P - 1 >= needed
-
-    ids = rng.permutation(np.arange(1, P)).astype(np.int32)  # distinct, never page 0
-    tables = np.zeros((R, B), np.int32)
-    if junk_tables:
-        tables[:] = rng.integers(0, P, size=(R, B))
-    cu = np.zeros(R + 1, np.int32)
-    kv_lens = np.zeros(R, np.int32)
-    used = 0
-    for i, (q_len, kv_len) in enumerate(specs):
-        n = -(-kv_len // S)
-        tables[i, :n] = ids[used:used + n]
-        used += n
-        cu[i + 1] = cu[i] + q_len
-        kv_lens[i] = kv_len
-    cu[num_seqs + 1:] = cu[num_seqs]
-
-    positions = np.zeros(T, np.int32)
-    slots = np.zeros(T, np.int32)  # padding tokens write into slot 0 of the null page
-    logits_indices = np.zeros(R, np.int32)
-    for i, (q_len, kv_len) in enumerate(specs):
-        for j in range(q_len):
-            t = cu[i] + j
-            p = kv_len - q_len + j
-            positions[t] = p
-            slots[t] = tables[i, p // S] * S + p % S
-        logits_indices[i] = cu[i + 1] - 1
-
+    layout = make_batch(specs, block_size=block_size, rng=rng, num_tokens=num_tokens,
+                        num_rows=num_rows, width=-(-max_model_len // block_size), pool=P - 1,
+                        junk_tables=junk_tables)
     jdt = jnp.dtype(dtype)
+    T = layout.slot_mapping.shape[0]
     q = jnp.asarray(rng.standard_normal((T, num_heads, head_dim)), jdt)
-    k_cache = jnp.asarray(rng.standard_normal((P, S, num_kv_heads, head_dim)), jdt)
-    v_cache = jnp.asarray(rng.standard_normal((P, S, num_kv_heads, head_dim)), jdt)
-    batch = Batch(
-        token_ids=jnp.asarray(rng.integers(0, 1000, T), jnp.int32),
-        positions=jnp.asarray(positions),
-        slot_mapping=jnp.asarray(slots),
-        cu_q_lens=jnp.asarray(cu),
-        kv_lens=jnp.asarray(kv_lens),
-        block_tables=jnp.asarray(tables),
-        num_seqs=jnp.asarray([num_seqs], jnp.int32),
-        logits_indices=jnp.asarray(logits_indices),
-    )
+    k_cache = jnp.asarray(rng.standard_normal((P, block_size, num_kv_heads, head_dim)), jdt)
+    v_cache = jnp.asarray(rng.standard_normal((P, block_size, num_kv_heads, head_dim)), jdt)
+    batch = jax_batch(layout, token_ids=jnp.asarray(rng.integers(0, 1000, T), jnp.int32))
     return q, k_cache, v_cache, batch
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import pathlib
 import shutil
@@ -12,8 +11,7 @@ import tempfile
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "make_tiny_checkpoint.py"
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+from jaxserve.benchmarks import checkpoint_checks, checkpoints
 
 
 def pytest_addoption(parser):
@@ -23,18 +21,11 @@ def pytest_addoption(parser):
     )
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("make_tiny_checkpoint", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _cache_key() -> str:
     # The tokenizer is trained on this Python's stdlib and saved by this transformers.
     import transformers
 
-    h = hashlib.sha256(SCRIPT.read_bytes())
+    h = hashlib.sha256(pathlib.Path(checkpoints.__file__).read_bytes())
     h.update(f"{sys.version_info[:2]} {transformers.__version__}".encode())
     return h.hexdigest()[:16]
 
@@ -51,30 +42,28 @@ def tiny_checkpoints(pytestconfig) -> dict[str, pathlib.Path]:
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=".building-", dir=root))
         tmp.chmod(0o755)
         try:
-            script = _load_script()
-            for arch in ARCHS:
-                script.make_checkpoint(arch, tmp / arch)
+            for arch in checkpoints.ARCHS:
+                checkpoints.make_checkpoint(arch, tmp / arch)
             os.rename(tmp, final)  # atomic: readers see all checkpoints or none
         except OSError:
             if not final.is_dir():  # not just another process finishing first
                 raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return {arch: final / arch for arch in ARCHS}
+    return {arch: final / arch for arch in checkpoints.ARCHS}
 
 
 @pytest.fixture(scope="session")
 def mesh_checkpoints(tiny_checkpoints) -> dict[str, pathlib.Path]:
     """llama and qwen2 with 8 query heads (2 kv heads), for meshes up to model=8; built
     once beside the tiny checkpoints."""
-    script = _load_script()
     folders = {}
     for arch in ("llama", "qwen2"):
         final = tiny_checkpoints[arch].parent / f"mesh-{arch}"
         if not final.is_dir():
             tmp = pathlib.Path(tempfile.mkdtemp(prefix=".building-", dir=final.parent))
             try:
-                script.make_checkpoint(arch, tmp, overrides=script.MESH_OVERRIDES)
+                checkpoints.make_checkpoint(arch, tmp, overrides=checkpoints.MESH_OVERRIDES)
                 os.rename(tmp, final)
             except OSError:
                 if not final.is_dir():
@@ -108,5 +97,6 @@ def tiny_checkpoint(request, tiny_checkpoints) -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def checkpoint_script():
-    """scripts/make_tiny_checkpoint.py as a module (check_prompts, greedy_margins, ...)."""
-    return _load_script()
+    """jaxserve.benchmarks.checkpoint_checks: check_prompts, greedy_margins, ... (the tiny
+    checkpoints' prompts, once in scripts/make_tiny_checkpoint.py)."""
+    return checkpoint_checks

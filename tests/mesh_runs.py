@@ -10,22 +10,18 @@ data-parallel replica the requests routed to it and the device steps it ran.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import pathlib
 import sys
 
-NUM_PROMPTS = 4  # of the checkpoint script's check prompts: 3, 7, 16 and 33 tokens
+NUM_PROMPTS = 4  # of the tiny checkpoints' check prompts: 3, 7, 16 and 33 tokens
 NEW_TOKENS = 12
 
 
 def prompts() -> list[list[int]]:
-    path = pathlib.Path(__file__).parents[1] / "scripts" / "make_tiny_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("make_tiny_checkpoint", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script.check_prompts()[:NUM_PROMPTS]
+    from jaxserve.benchmarks.checkpoint_checks import check_prompts
+
+    return check_prompts()[:NUM_PROMPTS]
 
 
 def run(folder: str, mesh: str) -> dict:

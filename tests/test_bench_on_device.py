@@ -22,6 +22,9 @@ import types
 
 import pytest
 
+from jaxserve.benchmarks import device_plan, engine_measures, torch_section
+from jaxserve.benchmarks.workloads import make_workload
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "bench_on_device.py"
 
 
@@ -111,16 +114,15 @@ def test_cpu_run_reports_every_section(tmp_path):
 def test_gpu_plan_is_llama3_8b_with_accelerator_engine_defaults(tmp_path):
     from jaxserve.config.engine_config import EngineConfig
 
-    script = load_script()
-    args = script.argparse.Namespace(requests=None, hf_requests=None, hf_batch_size=None,
-                                     max_seconds=None)
-    plan = script.Plan(tiny=False, quick=False, args=args)
+    args = argparse.Namespace(requests=None, hf_requests=None, hf_batch_size=None,
+                              max_seconds=None)
+    plan = device_plan.Plan(tiny=False, quick=False, args=args)
     assert plan.requests == 256 and plan.decode_batches == (1, 32, 256)
     assert plan.budget_s == 600 and plan.copy_bytes == 2 << 30
-    quick = script.Plan(tiny=False, quick=True, args=args)
+    quick = device_plan.Plan(tiny=False, quick=True, args=args)
     assert quick.budget_s == 210 and quick.requests < plan.requests
 
-    folder = script.write_model_folder(tmp_path, plan.model_config)
+    folder = device_plan.write_model_folder(tmp_path, plan.model_config)
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (folder / name).is_file()
     config = EngineConfig.create(str(folder), load_format="dummy", dtype="bfloat16",
@@ -136,7 +138,7 @@ def test_gpu_plan_is_llama3_8b_with_accelerator_engine_defaults(tmp_path):
             hf["num_key_value_heads"], hf["intermediate_size"], hf["vocab_size"]) == \
         (4096, 32, 32, 8, 14336, 128256)
     # Llama-3-8B holds 128 KiB of bf16 K and V per token.
-    assert script.kv_bytes_per_token(plan.model_config) == 128 * 1024
+    assert engine_measures.kv_bytes_per_token(plan.model_config) == 128 * 1024
     # The torch backend's and the quantized engines' sections keep their time within the
     # same budgets.
     for p in (quick, plan):
@@ -145,25 +147,24 @@ def test_gpu_plan_is_llama3_8b_with_accelerator_engine_defaults(tmp_path):
 
 
 def test_percentiles():
-    script = load_script()
-    stats = script.percentiles([0.3, 0.1, 0.2, 0.4])
+    stats = engine_measures.percentiles([0.3, 0.1, 0.2, 0.4])
     assert stats["count"] == 4 and stats["p50"] == pytest.approx(0.25)
     assert stats["p50"] <= stats["p90"] <= stats["p99"] <= 0.4
-    assert script.percentiles([]) == {"count": 0}
+    assert engine_measures.percentiles([]) == {"count": 0}
 
 
 # ----------------------------------------------------------------------------- torch backend
 
 
-def tiny_report(script, tmp_path, **engine_overrides):
+def tiny_report(tmp_path, **engine_overrides):
     """(report, folder, workload, jax runner) as run_engine_sections has them when the torch
     section starts: the tiny plan, made-up JAX numbers, the script's own engine arguments."""
     args = argparse.Namespace(requests=4, hf_requests=None, hf_batch_size=None,
                               max_seconds=600)
-    plan = script.Plan(tiny=True, quick=False, args=args)
+    plan = device_plan.Plan(tiny=True, quick=False, args=args)
     plan.decode_batches, plan.decode_steps = (1, 2), 2
-    clock = script.Clock(plan.budget_s)
-    report = script.Report(plan, clock, backend="cpu", model=plan.model_name)
+    clock = device_plan.Clock(plan.budget_s)
+    report = device_plan.Report(plan, clock, backend="cpu", model=plan.model_name)
     engine_args = dict(load_format="dummy", dtype="bfloat16", seed=0, precompile=True,
                        **plan.engine_args, **engine_overrides)
     report.data.update(
@@ -171,9 +172,9 @@ def tiny_report(script, tmp_path, **engine_overrides):
         weights={"bytes": 1 << 20},
         throughput={"output_tok_s": 100.0, "total_tok_s": 300.0, "truncated": False},
         decode={"batches": [{"batch": 1, "step_s": 0.01}, {"batch": 2, "step_s": 0.02}]})
-    folder = script.write_model_folder(tmp_path, plan.model_config)
-    workload = script.make_workload(argparse.Namespace(workload="sharegpt-like", seed=0,
-                                                       num_prompts=plan.requests), 1000, None)
+    folder = device_plan.write_model_folder(tmp_path, plan.model_config)
+    workload = make_workload(argparse.Namespace(workload="sharegpt-like", seed=0,
+                                                num_prompts=plan.requests), 1000, None)
     # 8 sequences of max_model_len 1024 in blocks of 16, plus the null block
     runner = types.SimpleNamespace(num_blocks=8 * 64 + 1, bytes_per_block=4096)
     return report, folder, workload, runner
@@ -185,11 +186,10 @@ def test_torch_section_runs_beside_the_jax_numbers(tmp_path, capsys):
     batch, and the torch / JAX ratios against the JAX numbers already in the report."""
     import torch
 
-    script = load_script()
-    report, folder, workload, runner = tiny_report(script, tmp_path)
+    report, folder, workload, runner = tiny_report(tmp_path)
     threads, grad = torch.get_num_threads(), torch.is_grad_enabled()
-    script.run_torch_section(report, folder, workload, jax_runner=runner, id_limit=1000,
-                             seed=0)
+    torch_section.run_torch_section(report, folder, workload, jax_runner=runner,
+                                    id_limit=1000, seed=0)
     data = report.data
     assert data["errors"] == {} and data["skipped"] == {}, data["errors"]
     section = data["torch"]
@@ -216,7 +216,7 @@ def test_torch_section_runs_beside_the_jax_numbers(tmp_path, capsys):
     del data["throughput"], data["decode"]  # made up: no TTFT, ITL or floors to print
     data["total_s"], data["device"] = 1.0, "cpu"
     capsys.readouterr()
-    script.print_summary(data)
+    load_script().print_summary(data)
     summary = capsys.readouterr().out
     assert "torch backend throughput: 4/4 requests" in summary
     assert "torch decode batch   2:" in summary and "torch / JAX speed: " in summary
@@ -225,12 +225,10 @@ def test_torch_section_runs_beside_the_jax_numbers(tmp_path, capsys):
 def test_torch_engine_that_cannot_start_is_reported(tmp_path, capsys):
     """An engine that fails to start (here: the compiled Triton kernels asked for on the
     CPU) is an error in the report, not an exception; the JAX numbers stand."""
-    script = load_script()
-    report, folder, workload, runner = tiny_report(script, tmp_path,
-                                                   attention_backend="triton")
+    report, folder, workload, runner = tiny_report(tmp_path, attention_backend="triton")
     jax_numbers = dict(report.data["throughput"])
-    script.run_torch_section(report, folder, workload, jax_runner=runner, id_limit=1000,
-                             seed=0)
+    torch_section.run_torch_section(report, folder, workload, jax_runner=runner,
+                                    id_limit=1000, seed=0)
     data = report.data
     assert "needs a GPU" in data["errors"]["torch"] and data["torch"]["error"]
     assert data["throughput"] == jax_numbers and "throughput" not in data["torch"]
@@ -239,18 +237,17 @@ def test_torch_engine_that_cannot_start_is_reported(tmp_path, capsys):
 
 
 def test_torch_kv_blocks_and_ratios(monkeypatch):
-    script = load_script()
     gib = 1 << 30
     # The host (or no memory figure): the JAX engine's count.
-    assert script.torch_kv_blocks(1000, 2 << 20, 16 * gib, None) == 1000
+    assert torch_section.torch_kv_blocks(1000, 2 << 20, 16 * gib, None) == 1000
     # On a GPU beside JAX's pool: what fits in 90% of the free bytes after the weights and
     # the headroom, never more than JAX's count, never fewer than 2.
-    fit = int((0.9 * 56 * gib - 16 * gib - script.TORCH_HEADROOM) // (2 << 20))
-    assert script.torch_kv_blocks(30000, 2 << 20, 16 * gib, 56 * gib) == fit < 30000
-    assert script.torch_kv_blocks(4000, 2 << 20, 16 * gib, 56 * gib) == 4000
-    assert script.torch_kv_blocks(4000, 2 << 20, 16 * gib, 10 * gib) == 2
-    assert script.compare_backends({}, {}) == {}
-    assert script._ratios_line({"decode_step": {"1": 1.5}}) == "decode batch 1 1.50x"
-    assert script.torch_unavailable("cpu") is None
+    fit = int((0.9 * 56 * gib - 16 * gib - torch_section.TORCH_HEADROOM) // (2 << 20))
+    assert torch_section.torch_kv_blocks(30000, 2 << 20, 16 * gib, 56 * gib) == fit < 30000
+    assert torch_section.torch_kv_blocks(4000, 2 << 20, 16 * gib, 56 * gib) == 4000
+    assert torch_section.torch_kv_blocks(4000, 2 << 20, 16 * gib, 10 * gib) == 2
+    assert torch_section.compare_backends({}, {}) == {}
+    assert torch_section.ratios_line({"decode_step": {"1": 1.5}}) == "decode batch 1 1.50x"
+    assert torch_section.torch_unavailable("cpu") is None
     monkeypatch.setitem(sys.modules, "triton", None)
-    assert "not importable" in script.torch_unavailable("cpu")
+    assert "not importable" in torch_section.torch_unavailable("cpu")

@@ -1,9 +1,10 @@
 """scripts/check_kernels_on_device.py runs on the CPU: both Pallas kernels in interpret mode,
 jax's GPU paged_attention through our layout conversion, and the in-place KV-cache write;
-then scripts/check_triton_kernels.py, the torch backend's Triton kernels (interpret mode).
+then the checks of scripts/check_triton_kernels.py, the torch backend's Triton kernels
+(interpret mode; jaxserve/benchmarks/triton_*.py).
 
-The timing halves need an accelerator; here the JAX half's bookkeeping (the batch builder,
-the bytes and flops a case moves, the shape grid's memory cap) is checked, and the Triton
+The timing halves need an accelerator; here the shared bookkeeping (the batch builder, the
+bytes and flops a case moves, the shape grid's memory cap) is checked, and the Triton
 half's timing path runs whole on CPU tensors (Triton's interpreter, a wall-clock timer in
 place of CUDA events and graphs), SDPA baseline and memory skip included. Wrong kernels
 injected into the Triton checks must come out as failures, and the Triton part's failures,
@@ -18,26 +19,28 @@ import math
 import pathlib
 import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
 
-SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
-SCRIPT = SCRIPTS / "check_kernels_on_device.py"
-TRITON_SCRIPT = SCRIPTS / "check_triton_kernels.py"
+from jaxserve.benchmarks import kernel_checks
+from jaxserve.benchmarks.ragged_batch import make_batch
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "check_kernels_on_device.py"
 
 
-def load_script(path=SCRIPT, name="check_kernels_on_device"):
-    spec = importlib.util.spec_from_file_location(name, path)
+def load_script():
+    spec = importlib.util.spec_from_file_location("check_kernels_on_device", SCRIPT)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
-def load_triton_script():
-    return load_script(TRITON_SCRIPT, "check_triton_kernels")
+def triton_modules():
+    """(triton_checks, triton_run, triton_timing): they import torch."""
+    from jaxserve.benchmarks import triton_checks, triton_run, triton_timing
+
+    return triton_checks, triton_run, triton_timing
 
 
 @pytest.mark.slow  # ~95 s; the kernels themselves are tested in test_pallas_kernels.py
@@ -78,32 +81,70 @@ def test_cpu_run_checks_every_kernel_in_interpret_mode(tmp_path):
 
 
 def test_make_batch_layout():
-    m = load_script()
     S = 16
     specs = [(1, 40), (9, 23), (1, 17)]
-    batch, pages = m.make_batch(specs, block_size=S, num_tokens=16, num_rows=4,
-                                rng=np.random.default_rng(0))
-    tables = np.asarray(batch.block_tables)
+    batch = make_batch(specs, block_size=S, num_tokens=16, num_rows=4,
+                       rng=np.random.default_rng(0))
+    tables, pages = batch.block_tables, batch.num_pages
     assert pages == 1 + 3 + 2 + 2 and tables.shape == (4, 3)
     used = np.concatenate([tables[0, :3], tables[1, :2], tables[2, :2]])
     assert sorted(used) == list(range(1, pages))  # distinct pages, never the null page
-    np.testing.assert_array_equal(np.asarray(batch.cu_q_lens), [0, 1, 10, 11, 11])
-    np.testing.assert_array_equal(np.asarray(batch.kv_lens), [40, 23, 17, 0])
-    positions, slots = np.asarray(batch.positions), np.asarray(batch.slot_mapping)
+    np.testing.assert_array_equal(batch.cu_q_lens, [0, 1, 10, 11, 11])
+    np.testing.assert_array_equal(batch.kv_lens, [40, 23, 17, 0])
+    positions, slots = batch.positions, batch.slot_mapping
     np.testing.assert_array_equal(positions[:11], [39, *range(14, 23), 16])
     assert slots[0] == tables[0, 2] * S + 7 and slots[10] == tables[2, 1] * S
     assert np.all(slots[11:] == 0)  # padding tokens write into the null page
+    np.testing.assert_array_equal(batch.logits_indices, [0, 9, 10, 0])
+    assert batch.num_seqs == 3 and batch.real_tokens == 11
+
+
+def test_make_batch_pool_far_pages_and_junk_tables():
+    """The variants the tests and the Triton checks use: a bigger pool of pages, pages that
+    start far into the cache, block-table entries beyond a row's pages pointing anywhere."""
+    specs = [(1, 40), (9, 23)]
+    batch = make_batch(specs, block_size=16, rng=np.random.default_rng(0), width=8, pool=20,
+                       junk_tables=True)
+    assert batch.num_pages == 21 and batch.block_tables.shape == (2, 8)
+    owned = np.concatenate([batch.block_tables[0, :3], batch.block_tables[1, :2]])
+    assert len(set(owned)) == 5 and owned.min() >= 1 and owned.max() <= 20
+    far = make_batch(specs, block_size=16, rng=np.random.default_rng(0), first_page=1000)
+    assert far.num_pages == 1005 and sorted(far.block_tables[far.block_tables > 0]) == \
+        list(range(1000, 1005))
 
 
 def test_work_and_shape_grid():
-    m = load_script()
-    nbytes, flops = m.attention_work([(1, 10), (3, 3)], N=4, K=2, H=8, itemsize=2)
+    nbytes, flops = kernel_checks.attention_work([(1, 10), (3, 3)], N=4, K=2, H=8, itemsize=2)
     assert nbytes == (2 * 13 * 2 * 8 + 2 * 4 * 4 * 8) * 2
     assert flops == 4 * 4 * 8 * (10 + 1 + 2 + 3)
-    cases = m.bench_cases(quick=False, max_kv_gib=40)
+    cases = kernel_checks.bench_cases(quick=False, max_kv_gib=40)
     assert "decode 256 x ctx 32768" in cases and len(cases) == 15 + 3
-    small = m.bench_cases(quick=True, max_kv_gib=1)  # at most 1 GiB of K+V
+    small = kernel_checks.bench_cases(quick=True, max_kv_gib=1)  # at most 1 GiB of K+V
     assert "decode 256 x ctx 32768" not in small and "decode 1 x ctx 512" in small
+
+
+def test_relative_error_and_check_lines():
+    """One error measure for numpy and torch outputs; a non-finite value anywhere is inf."""
+    import torch
+
+    want = np.array([[1.0, -2.0], [4.0, 0.0]])
+    got = want + np.array([[0.0, 0.5], [100.0, 0.0]])  # row 1 (padding) is not compared
+    assert kernel_checks.relative_error(got, want, 1) == 0.25
+    assert kernel_checks.relative_error(torch.tensor(got), torch.tensor(want), 1) == 0.25
+    got[1, 1] = np.nan
+    assert kernel_checks.relative_error(got, want, 1) == math.inf
+    assert kernel_checks.relative_error(torch.tensor(got), torch.tensor(want), 1) == math.inf
+    result = dict(kernel="gpu", kind="decode", dtype="float32", S=16, K=1, N=8, H=128, T=5,
+                  R=5, sliding_window=None, soft_cap=None, error=2e-5, tol=1e-5, ok=False,
+                  informational=False, seconds=0.25)
+    assert kernel_checks.check_label(result).split() == \
+        ["check", "gpu", "decode", "float32", "S=16", "K=1", "N=8", "H=128", "T=5", "R=5"]
+    assert kernel_checks.check_verdict(result) == "err 2.00e-05 (tol 1e-05) FAIL [0.2s]"
+    result.update(informational=True)
+    assert kernel_checks.check_verdict(result).endswith("(informational: jax's kernel, "
+                                                        "not ours) [0.2s]")
+    result.update(informational=False, padding_nonzero=3, error=0.0, ok=False)
+    assert "3 nonzero padding values FAIL" in kernel_checks.check_verdict(result)
 
 
 # ----------------------------------------------------------------------------- Triton part
@@ -136,8 +177,8 @@ def scribbling_write(k_cache, v_cache, k, v, slot_mapping):
 
 def test_triton_checks_pass_in_interpret_mode():
     """~10 s: every CPU case of the Triton attention and KV write in Triton's interpreter."""
-    m = load_triton_script()
-    report, failures = m.run(device="cpu", quick=True, log=lambda *a, **k: None)
+    _, triton_run, _ = triton_modules()
+    report, failures = triton_run.run(device="cpu", quick=True, log=lambda *a, **k: None)
     assert failures == [] and report["failures"] == []
     json.dumps(report)  # the combined script writes it as JSON
     assert report["mode"] == "interpret" and report["versions"]["device"] == "cpu"
@@ -158,26 +199,27 @@ def test_triton_checks_pass_in_interpret_mode():
 
 
 def test_wrong_triton_kernels_are_failures():
-    m = load_triton_script()
-    report, failures = m.run(device="cpu", kernel=wrong_attention, writer=wrong_write,
-                             log=lambda *a, **k: None)
-    assert len(failures) == len(m.CPU_CHECKS) + len(m.WRITE_CHECKS["cpu"])
+    triton_checks, triton_run, _ = triton_modules()
+    report, failures = triton_run.run(device="cpu", kernel=wrong_attention, writer=wrong_write,
+                                      log=lambda *a, **k: None)
+    checks = len(triton_checks.CPU_CHECKS) + len(triton_checks.WRITE_CHECKS["cpu"])
+    assert len(failures) == checks
     assert not any(c["ok"] for c in report["checks"] + report["write_kv"])
     padded = [c for c in report["checks"] if c["T"] > c["real_tokens"]]
     assert padded and all(c["padding_nonzero"] > 0 for c in padded)
     assert all(c["error"] > c["tol"] for c in report["checks"] if c not in padded)
     assert all(w["error"] > 0 for w in report["write_kv"])
     assert any("nonzero padding" in f for f in failures)
-    report, failures = m.run(device="cpu", kernel=wrong_attention, writer=scribbling_write,
-                             log=lambda *a, **k: None)
+    report, failures = triton_run.run(device="cpu", kernel=wrong_attention,
+                                      writer=scribbling_write, log=lambda *a, **k: None)
     assert all(not w["others_untouched"] and not w["ok"] for w in report["write_kv"])
 
     def broken(*args, **kwargs):
         raise RuntimeError("launch failed")
 
-    report, failures = m.run(device="cpu", kernel=broken, writer=broken,
-                             log=lambda *a, **k: None)
-    assert len(failures) == len(m.CPU_CHECKS) + len(m.WRITE_CHECKS["cpu"])
+    report, failures = triton_run.run(device="cpu", kernel=broken, writer=broken,
+                                      log=lambda *a, **k: None)
+    assert len(failures) == checks
     assert all("RuntimeError: launch failed" in c["exception"]
                for c in report["checks"] + report["write_kv"])
 
@@ -195,13 +237,16 @@ def test_triton_timing_path_runs_on_cpu_tensors(monkeypatch):
     kernel (decode, causal prefill), ragged batches time the kernel alone; a kernel that
     disagrees with SDPA, and one that raises, are failures; a case too big for the free
     memory is skipped."""
-    m = load_triton_script()
-    kernel, _ = m.load_kernels(m.torch.device("cpu"))
+    import torch
+
+    _, triton_run, timing_module = triton_modules()
+    cpu = torch.device("cpu")
+    kernel, _ = triton_run.load_kernels(cpu)
     quiet = lambda *a, **k: None
-    timing = m.run_timing(kernel, quick=True, timer=m.HostTimer(), device=m.torch.device("cpu"),
-                          max_kv_gib=1, copy_gib=2**-10, deadline=math.inf,
-                          rng=np.random.default_rng(0), dims=TINY_DIMS, cases=TINY_CASES,
-                          log=quiet)
+    timing = timing_module.run_timing(kernel, quick=True, timer=timing_module.HostTimer(),
+                                      device=cpu, max_kv_gib=1, copy_gib=2**-10,
+                                      deadline=math.inf, rng=np.random.default_rng(0),
+                                      dims=TINY_DIMS, cases=TINY_CASES, log=quiet)
     json.dumps(timing)
     assert timing["copy_bandwidth_gbs"] > 0 and timing["dims"]["head_dim"] == 16
     rows = {r["case"]: r for r in timing["rows"]}
@@ -212,73 +257,74 @@ def test_triton_timing_path_runs_on_cpu_tensors(monkeypatch):
         assert row["blocks"].startswith("Q")
     assert rows["prefill 2 x 24 fresh"]["T"] == 64 and rows["mixed"]["R"] == 4
     for name in ("decode 2 x ctx 40", "prefill 2 x 24 fresh"):
-        assert rows[name]["sdpa_ok"] and rows[name]["sdpa_err"] < m.SDPA_TOL
+        assert rows[name]["sdpa_ok"] and rows[name]["sdpa_err"] < timing_module.SDPA_TOL
         assert rows[name]["sdpa_ms"] > 0 and rows[name]["sdpa_over_triton"] > 0
     assert "sdpa_ms" not in rows["mixed"]  # no dense equivalent of a ragged batch
-    assert m.failures_of({"timing": timing}) == []
+    assert triton_run.failures_of({"timing": timing}) == []
 
     decode = {"decode 2 x ctx 40": TINY_CASES["decode 2 x ctx 40"]}
-    zeros = lambda q, *args, **kw: m.torch.zeros_like(q)
-    bad = m.run_timing(zeros, quick=True, timer=m.HostTimer(), device=m.torch.device("cpu"),
-                       max_kv_gib=1, copy_gib=2**-10, deadline=math.inf,
-                       rng=np.random.default_rng(0), dims=TINY_DIMS, cases=decode, log=quiet)
+    zeros = lambda q, *args, **kw: torch.zeros_like(q)
+    bad = timing_module.run_timing(zeros, quick=True, timer=timing_module.HostTimer(),
+                                   device=cpu, max_kv_gib=1, copy_gib=2**-10,
+                                   deadline=math.inf, rng=np.random.default_rng(0),
+                                   dims=TINY_DIMS, cases=decode, log=quiet)
     assert bad["rows"][0]["sdpa_ok"] is False
-    assert "disagree" in m.failures_of({"timing": bad})[0]
+    assert "disagree" in triton_run.failures_of({"timing": bad})[0]
 
     def broken(*args, **kwargs):
         raise RuntimeError("launch failed")
 
-    monkeypatch.setattr(m, "free_bytes", lambda device: 1 << 40)  # as a GPU would say
-    row = m.time_case("x", decode["decode 2 x ctx 40"], broken, timer=m.HostTimer(),
-                      device=m.torch.device("cpu"), dims=TINY_DIMS, copy_bw=None,
-                      rng=np.random.default_rng(0), with_sdpa=False)
+    monkeypatch.setattr(timing_module, "free_bytes", lambda device: 1 << 40)  # as a GPU says
+    row = timing_module.time_case("x", decode["decode 2 x ctx 40"], broken,
+                                  timer=timing_module.HostTimer(), device=cpu, dims=TINY_DIMS,
+                                  copy_bw=None, rng=np.random.default_rng(0), with_sdpa=False)
     assert row["error"] == "RuntimeError: launch failed"
-    assert m.failures_of({"timing": {"rows": [row]}}) == ["triton timing x: " + row["error"]]
-    monkeypatch.setattr(m, "free_bytes", lambda device: 1 << 20)
-    row = m.time_case("x", [(1, 32768)] * 4, broken, timer=m.HostTimer(),
-                      device=m.torch.device("cpu"), dims=(16, 8, 64, 128, "bfloat16"),
-                      copy_bw=None, rng=np.random.default_rng(0))
-    assert "GiB free on the GPU" in row["skipped"] and m.failures_of(
+    assert triton_run.failures_of({"timing": {"rows": [row]}}) == \
+        ["triton timing x: " + row["error"]]
+    monkeypatch.setattr(timing_module, "free_bytes", lambda device: 1 << 20)
+    row = timing_module.time_case("x", [(1, 32768)] * 4, broken,
+                                  timer=timing_module.HostTimer(), device=cpu,
+                                  dims=(16, 8, 64, 128, "bfloat16"), copy_bw=None,
+                                  rng=np.random.default_rng(0))
+    assert "GiB free on the GPU" in row["skipped"] and triton_run.failures_of(
         {"timing": {"rows": [row]}}) == []
 
 
 def test_triton_gpu_only_pieces_on_the_cpu():
     """What the GPU run uses beyond the CPU checks: the fused-only SDPA (CPU flash), the
-    device grid, the device-shaped cases (no far one: 8.5 GiB) and the reference's compacted
-    inputs."""
-    m = load_triton_script()
-    torch = m.torch
+    device grid's dense shapes, the device-shaped cases (no far one: 8.5 GiB) and the
+    reference's compacted inputs."""
+    import torch
+
+    triton_checks, _, timing_module = triton_modules()
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(shape, generator=gen, dtype=torch.bfloat16)
                for shape in ((2, 4, 1, 32), (2, 1, 40, 32), (2, 1, 40, 32)))
-    fused = m.sdpa(q, k, v, scale=0.2, causal=False, fused_only=True)()
-    plain = m.sdpa(q, k, v, scale=0.2, causal=False, fused_only=False)()
+    fused = timing_module.sdpa(q, k, v, scale=0.2, causal=False, fused_only=True)()
+    plain = timing_module.sdpa(q, k, v, scale=0.2, causal=False, fused_only=False)()
     assert (fused.float() - plain.float()).abs().max() < 2e-2
 
-    cases = m.bench_cases(quick=False, max_kv_gib=40)
-    assert "decode 256 x ctx 32768" in cases and len(cases) == 15 + 3
-    small = m.bench_cases(quick=True, max_kv_gib=1)
-    assert "decode 256 x ctx 32768" not in small and "decode 1 x ctx 512" in small
-    assert m.dense_shape(cases["decode 8 x ctx 4096"]) == (8, 1, 4096, False)
-    assert m.dense_shape(cases["prefill 8 x 2048 fresh"]) == (8, 2048, 2048, True)
-    assert m.dense_shape(cases["mixed 1 x 2048 fresh + 127 decodes @ 4k"]) is None
-    assert m.attention_work([(1, 10), (3, 3)], N=4, K=2, H=8, itemsize=2) == \
-        ((2 * 13 * 2 * 8 + 2 * 4 * 4 * 8) * 2, 4 * 4 * 8 * (10 + 1 + 2 + 3))
+    cases = kernel_checks.bench_cases(quick=False, max_kv_gib=40)
+    dense_shape = timing_module.dense_shape
+    assert dense_shape(cases["decode 8 x ctx 4096"]) == (8, 1, 4096, False)
+    assert dense_shape(cases["prefill 8 x 2048 fresh"]) == (8, 2048, 2048, True)
+    assert dense_shape(cases["mixed 1 x 2048 fresh + 127 decodes @ 4k"]) is None
 
     rng = np.random.default_rng(0)
-    for kind, dtype, S, K, N, H, _, _ in m.DEVICE_CHECKS:
+    cpu = torch.device("cpu")
+    for kind, dtype, S, K, N, H, _, _ in kernel_checks.DEVICE_CHECKS:
         if kind == "far-decode":
             continue
-        q, k_cache, v_cache, batch = m.random_case(kind, getattr(torch, dtype), S, K, N, H,
-                                                   rng=rng, long=True, far_bytes=0,
-                                                   device=torch.device("cpu"))
+        q, k_cache, v_cache, batch = triton_checks.random_case(
+            kind, getattr(torch, dtype), S, K, N, H, rng=rng, long=True, far_bytes=0,
+            device=cpu)
         assert q.shape == (batch.slot_mapping.shape[0], N, H) and k_cache.shape[1:] == (S, K, H)
         assert max(kv for _, kv in batch.specs) > 5 * S  # long contexts, as on the GPU
         owned = torch.unique(batch.block_tables[:int(batch.num_seqs[0])])
         owned = owned[owned > 0]
         assert bool(torch.isnan(k_cache[0]).all()) and bool(torch.isnan(v_cache[-1]).all())
         assert not bool(torch.isnan(k_cache[owned]).any())
-        k32, v32, compact = m.compact_for_reference(k_cache, v_cache, batch)
+        k32, v32, compact = triton_checks.compact_for_reference(k_cache, v_cache, batch)
         assert k32.dtype == torch.float32 and k32.shape[0] == len(owned) + 1  # + null page
         assert torch.allclose(k32[compact.block_tables.long()],  # NaN: the null page
                               k_cache[batch.block_tables.long()].float(), rtol=0, atol=0,
@@ -286,15 +332,16 @@ def test_triton_gpu_only_pieces_on_the_cpu():
 
     from jaxserve.kernels_triton import ref  # the GPU's write checks' shapes, checking ref
 
-    writes = m.check_write_kv(ref.write_kv, [c for c in m.WRITE_CHECKS["cuda"] if not c[-1]],
-                              far_bytes=0, device=torch.device("cpu"), rng=rng,
-                              log=lambda *a, **k: None)
+    writes = triton_checks.check_write_kv(
+        ref.write_kv, [c for c in triton_checks.WRITE_CHECKS["cuda"] if not c[-1]],
+        far_bytes=0, device=cpu, rng=rng, log=lambda *a, **k: None)
     assert len(writes) == 3 and all(w["ok"] and w["error"] == 0 for w in writes)
 
-    far = m.random_case("far-decode", torch.bfloat16, 16, 1, 4, 32, rng=rng, long=False,
-                        far_bytes=m.FAR_BYTES["cpu"], device=torch.device("cpu"))
+    far_bytes = kernel_checks.FAR_BYTES["cpu"]
+    far = triton_checks.random_case("far-decode", torch.bfloat16, 16, 1, 4, 32, rng=rng,
+                                    long=False, far_bytes=far_bytes, device=cpu)
     tables = far[3].block_tables
-    assert int(tables[tables > 0].min()) * far[1][0].numel() * 2 >= m.FAR_BYTES["cpu"]
+    assert int(tables[tables > 0].min()) * far[1][0].numel() * 2 >= far_bytes
 
 
 def test_triton_section_skips_and_errors(monkeypatch):
@@ -311,7 +358,8 @@ def test_triton_section_skips_and_errors(monkeypatch):
     def broken_run(**kwargs):
         raise RuntimeError("no kernels today")
 
-    monkeypatch.setattr(m, "load_triton_checks", lambda: types.SimpleNamespace(run=broken_run))
+    _, triton_run, _ = triton_modules()
+    monkeypatch.setattr(triton_run, "run", broken_run)
     section, failures = m.run_triton_section(args)
     assert section == {"status": "error: RuntimeError: no kernels today"}
     assert failures == ["triton kernels: RuntimeError: no kernels today"]
@@ -339,7 +387,8 @@ def test_main_folds_the_triton_part_into_report_and_exit(monkeypatch, tmp_path, 
             raise Crash
         return {"checks": [{"ok": outcome == "pass"}]}, [] if outcome == "pass" else ["bad"]
 
-    monkeypatch.setattr(m, "load_triton_checks", lambda: types.SimpleNamespace(run=run))
+    _, triton_run, _ = triton_modules()
+    monkeypatch.setattr(triton_run, "run", run)
     monkeypatch.setattr(sys, "argv", [str(SCRIPT), "--quick", "--json", str(out),
                                       "--triton-max-seconds", "30"])
     if outcome == "crash":

@@ -1,8 +1,6 @@
 """The tiny test checkpoints load in transformers and have what parity tests rely on."""
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
@@ -69,12 +67,11 @@ def test_tokenizer_round_trip_and_chat_template(tiny_checkpoints):
 
 def test_greedy_margins_on_check_prompts(tiny_checkpoints):
     """Parity tests may compare greedy tokens on check_prompts(): no near-ties there."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "make_tiny_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("make_tiny_checkpoint", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    with script.torch_threads(1):
+    from jaxserve.benchmarks.checkpoint_checks import check_prompts, greedy_margins
+    from jaxserve.benchmarks.checkpoints import torch_threads
+
+    with torch_threads(1):
         for arch, ckpt in tiny_checkpoints.items():
-            results = script.greedy_margins(ckpt, script.check_prompts())
+            results = greedy_margins(ckpt, check_prompts())
             assert min(r["rel_gap"] for r in results) > 1.5e-3, arch
             assert min(len(set(r["tokens"])) for r in results) >= 20, arch

@@ -1,0 +1,350 @@
+"""The checkpoints the tests and benchmarks run on, written on demand: tiny, deterministic
+random-weight Hugging Face checkpoints of every architecture (the tests'; made by
+scripts/make_tiny_checkpoint.py and tests/conftest.py), and the "small" benchmark Llama
+(~125M parameters; scripts/make_small_checkpoint.py, `ensure_small_checkpoint`).
+
+Each is a real `transformers` model (float32, one model.safetensors) with a byte-level BPE
+tokenizer trained offline on Python standard-library sources, so nothing is downloaded.
+In the tiny ones every parameter is drawn at random, biases and norm weights included, so a
+dropped bias or a wrong norm shows up; the small one keeps transformers' own initialisation
+(std 0.02): it exists to measure speed, not quality.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import pathlib
+import sys
+import sysconfig
+import tempfile
+import zlib
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+
+BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|pad|>"
+SPECIAL_TOKENS = (BOS, EOS, IM_START, IM_END, PAD)  # ids 0..4, in this order
+BOS_ID, EOS_ID, IM_START_ID, IM_END_ID, PAD_ID = range(5)
+VOCAB_SIZE = 1024
+CORPUS_BYTES = 2_000_000  # of stdlib sources: trains in a few seconds
+STDLIB = pathlib.Path(sysconfig.get_paths()["stdlib"])
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+SPECIAL_IDS = dict(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    hidden_act="silu",
+    **SPECIAL_IDS,
+)
+
+ARCH_CONFIGS = {
+    "llama": dict(
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "mistral": dict(
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        sliding_window=96,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "qwen2": dict(  # Qwen2Config has no head_dim field: hidden_size // heads = 16
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "qwen3": dict(
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    # MoE: 8 experts, 8 query and 2 kv heads and widths divisible by 8, so that 1, 2, 4 and 8
+    # devices can shard experts and heads.
+    "mixtral": dict(
+        num_attention_heads=8,
+        head_dim=16,
+        intermediate_size=64,  # per expert
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "qwen2_moe": dict(  # layer 1 dense (mlp_only_layers); a gated shared expert; qkv bias
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        head_dim=16,
+        intermediate_size=128,  # dense layers
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "qwen3_moe": dict(  # top-3 of 8, renormalised; q/k norms
+        num_attention_heads=8,
+        head_dim=16,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=3,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+}
+
+# Weight scales, as multiples of 1/sqrt(fan_in): large enough that attention is
+# far from uniform and greedy decoding has clear top-1/top-2 gaps.
+EMBED_STD = 0.3  # tied qwen2: larger makes the input token its own argmax
+PROJ_GAIN = {"q_proj": 2.0, "k_proj": 2.0, "v_proj": 1.5, "o_proj": 1.0,
+             "gate_proj": 1.5, "up_proj": 1.5, "down_proj": 1.0,
+             "gate_up_proj": 1.5, "gate": 2.0, "shared_expert_gate": 1.0}  # MoE: fused experts
+# [E, out, in] (transformers 5 in memory), router ("gate") and Qwen2-MoE's shared-expert gate
+LM_HEAD_GAIN = 4.0
+BIAS_STD = 0.5
+NORM_RANGE = (0.5, 1.5)
+
+# Random logits leave a near-tie somewhere in a few hundred greedy steps whatever
+# the std (P(top-2 gap < 1e-3 * max|logit|) is ~1% per step). So the per-arch
+# offset added to --seed was picked by trying offsets until, with seed 0, every
+# step of greedy_margins(check_prompts()) has a gap above 1.7e-3 * max|logit|.
+SEED_OFFSET = {"llama": 193, "mistral": 273, "qwen2": 250, "qwen3": 735,
+               "mixtral": 695, "qwen2_moe": 5, "qwen3_moe": 12}
+
+
+def _corpus_files() -> list[pathlib.Path]:
+    """The first stdlib modules (top level, by name) up to CORPUS_BYTES."""
+    files, total = [], 0
+    for path in sorted(STDLIB.glob("*.py")):
+        if total >= CORPUS_BYTES:
+            break
+        files.append(path)
+        total += path.stat().st_size
+    return files
+
+
+def train_tokenizer(out_dir, files=None, vocab_size: int = VOCAB_SIZE) -> None:
+    """Train the byte-level BPE (on `files`, default a fixed stdlib subset) and save it as a
+    PreTrainedTokenizerFast in out_dir. The special tokens take ids 0..4."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    texts = (p.read_text(encoding="utf-8", errors="replace")
+             for p in (files if files is not None else _corpus_files()))
+    tok.train_from_iterator(texts, trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, want {vocab_size}")
+    for i, t in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
+    # Like Llama 3: prepend bos when add_special_tokens=True.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS}:0 $A:0",
+        pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1",
+        special_tokens=[(BOS, BOS_ID)],
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=[IM_START, IM_END],
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+        model_max_length=COMMON["max_position_embeddings"],
+    )
+    fast.save_pretrained(str(out_dir))
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_files() -> tuple[tuple[str, bytes], ...]:
+    with tempfile.TemporaryDirectory() as tmp:
+        train_tokenizer(tmp)
+        return tuple((p.name, p.read_bytes()) for p in sorted(pathlib.Path(tmp).iterdir()))
+
+
+# For the mesh tests: 8 query heads (and the same 2 kv heads), so that model axes of 1, 2, 4
+# and 8 devices split the heads and 4 and 8 replicate the kv heads. Greedy tokens are
+# compared across meshes, not with HF, so no seed search is needed for margins.
+MESH_OVERRIDES = {"num_attention_heads": 8}
+
+
+def make_config(arch: str, overrides: dict | None = None):
+    import transformers
+
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
+           "qwen3_moe": transformers.Qwen3MoeConfig}[arch]
+    return cls(**{**COMMON, **ARCH_CONFIGS[arch], **(overrides or {})}, dtype="float32")
+
+
+def _randomize(model, arch: str, seed: int) -> None:
+    """Overwrite every parameter, in state_dict order, from a (seed, arch) generator."""
+    import torch
+
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{arch}:{seed + SEED_OFFSET[arch]}".encode()))
+    seen = set()
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if t.data_ptr() in seen:  # tied lm_head: drawn once, as the embedding
+                continue
+            seen.add(t.data_ptr())
+            if name.endswith("norm.weight"):
+                lo, hi = NORM_RANGE
+                t.copy_(torch.rand(t.shape, generator=gen) * (hi - lo) + lo)
+            elif name.endswith(".bias"):
+                t.copy_(torch.randn(t.shape, generator=gen) * BIAS_STD)
+            elif name.endswith("embed_tokens.weight"):
+                t.copy_(torch.randn(t.shape, generator=gen) * EMBED_STD)
+            elif name.endswith("lm_head.weight"):
+                t.copy_(torch.randn(t.shape, generator=gen) * LM_HEAD_GAIN / math.sqrt(t.shape[1]))
+            else:  # a [out, in] or [E, out, in] weight
+                parts = name.split(".")
+                gain = PROJ_GAIN[parts[-2] if parts[-1] == "weight" else parts[-1]]
+                t.copy_(torch.randn(t.shape, generator=gen) * gain / math.sqrt(t.shape[-1]))
+    for name, t in model.state_dict().items():
+        if t.numel() > 1 and bool((t == t.flatten()[0]).all()):
+            raise RuntimeError(f"{arch}: parameter {name} is still constant")
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Run torch on n threads, then restore. One thread: on the 2-core dev VMs a
+    second thread made these tiny matmuls ~50x slower (wake-up latency)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def make_checkpoint(arch: str, out_dir, seed: int = 0,
+                    overrides: dict | None = None) -> pathlib.Path:
+    """Write the `arch` checkpoint (weights, config, tokenizer) into out_dir; overrides
+    change config values (e.g. MESH_OVERRIDES)."""
+    import torch
+    import transformers
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    transformers.utils.logging.disable_progress_bar()
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with torch_threads(1):
+        model = transformers.AutoModelForCausalLM.from_config(make_config(arch, overrides),
+                                                              dtype=torch.float32)
+        _randomize(model, arch, seed)
+    _save_model(model, out, eos_token_id=[EOS_ID, IM_END_ID])
+    for name, data in _tokenizer_files():
+        (out / name).write_bytes(data)
+    return out
+
+
+def _save_model(model, out: pathlib.Path, eos_token_id) -> None:
+    import transformers
+
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=eos_token_id, pad_token_id=PAD_ID)
+    model.save_pretrained(str(out), safe_serialization=True)
+
+
+# ---------------------------------------------------------------- the small benchmark Llama
+
+# hidden 768, 12 layers, 12 heads, 4 kv heads, intermediate 2048, vocab 32000, untied
+# lm_head; its tokenizer: the tiny ones' recipe, 32,000 tokens over the whole stdlib.
+SMALL_CONFIG = dict(
+    vocab_size=32000,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    **SPECIAL_IDS,
+)
+SMALL_DIR = pathlib.Path.home() / ".cache" / "jaxserve-bench" / "small-llama-125m"
+
+
+def _stdlib_files() -> list[pathlib.Path]:
+    """All standard-library sources (~30 MB): enough text for 32,000 BPE merges."""
+    return sorted(p for p in STDLIB.rglob("*.py") if "site-packages" not in p.parts)
+
+
+def make_small_checkpoint(out_dir) -> pathlib.Path:
+    import torch
+    import transformers
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    transformers.utils.logging.disable_progress_bar()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**SMALL_CONFIG, dtype="float32")
+    model = transformers.LlamaForCausalLM(config).eval()
+    params = sum(p.numel() for p in model.parameters())
+    _save_model(model, out, eos_token_id=EOS_ID)
+    train_tokenizer(out, _stdlib_files(), vocab_size=SMALL_CONFIG["vocab_size"])
+    print(f"wrote {out}: {params / 1e6:.1f}M parameters", file=sys.stderr)
+    return out
+
+
+def ensure_small_checkpoint(out_dir=SMALL_DIR) -> pathlib.Path:
+    """The checkpoint in out_dir, made first if it is not there yet."""
+    out = pathlib.Path(out_dir)
+    if not (out / "model.safetensors").is_file() or not (out / "tokenizer.json").is_file():
+        make_small_checkpoint(out)
+    return out

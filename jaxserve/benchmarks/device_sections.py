@@ -1,0 +1,218 @@
+"""The engine sections of scripts/bench_on_device.py, in order and within its time budget:
+the JAX engine on random weights, then 1. throughput, 2. decode step times against the
+weight-bandwidth floor, 3. HF transformers generate on the same device and requests, 4. the
+torch backend (torch_section.py), 5. int8 weights and an fp8 KV cache, each in an engine of
+its own. Each section's numbers, skips and failures go to the Report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import time
+
+import numpy as np
+
+from jaxserve.benchmarks.device_plan import Clock, Plan, Report, write_model_folder
+from jaxserve.benchmarks.engine_measures import (
+    add_floor,
+    free_device_memory,
+    measure_decode,
+    run_stream,
+    throughput_line,
+)
+from jaxserve.benchmarks.hf_baseline import run_hf_random_weights
+from jaxserve.benchmarks.torch_section import run_torch_section, torch_unavailable
+from jaxserve.benchmarks.workloads import FIRST_REGULAR_ID, Workload, make_workload
+
+QUANTIZED = {"int8 weights": {"quantization": "int8"}, "fp8 kv": {"kv_cache_dtype": "fp8"}}
+
+
+def run_engine_sections(report: Report, folder: pathlib.Path, seed: int,
+                        save=lambda: None) -> None:
+    """Build the engine on random weights, run the three sections the budget allows, then
+    the torch backend's (save() first writes what is in)."""
+    import jax
+
+    from jaxserve import LLM
+
+    plan, clock, data = report.plan, report.clock, report.data
+    write_model_folder(folder, plan.model_config)
+    engine_args = dict(load_format="dummy", dtype="bfloat16", seed=seed, precompile=True,
+                       **plan.engine_args)
+    data["engine_args"] = engine_args
+    clock.say(f"building the engine (random weights on the device, compiling every bucket): "
+              f"{plan.engine_args}")
+    start = time.perf_counter()
+    llm = LLM(str(folder), **engine_args)
+    engine = llm.engine
+    data["warm_up_s"] = time.perf_counter() - start
+    leaves = jax.tree.leaves(engine.runner.params)
+    weight_bytes = sum(leaf.nbytes for leaf in leaves)
+    floor_s = weight_bytes / data["bandwidth"]["bytes_per_s"]
+    data["weights"] = {"bytes": weight_bytes, "params": sum(leaf.size for leaf in leaves),
+                       "floor_s": floor_s}
+    data["kv_cache"] = {"blocks": engine.runner.num_blocks,
+                        "bytes_per_block": engine.runner.bytes_per_block}
+    clock.say(f"engine ready in {data['warm_up_s']:.1f} s: {data['weights']['params'] / 1e9:.3f}"
+              f" B parameters, {weight_bytes / 1e9:.3f} GB of weights -> weight-read floor "
+              f"{1e3 * floor_s:.3f} ms per step")
+    id_limit = min(len(llm.get_tokenizer()), plan.model_config["vocab_size"])
+    workload = make_workload(argparse.Namespace(workload="sharegpt-like", seed=seed,
+                                                num_prompts=plan.requests), id_limit, None)
+    data["workload"] = {"name": workload.name, "requests": len(workload.prompts),
+                        "prompt_tokens": workload.prompt_tokens,
+                        "output_tokens": workload.output_tokens,
+                        "token_ids": [FIRST_REGULAR_ID, id_limit]}
+    clock.say(f"workload {workload.name}: {len(workload.prompts)} requests, "
+              f"{workload.prompt_tokens} prompt + {workload.output_tokens} output tokens "
+              f"(ids in [{FIRST_REGULAR_ID}, {id_limit}))")
+
+    # The JAX and HF sections leave the torch backend's section (4.) and the quantized
+    # engines' (5.) the time they need.
+    torch_why = torch_unavailable(data["backend"])
+    reserve = plan.need["quantized"] + (plan.need["torch"] if torch_why is None else 0.0)
+    deadline = clock.deadline - reserve
+
+    # 1. throughput, TTFT, ITL
+    if report.fits("throughput", reserve):
+        try:
+            data["throughput"] = run_stream(engine, workload, "r", deadline)
+            clock.say(throughput_line("throughput", data["throughput"]))
+        except Exception as err:  # noqa: BLE001 - report it, run the other sections
+            report.failed("throughput", err)
+
+    # 2. decode step time against the weight-bandwidth floor
+    rng = np.random.default_rng(seed + 1)
+    data["decode"] = {"batches": []}
+    for batch in plan.decode_batches:
+        if not report.fits("decode", reserve):
+            break
+        try:
+            r = measure_decode(engine, batch, plan.decode_prompt, plan.decode_steps, rng,
+                               id_limit, deadline)
+        except TimeoutError as err:
+            report.skip("decode", f"batch {batch}: {err}")
+            break
+        except Exception as err:  # noqa: BLE001
+            report.failed("decode", err)
+            break
+        data["decode"]["batches"].append(r)
+        clock.say(f"decode batch {batch:3d}: " + add_floor(r, plan, data["bandwidth"], floor_s))
+
+    # 3. HF transformers generate on the same device, same requests
+    if report.fits("hf", reserve):
+        try:
+            data["hf"] = run_hf_section(engine, plan, workload, data["backend"], clock,
+                                        deadline)
+            if "skipped" in data["hf"]:
+                data["skipped"]["hf"] = data["hf"]["skipped"]
+        except Exception as err:  # noqa: BLE001
+            report.failed("hf", err)
+
+    # 4. the torch backend on the same model, workload and decode batches
+    if torch_why is not None:
+        report.skip("torch", torch_why)
+    elif report.fits("torch", plan.need["quantized"]):
+        save()
+        run_torch_section(report, folder, workload, jax_runner=engine.runner,
+                          id_limit=id_limit, seed=seed,
+                          deadline=clock.deadline - plan.need["quantized"])
+
+    # 5. int8 weights and an fp8 KV cache, each in an engine of its own (this one freed)
+    llm = engine = None
+    free_device_memory()
+    if report.fits("quantized"):
+        save()
+        run_quantized_section(report, folder, id_limit=id_limit, seed=seed)
+
+
+def run_hf_section(engine, plan: Plan, workload: Workload, backend: str, clock: Clock,
+                   deadline: float | None = None) -> dict:
+    deadline = clock.deadline if deadline is None else deadline
+    subset = Workload(f"{workload.name} (first {plan.hf_requests})",
+                      workload.prompts[:plan.hf_requests],
+                      workload.output_lens[:plan.hf_requests])
+    ours = run_stream(engine, subset, "hf", deadline)
+    clock.say(throughput_line(f"jaxserve on the first {plan.hf_requests} requests", ours))
+    if ours["truncated"]:
+        why = "the time budget ran out while jaxserve ran the same requests"
+        clock.say(f"HF baseline SKIPPED: {why}")
+        return {"requests": plan.hf_requests, "jaxserve": ours, "skipped": why}
+    clock.say(f"HF transformers generate: static batches of {plan.hf_batch}, left padding, "
+              f"greedy, random {'bf16' if backend == 'gpu' else 'float32'} weights")
+    hf = run_hf_random_weights(plan.model_config, subset, plan.hf_batch, backend == "gpu",
+                               deadline)
+    section = {"requests": plan.hf_requests, "jaxserve": ours, "transformers": hf}
+    if "skipped" in hf:
+        section["skipped"] = hf["skipped"]
+        clock.say(f"HF baseline SKIPPED: {hf['skipped']}")
+        return section
+    # Output tok/s over the requests each side ran (HF may stop early on the budget).
+    section["ratio"] = ours["output_tok_s"] / hf["output_tok_s"]
+    clock.say(f"HF: {hf['requests']} requests in {hf['wall_s']:.1f} s, {hf['output_tok_s']:.1f} "
+              f"output tok/s ({hf['generated_tokens']} generated for {hf['output_tokens']} "
+              f"asked; model built in {hf['build_s']:.1f} s) -> jaxserve / HF "
+              f"{section['ratio']:.2f}x")
+    return section
+
+
+def run_quantized_section(report: Report, folder: pathlib.Path, *, id_limit: int,
+                          seed: int) -> None:
+    """Decode step times of the bf16 engine's model with int8 weights and with an fp8 KV
+    cache, one engine at a time (the bf16 engine already freed, so each gets the same
+    memory budget: int8 weights leave more room for KV blocks, an fp8 cache holds twice the
+    blocks), shapes compiled on first use (before the timed steps); the same prompts as the
+    decode section. data["quantized"][variant]: weights, KV blocks, decode batches and
+    vs_bf16 = bf16 step time / this step time (> 1: faster). Failures are reported per
+    variant; the engine is freed after each."""
+    import jax
+
+    from jaxserve import LLM
+
+    plan, clock, data = report.plan, report.clock, report.data
+    section = data.setdefault("quantized", {})
+    bf16 = {b["batch"]: b["step_s"] for b in data.get("decode", {}).get("batches", [])}
+    share = plan.need["quantized"] / len(QUANTIZED)
+    for n, (name, extra) in enumerate(QUANTIZED.items()):
+        deadline = clock.deadline - share * (len(QUANTIZED) - n - 1)
+        entry = section.setdefault(name, {"engine_args": extra})
+        llm = None
+        try:
+            if deadline - time.perf_counter() < plan.need["decode"]:
+                raise TimeoutError("no time left in the budget")
+            clock.say(f"building the {name} engine (random weights, buckets on first use)")
+            start = time.perf_counter()
+            llm = LLM(str(folder), **dict(data["engine_args"], precompile=False, **extra))
+            runner = llm.engine.runner
+            entry["start_s"] = time.perf_counter() - start
+            leaves = jax.tree.leaves(runner.params)
+            weight_bytes = sum(leaf.nbytes for leaf in leaves)
+            floor_s = weight_bytes / data["bandwidth"]["bytes_per_s"]
+            entry.update(weights={"bytes": weight_bytes, "floor_s": floor_s},
+                         kv_blocks=runner.num_blocks, bytes_per_block=runner.bytes_per_block)
+            clock.say(f"{name}: {weight_bytes / 1e9:.3f} GB of weights, {runner.num_blocks} "
+                      f"KV blocks of {runner.bytes_per_block} B")
+            rng = np.random.default_rng(seed + 1)  # prompts drawn as the decode section's
+            entry["decode"] = {"batches": []}
+            for batch in plan.quantized_batches:
+                r = measure_decode(llm.engine, batch, plan.decode_prompt, plan.decode_steps,
+                                   rng, id_limit, deadline)
+                line = add_floor(r, plan, data["bandwidth"], floor_s,
+                                 kv_itemsize=1 if "kv_cache_dtype" in extra else 2)
+                if batch in bf16:
+                    r["vs_bf16"] = bf16[batch] / r["step_s"]
+                    line += f"; bf16 / {name} step time {r['vs_bf16']:.2f}x"
+                entry["decode"]["batches"].append(r)
+                clock.say(f"{name} decode batch {batch:3d}: {line}")
+        except TimeoutError as err:
+            entry["skipped"] = str(err)
+            data["skipped"][f"quantized {name}"] = str(err)
+            clock.say(f"SKIPPED {name}: {err}")
+        except Exception as err:  # noqa: BLE001 - the other numbers stand
+            report.failed(f"quantized {name}", err)
+        finally:
+            if llm is not None:
+                llm.engine.close()
+            llm = runner = None
+            free_device_memory()

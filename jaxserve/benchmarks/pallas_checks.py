@@ -1,0 +1,240 @@
+"""Correctness of the Pallas attention kernels against kernels_pallas/ref.py, for
+scripts/check_kernels_on_device.py: random ragged batches (decode, prefill, mixed, sliding
+window + soft cap, pages far into the cache) in float32 and bfloat16, jax's own GPU
+paged_attention on a decode batch (the layout conversion its timing uses), and the kernels
+over fp8 / int8 KV caches (kv_quant), timed beside bf16 on a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.backends.jax import kv_quant
+from jaxserve.benchmarks.kernel_checks import (
+    BENCH,
+    TOL,
+    check_label,
+    check_specs,
+    check_verdict,
+    next_pow2,
+    relative_error,
+)
+from jaxserve.benchmarks.pallas_timing import (
+    fill_cache,
+    jax_paged_attention,
+    time_call,
+    to_head_major,
+)
+from jaxserve.benchmarks.ragged_batch import jax_batch, make_batch
+from jaxserve.kernels_pallas import ref
+
+OPTS = ("scale", "sliding_window", "soft_cap")
+# (kind, dtype, S block size, K kv heads, N query heads, H head dim, sliding_window, soft_cap)
+CPU_CHECKS = [("decode", "float32", 16, 1, 8, 128, None, None),
+              ("prefill", "bfloat16", 16, 2, 4, 64, None, None),
+              ("mixed", "float32", 32, 1, 8, 128, None, None),
+              ("mixed", "bfloat16", 16, 2, 4, 64, 24, 5.0),
+              ("far-decode", "bfloat16", 16, 1, 8, 128, None, None)]
+# Quantized KV caches (kv_cache_dtype): (kind, S, K, N, H) in bfloat16, each with fp8 and
+# int8; device timing: a decode batch of QUANT_TIMING = (rows, context) with BENCH's dims.
+QUANT_CHECKS = {"cpu": [("decode", 16, 2, 8, 64), ("mixed", 16, 1, 4, 128)],
+                "device": [("decode", 16, 8, 64, 128), ("mixed", 16, 8, 64, 128)]}
+QUANT_FORMATS = ("fp8", "int8")
+QUANT_TIMING = (64, 4096)
+
+
+def platform_kind() -> str:
+    name = jax.devices()[0].platform
+    return "gpu" if name in ("gpu", "cuda", "rocm") else name
+
+
+def random_case(kind, dtype, S, K, N, H, rng, long, far_bytes):
+    """(q [T, N, H], k_cache, v_cache [P, S, K, H], batch); mixed batches come padded."""
+    if kind == "far-decode":
+        return far_case(random_case("decode", dtype, S, K, N, H, rng, long, 0), far_bytes, rng)
+    specs = check_specs(kind, rng, S, long)
+    real = sum(q for q, _ in specs)
+    pad = kind == "mixed"
+    layout = make_batch(specs, block_size=S, rng=rng,
+                        num_tokens=next_pow2(real + 1) if pad else real,
+                        num_rows=next_pow2(len(specs) + 1) if pad else len(specs))
+    batch, pages = jax_batch(layout), layout.num_pages
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (batch.slot_mapping.shape[0], N, H), dtype)
+    k_cache = jax.random.normal(kk, (pages + 3, S, K, H), dtype)  # + unused pages
+    v_cache = jax.random.normal(kv, (pages + 3, S, K, H), dtype)
+    return q, k_cache, v_cache, batch
+
+
+def far_case(case, far_bytes: int, rng):
+    """The same batch moved to pages that start far_bytes into bigger caches."""
+    q, k_cache, v_cache, batch = case
+    S = k_cache.shape[1]
+    offset = -(-far_bytes // k_cache[0].nbytes)  # pages
+    shape = (offset + k_cache.shape[0],) + k_cache.shape[1:]
+    keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 2)
+    caches = [fill_cache(key, shape, k_cache.dtype) for key in keys]
+    tables = jnp.where(batch.block_tables > 0, batch.block_tables + offset, 0)
+    slots = jnp.where(batch.slot_mapping >= S, batch.slot_mapping + offset * S, 0)
+    return q, *caches, dataclasses.replace(batch, block_tables=tables, slot_mapping=slots)
+
+
+def output_error(got, want, batch) -> float:
+    """relative_error of a kernel's output against the reference's, over the batch's real
+    tokens, in float64 on the host."""
+    real = int(batch.cu_q_lens[int(batch.num_seqs[0])])
+    return relative_error(np.asarray(got.astype(jnp.float32), np.float64),
+                          np.asarray(want, np.float64), real)
+
+
+def jax_paged_attention_on_cache(q, k_cache, v_cache, batch, **kw):
+    return jax_paged_attention(q, to_head_major(k_cache), to_head_major(v_cache), batch, **kw)
+
+
+def run_checks(kernels: dict, cases, *, long: bool, with_pa: bool, interpret: bool, far_bytes,
+               rng):
+    """Every kernel on every case against ref; returns a list of result dicts."""
+    ref_fn = jax.jit(ref.ragged_paged_attention, static_argnames=OPTS)
+    results = []
+    for kind, dtype, S, K, N, H, window, cap in cases:
+        case = random_case(kind, jnp.dtype(dtype), S, K, N, H, rng, long, far_bytes)
+        opts = dict(scale=1.0 / math.sqrt(H), sliding_window=window, soft_cap=cap)
+        with jax.default_matmul_precision("highest"):  # no TF32 in the reference on GPUs
+            want = ref_fn(*(x.astype(jnp.float32) for x in case[:3]), case[3], **opts)
+        runs = {name: jax.jit(functools.partial(fn, **opts)) for name, fn in kernels.items()}
+        # jax's kernel takes no window and its float32 dots may run in TF32 on a GPU
+        if with_pa and kind == "decode" and window is None and (interpret or dtype != "float32"):
+            runs["jax-paged-attention"] = functools.partial(
+                jax_paged_attention_on_cache, scale=opts["scale"], interpret=interpret,
+                k_splits=2 if interpret else 16)
+        for name, run in runs.items():
+            result = dict(kernel=name, kind=kind, dtype=dtype, S=S, K=K, N=N, H=H,
+                          T=case[0].shape[0], R=case[3].kv_lens.shape[0],
+                          sliding_window=window, soft_cap=cap, tol=TOL[dtype],
+                          informational=name == "jax-paged-attention")
+            print(check_label(result), end=" ", flush=True)  # a crash shows what ran
+            start = time.perf_counter()
+            try:
+                result["error"] = output_error(run(*case), want, case[3])
+                result["ok"] = result["error"] <= TOL[dtype]
+            except Exception as exc:  # a failing kernel is a result, not the end of the run
+                result.update(ok=False, exception=f"{type(exc).__name__}: {exc}"[:400])
+            result["seconds"] = time.perf_counter() - start
+            print(check_verdict(result), flush=True)
+            results.append(result)
+    return results
+
+
+def quantize_case(case, fmt: str, platform_name: str):
+    """A case's caches quantized as the engine stores them (kv_quant, scales from each kv
+    head's largest value in the cache itself): (kernel inputs q, k_q, v_q, batch; k_scale,
+    v_scale; the dequantized float32 caches the kernel really reads; the value dtype)."""
+    q, k_cache, v_cache, batch = case
+    values = kv_quant.value_dtype(fmt, q.dtype)
+    storage = ref.kv_storage_dtype(values, platform_name)
+    flat = (-1,) + k_cache.shape[2:]
+    scales, stored, dequant = [], [], []
+    for cache in (k_cache, v_cache):
+        amax = jnp.abs(cache.astype(jnp.float32)).max((0, 1, 3))
+        scale = kv_quant.scales_from_amax(amax, fmt)
+        quant = kv_quant.quantize(cache.reshape(flat), scale, values).reshape(cache.shape)
+        dequant.append(quant.astype(jnp.float32) * scale[None, None, :, None])
+        stored.append(quant if storage == values else jax.lax.bitcast_convert_type(quant,
+                                                                                   storage))
+        scales.append(scale)
+    return (q, *stored, batch), scales, dequant, values
+
+
+def quantized_attention(kernel, k_scale, v_scale, values, **opts):
+    """The engine's attention over a quantized cache (kv_quant): scales folded into q and out."""
+    def run(q, k_cache, v_cache, batch):
+        out = kernel(kv_quant.scale_queries(q, k_scale), k_cache, v_cache, batch,
+                     kv_dtype=values, **opts)
+        return kv_quant.scale_output(out, v_scale)
+    return jax.jit(run)
+
+
+def run_quantized_checks(kernels: dict, cases, *, interpret: bool, rng, repeats: int,
+                         deadline: float) -> list:
+    """Each kernel over fp8 / int8 caches against ref on the dequantized float32 caches (the
+    values it reads: the bf16 tolerance), and against ref on the unquantized cache (what
+    quantization costs, reported); on a device, the decode time of each format beside bf16."""
+    ref_fn = jax.jit(ref.ragged_paged_attention, static_argnames=OPTS)
+    platform_name = "cpu" if interpret else platform_kind()
+    results = []
+    for kind, S, K, N, H in cases:
+        case = random_case(kind, jnp.bfloat16, S, K, N, H, rng, not interpret, 0)
+        opts = dict(scale=1.0 / math.sqrt(H))
+        with jax.default_matmul_precision("highest"):
+            plain = ref_fn(*(x.astype(jnp.float32) for x in case[:3]), case[3], **opts)
+        for fmt in QUANT_FORMATS:
+            inputs, (k_scale, v_scale), (kd, vd), values = quantize_case(case, fmt,
+                                                                         platform_name)
+            with jax.default_matmul_precision("highest"):
+                want = ref_fn(case[0].astype(jnp.float32), kd, vd, case[3], **opts)
+            for name, kernel in kernels.items():
+                result = dict(kernel=name, kind=kind, dtype=f"bf16+{fmt}-kv", S=S, K=K, N=N,
+                              H=H, T=case[0].shape[0], R=case[3].kv_lens.shape[0],
+                              sliding_window=None, soft_cap=None, tol=TOL["bfloat16"],
+                              informational=False)
+                print(check_label(result), end=" ", flush=True)
+                start = time.perf_counter()
+                try:
+                    got = quantized_attention(kernel, k_scale, v_scale, values, **opts)(
+                        *inputs)
+                    result["error"] = output_error(got, want, case[3])
+                    result["error_vs_unquantized"] = output_error(got, plain, case[3])
+                    result["ok"] = result["error"] <= TOL["bfloat16"]
+                except Exception as exc:  # noqa: BLE001
+                    result.update(ok=False, exception=f"{type(exc).__name__}: {exc}"[:400])
+                result["seconds"] = time.perf_counter() - start
+                verdict = check_verdict(result)
+                if "error_vs_unquantized" in result:
+                    verdict += f"; vs unquantized {result['error_vs_unquantized']:.2e}"
+                print(verdict, flush=True)
+                results.append(result)
+    if interpret:
+        return results
+    rows, context = QUANT_TIMING
+    dims = BENCH
+    specs = [(1, context)] * rows
+    for name, kernel in kernels.items():
+        if time.monotonic() > deadline:
+            print("quantized timing: skipped (time budget)")
+            break
+        layout = make_batch(specs, block_size=dims["block_size"], num_tokens=rows,
+                            num_rows=rows, rng=rng)
+        batch, pages = jax_batch(layout), layout.num_pages
+        shape = (pages, dims["block_size"], dims["kv_heads"], dims["head_dim"])
+        keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 3)
+        q = jax.random.normal(keys[0], (rows, dims["q_heads"], dims["head_dim"]),
+                              jnp.bfloat16)
+        case = (q, fill_cache(keys[1], shape, jnp.bfloat16),
+                fill_cache(keys[2], shape, jnp.bfloat16), batch)
+        opts = dict(scale=1.0 / math.sqrt(dims["head_dim"]))
+        row = dict(kernel=name, kind="quantized-timing", rows=rows, context=context)
+        row["bf16_s"] = time_call(jax.jit(functools.partial(kernel, **opts)), case, repeats)
+        line = f"time {name:8} decode {rows} x ctx {context}: bf16 {1e3 * row['bf16_s']:.3f} ms"
+        for fmt in QUANT_FORMATS:
+            try:
+                inputs, scales, _, values = quantize_case(case, fmt, platform_name)
+                row[f"{fmt}_s"] = time_call(quantized_attention(kernel, *scales, values,
+                                                                **opts), inputs, repeats)
+                line += (f", {fmt} {1e3 * row[f'{fmt}_s']:.3f} ms "
+                         f"({row['bf16_s'] / row[f'{fmt}_s']:.2f}x)")
+            except Exception as exc:  # noqa: BLE001
+                row[f"{fmt}_error"] = f"{type(exc).__name__}: {exc}"[:400]
+                line += f", {fmt} FAILED {row[f'{fmt}_error']}"
+        print(line, flush=True)
+        results.append(row)
+    return results
+
+
