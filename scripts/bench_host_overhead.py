@@ -25,7 +25,7 @@ from jaxserve.backends.jax.sampler import SampleResult
 from jaxserve.backends.protocol import RunnerStats, StepResult
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.core.input_builder import build_step_inputs
-from jaxserve.core.scheduler import SchedulerOutput
+from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.engine.llm_engine import LLMEngine
 
 
