@@ -63,7 +63,7 @@ def test_bfloat16_checkpoint_loads_as_saved_and_casts(tmp_path, tiny_checkpoints
 def test_auto_dtype_is_the_checkpoints_on_accelerators_and_f32_on_the_cpu(tmp_path,
                                                                          tiny_checkpoints,
                                                                          monkeypatch):
-    from jaxserve.config.engine_config import engine_config as config
+    from jaxserve.config import engine_config as config
 
     hf = {"torch_dtype": "bfloat16"}
     folder = tmp_path / "m"
