@@ -49,6 +49,8 @@ REGEX_BOMBS = ["(a{1000}){1000}", "(c{1000}){1000}", "((ab){20}c){5000}", "(a|aa
 GRAMMAR_BOMBS = [lark_chain(3000), lark_chain(300), gbnf_chain(2000), "start: /(a{1000}){1000}/",
                  "start: %json " + json.dumps(ref_chain(1500)), "start: " + "(" * 3000 + '"a"'
                  + ")" * 3000]
+# transformers iterated these before the template ran: a TypeError, once a 500
+TEMPLATE_KWARG_BOMBS = [{"tools": False}, {"documents": 0}, {"tools": [1]}, {"tokenize": True}]
 CHOICE_BOMBS = [[f"option {i}" for i in range(100_000)], ["x" * 300_000] * 4]
 
 GOOD_SCHEMAS = [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
@@ -143,8 +145,9 @@ FIELDS = {
     "guided_grammar": GRAMMARS, "guided_whitespace_pattern": REGEXES,
     "tools": TOOLS, "tool_choice": TOOL_CHOICES,
     "chat_template_kwargs": st.dictionaries(
-        st.sampled_from(["bos_token", "eos_token", "enable_thinking", "x", "tools"]), ANY,
-        max_size=2) | ANY,
+        st.sampled_from(["bos_token", "eos_token", "enable_thinking", "x", "tools", "documents",
+                         "tokenize", "add_generation_prompt"]), ANY, max_size=2)
+    | st.sampled_from(TEMPLATE_KWARG_BOMBS) | ANY,
     "documents": st.lists(st.dictionaries(TEXT, TEXT, max_size=2), max_size=2) | ANY,
     "request_id": TEXT | st.just("r" * 300),
     "add_generation_prompt": st.booleans(), "add_special_tokens": st.booleans(),

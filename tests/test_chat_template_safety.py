@@ -98,6 +98,17 @@ def test_special_token_variables_are_refused(tok, name):
         apply_chat_template(tok, [{"role": "user", "content": "x"}], **{name: value})
 
 
+@pytest.mark.parametrize("kwargs", [
+    {"tools": False}, {"tools": 0}, {"tools": "x"}, {"tools": [1]}, {"documents": False},
+    {"documents": "ab"}, {"tokenize": True}, {"conversation": []}, {"return_dict": True}])
+def test_template_values_transformers_cannot_use_are_refused(tok, kwargs):
+    """The fuzz found {"tools": false} ending in a TypeError (a 500): every such value is a
+    ValueError naming chat_template_kwargs (a 400)."""
+    with pytest.raises(ValueError, match=r"^chat_template_kwargs:"):
+        apply_chat_template(tok, [{"role": "user", "content": "x"}], chat_template=RICH_TEMPLATE,
+                            **kwargs)
+
+
 def test_known_roles_and_caller_keywords_pass(tok):
     for role in ("system", "developer", "user", "assistant", "tool", "function", "ipython"):
         apply_chat_template(tok, [{"role": role, "content": "x"}])

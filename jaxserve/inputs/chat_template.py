@@ -24,6 +24,12 @@ KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "
 # The tokenizer's special tokens are template variables (transformers passes
 # tokenizer.special_tokens_map, and a keyword of the same name overrides it); a caller setting
 # one would write its own text where the template writes, say, the BOS token.
+# transformers' apply_chat_template arguments that the render call sets itself (or that are
+# not template variables): a request may not pass them as template variables.
+RENDER_ARGUMENTS = ("conversation", "messages", "chat_template", "tokenize",
+                    "add_generation_prompt", "return_dict", "return_tensors", "padding",
+                    "truncation", "max_length", "tokenizer_kwargs",
+                    "return_assistant_tokens_mask")
 SPECIAL_TOKEN_VARIABLES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                            "cls_token", "mask_token", "additional_special_tokens",
                            "extra_special_tokens")
@@ -51,13 +57,24 @@ def check_messages(messages) -> None:
 
 
 def check_template_kwargs(tokenizer, kwargs: dict) -> None:
-    """Refuse template variables that would replace the tokenizer's special tokens."""
+    """Refuse template variables that would replace the tokenizer's special tokens or
+    transformers' own arguments, and `tools` / `documents` that are not lists of objects
+    (transformers iterates them before the template runs)."""
     reserved = set(SPECIAL_TOKEN_VARIABLES) | set(getattr(tokenizer, "special_tokens_map", None)
                                                   or ())
     for name in kwargs:
         if name in reserved:
             raise ValueError(f"chat_template_kwargs: {name!r} is one of the tokenizer's "
                              "special-token variables and cannot be set.")
+        if name in RENDER_ARGUMENTS:
+            raise ValueError(f"chat_template_kwargs: {name!r} is set by the server (an "
+                             "argument of the template call, not a template variable).")
+    for name in ("tools", "documents"):
+        value = kwargs.get(name)
+        if value is not None and not (isinstance(value, list)
+                                      and all(isinstance(v, dict) for v in value)):
+            raise ValueError(f"chat_template_kwargs: {name!r} must be a list of objects, got "
+                             f"{type(value).__name__}.")
 
 
 @dataclasses.dataclass(frozen=True)

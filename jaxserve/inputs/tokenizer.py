@@ -83,6 +83,9 @@ def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_promp
     except TemplateError as err:  # the template refused the conversation (raise_exception)
         raise ValueError(f"messages: the chat template refused this conversation: "
                          f"{str(err)[:200]}") from None
+    except (TypeError, ValueError) as err:  # a value transformers or the template cannot use
+        raise ValueError(f"chat_template_kwargs: the chat template could not use the values "
+                         f"given ({type(err).__name__}: {str(err)[:200]}).") from None
     if escaper is None:
         return _encode_many(tokenizer, [text], parse_special=True)[0]
     return tokenize_rendered(tokenizer, text, escaper.restore)
