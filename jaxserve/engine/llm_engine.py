@@ -1,4 +1,4 @@
-"""LLMEngine: validates and admits requests, runs scheduler -> runner -> outputs, step by step.
+"""LLMEngine: queues admitted requests and runs scheduler -> runner -> outputs, step by step.
 
 A request with n > 1 becomes n sequences (children) that share the prompt; each child has
 its own seed (seed + i when a seed is given), detokenizer and finish reason.
