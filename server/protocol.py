@@ -409,12 +409,9 @@ class ChatCompletionRequest(_Request):
         """What the chat template sees besides the messages: the server's defaults, then the
         request's chat_template_kwargs, then the typed fields (vLLM's order)."""
         kwargs = dict(server_defaults)
-        own = self.chat_template_kwargs or {}
-        for name in ("chat_template", "tokenize", "conversation", "messages"):
-            if name in own:
-                raise ParamError("chat_template_kwargs", f"chat_template_kwargs may not set "
-                                 f"{name!r}.")
-        kwargs.update(own)
+        # Names the template call sets itself are refused where the template is rendered
+        # (inputs/chat_template.check_template_kwargs), for every front end.
+        kwargs.update(self.chat_template_kwargs or {})
         # The typed fields win (and add_generation_prompt is passed on its own).
         kwargs.pop("add_generation_prompt", None)
         kwargs["continue_final_message"] = self.continue_final_message
