@@ -24,7 +24,7 @@ from jaxserve.backends.jax.packing import pack
 from jaxserve.backends.jax.sampler import SampleResult
 from jaxserve.backends.protocol import RunnerStats, StepResult
 from jaxserve.config.engine_config import EngineConfig
-from jaxserve.core.input_builder import build_step_inputs
+from jaxserve.core.input_builder import StepInputBuilder
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.engine.llm_engine import LLMEngine
 
@@ -39,6 +39,8 @@ class NullRunner:
         self.blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.num_blocks = config.scheduler.max_num_seqs * self.blocks_per_seq + 1
         self.bytes_per_block = 1
+        self.inputs = StepInputBuilder(config.scheduler.max_num_seqs, self.block_size,
+                                       self.blocks_per_seq)
         self.vocab = vocab
         self.rng = np.random.default_rng(0)
 
@@ -62,8 +64,7 @@ class NullRunner:
         sched = self.config.scheduler
         num_tokens, num_rows = sched.pick_bucket(out.total_num_scheduled_tokens,
                                                  len(out.requests))
-        batch, sampling = build_step_inputs(out, num_tokens, num_rows, self.block_size,
-                                            self.blocks_per_seq)
+        batch, sampling = self.inputs.build(out, num_tokens, num_rows)
         pack({**batch, **sampling})
         tokens = self.rng.integers(5, self.vocab, num_rows).astype(np.int32)
         zeros = np.zeros(num_rows, np.float32)

@@ -38,13 +38,15 @@ class FaultyRunner:
         self.mode: str | None = None
         self.failed_steps: list[int] = []  # the request count of each step that failed
         self.steps = 0  # dispatched (or attempted)
-        self.is_poison = lambda request: request.request_id.startswith("poison")
+        # (request, the first position its row computes) -> whether the step fails
+        self.is_poison = lambda request, first: request.request_id.startswith("poison")
 
     def __getattr__(self, name):
         return getattr(self.runner, name)
 
     def _poisoned(self, out) -> bool:
-        return self.mode == "lost" or any(self.is_poison(r) for r in out.requests)
+        return self.mode == "lost" or any(
+            self.is_poison(r, first) for r, first in zip(out.requests, out.num_computed_tokens))
 
     def dispatch(self, out, score_targets=None, grammar_masks=None):
         self.steps += 1
@@ -136,7 +138,7 @@ def test_a_culprit_that_fails_only_in_a_later_prompt_chunk_is_found(engine, good
     # with the second one fail. Suspects run alone until they pass the step that failed, so
     # the culprit's first chunk succeeding alone does not clear it.
     runner = engine.runner
-    runner.is_poison = lambda r: r.request_id.startswith("poison") and r.num_computed_tokens
+    runner.is_poison = lambda r, first: r.request_id.startswith("poison") and first > 0
     try:
         check_poisoned_batch(engine, good_prompts, reference, "fetch",
                              poison=[1] + list(range(40, 239)))
@@ -168,7 +170,7 @@ def test_failed_request_is_a_500_or_an_error_event_and_the_server_stays_healthy(
     async_engine = AsyncLLMEngine(engine)
     async_engine.start()
     # The server makes its own request ids: poison by prompt instead.
-    runner.mode, runner.is_poison = "dispatch", lambda r: r.prompt_token_ids == POISON
+    runner.mode, runner.is_poison = "dispatch", lambda r, _: r.prompt_token_ids == POISON
     try:
         client = TestClient(create_app(async_engine, ServerConfig(served_model_name="t")))
         body = {"prompt": POISON, "max_tokens": 4}

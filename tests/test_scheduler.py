@@ -150,11 +150,12 @@ class Harness:
         assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
         assert len(reqs) <= cfg.max_num_seqs
         assert len({id(r) for r in reqs}) == len(reqs), "a request scheduled twice in one step"
-        for req, n in zip(reqs, counts):
-            assert 1 <= n <= req.num_tokens - req.num_computed_tokens + req.num_proposed
+        for req, n, first in zip(reqs, counts, out.num_computed_tokens):
+            assert 1 <= n <= req.num_tokens - first + req.num_proposed
+            assert req.num_computed_tokens == first + n, "scheduling advances the request"
             assert req.num_proposed <= self.k
             if req.num_proposed:  # proposals only after the last token, all of them
-                assert req.num_computed_tokens == req.num_tokens - 1
+                assert first == req.num_tokens - 1
                 assert n == 1 + req.num_proposed
                 assert req.num_tokens + req.num_proposed < req.num_prompt_tokens + \
                     req.max_output_tokens
@@ -194,16 +195,13 @@ class Harness:
             assert missing > available, "the head of the queue waited for nothing"
 
     def check_state(self, scheduled: SchedulerOutput | None = None) -> None:
-        """Blocks, slots and statuses of every live request (after schedule: counting the
-        tokens scheduled this step as computed)."""
+        """Blocks, slots and statuses of every live request (after schedule, the tokens
+        scheduled this step count as computed)."""
         s, bs = self.scheduler, self.block_size
-        pending = {}
-        if scheduled is not None:
-            pending = {id(r): n for r, n in zip(scheduled.requests, scheduled.num_scheduled_tokens)}
         held: list[int] = []
         for req in s.running:
             assert req.status is RequestStatus.RUNNING
-            computed = req.num_computed_tokens + pending.get(id(req), 0)
+            computed = req.num_computed_tokens
             assert computed <= req.num_tokens + req.num_proposed
             if scheduled is None:
                 assert computed < req.num_tokens, "a running request is owed no work"
@@ -333,7 +331,7 @@ class Harness:
         for row, (req, n) in enumerate(zip(out.requests, out.num_scheduled_tokens)):
             first, slot = slot, slot + req.num_proposed + 1  # the row's slots, row after row
             firsts[id(req)] = first
-            computed = req.num_computed_tokens + n
+            computed = out.num_computed_tokens[row] + n
             assert batch["kv_lens"][row] == computed
             if computed < req.num_tokens:
                 continue  # a prefill chunk: nothing sampled yet
@@ -353,7 +351,6 @@ class Harness:
         got = self.scheduler.update_from_output(out, result, emitted if self.k else None)
         assert [req for req, _ in got] == completing
         for req in out.requests:
-            assert not req.needs_state_reset, "a row that ran keeps its penalty state"
             assert req.num_proposed == 0
         for req, indices in got:
             row = out.requests.index(req)
@@ -672,11 +669,10 @@ def test_state_slots_are_unique_released_and_reset_when_handed_out():
     short_slot = short.state_slot
     h.execute(out)  # the inputs carried the reset; short finished and gave its slot back
     assert short.finished and short.state_slot == 0
-    assert not mid.needs_state_reset and not long.needs_state_reset
-    out = h.schedule()
+    out = h.schedule()  # the step that reset their rows has run: the next one keeps them
     assert out.requests == [mid, long, late]
     assert late.state_slot == short_slot and late.needs_state_reset
-    assert not mid.needs_state_reset
+    assert not mid.needs_state_reset and not long.needs_state_reset
     h.execute(out)
     h.run()
 

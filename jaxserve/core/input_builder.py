@@ -7,6 +7,8 @@ the (T, R) bucket the runner picked.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from jaxserve.core.scheduler_output import SchedulerOutput
@@ -17,39 +19,52 @@ MAX_BANNED_IDS = 32
 
 
 def samples_this_step(req, count: int) -> bool:
-    """Whether a request scheduled for `count` tokens samples a token at the end of this
-    step (the rest of a chunked prefill does not; speculative proposals come after its
-    tokens)."""
+    """Whether a request scheduled for `count` more tokens from its current state samples
+    a token at the end of that step (the rest of a chunked prefill does not; speculative
+    proposals come after its tokens). A formed step records this per row
+    (SchedulerOutput.samples)."""
     return req.num_computed_tokens + count >= req.num_tokens
-
-
-def _fill_tokens(reqs, counts, firsts, starts, block_size, token_ids, positions, slot_mapping):
-    """Token ids, positions and KV slots: decode rows (one token) in one pass, prefill
-    chunks by slices."""
-    single = counts == 1
-    rows = np.flatnonzero(single)
-    if len(rows):
-        where, pos = starts[rows], firsts[rows]
-        token_ids[where] = [reqs[i].token_ids[p] for i, p in zip(rows.tolist(), pos.tolist())]
-        positions[where] = pos
-        pages = [reqs[i].block_ids[p] for i, p in zip(rows.tolist(), (pos // block_size).tolist())]
-        slot_mapping[where] = np.asarray(pages, np.int32) * block_size + pos % block_size
-    for row in np.flatnonzero(~single).tolist():
-        req, first, start, count = reqs[row], int(firsts[row]), int(starts[row]), int(counts[row])
-        pos = np.arange(first, first + count, dtype=np.int32)
-        blocks = np.asarray(req.block_ids, np.int32)
-        token_ids[start: start + count] = req.token_ids[first: first + count]
-        positions[start: start + count] = pos
-        slot_mapping[start: start + count] = blocks[pos // block_size] * block_size + \
-            pos % block_size
 
 
 def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, block_size: int,
                       blocks_per_seq: int) -> tuple[dict, dict]:
-    """Returns (batch arrays, sampling arrays) as dicts of numpy arrays."""
+    """One step's inputs with a builder of its own (for a step formed by hand, and the
+    shapes of a bucket); a runner keeps one StepInputBuilder for all its steps."""
+    slots = max((r.state_slot for r in out.requests), default=0)
+    return StepInputBuilder(slots, block_size, blocks_per_seq).build(
+        out, num_tokens, num_rows, refresh=True)
+
+
+class StepInputBuilder:
+    """Builds each step's padded numpy inputs. Per request, one pass reads the few scalars
+    that change from step to step; what a request's sampling settings are is kept in a
+    table by state slot, written when the slot is handed out (needs_state_reset), so the
+    cost per decode row stays a few attribute reads at any batch size."""
+
+    def __init__(self, max_num_seqs: int, block_size: int, blocks_per_seq: int) -> None:
+        self.block_size, self.blocks_per_seq = block_size, blocks_per_seq
+        # Per state slot: sampling_floats, and (top_k, seed, prompt length, step_extras).
+        self._floats = np.zeros((max_num_seqs + 1, 8), np.float32)
+        self._ints = np.zeros((max_num_seqs + 1, 4), np.int64)
+
+    def build(self, out: SchedulerOutput, num_tokens: int, num_rows: int,
+              refresh: bool = False) -> tuple[dict, dict]:
+        """Returns (batch arrays, sampling arrays) as dicts of numpy arrays, padded to the
+        (T, R) bucket. refresh: rewrite every row's table entry (not only new slots').
+
+        A placeholder position (at or past the request's known tokens: asynchronous
+        scheduling) gets token 0 and `feed_slots` = the request's state slot, whose last
+        sampled token the device feeds instead."""
+        return _build(self, out, num_tokens, num_rows, refresh)
+
+
+def _build(table: StepInputBuilder, out: SchedulerOutput, num_tokens: int, num_rows: int,
+           refresh: bool) -> tuple[dict, dict]:
+    block_size, blocks_per_seq = table.block_size, table.blocks_per_seq
     token_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
     slot_mapping = np.zeros(num_tokens, np.int32)
+    feed_slots = np.zeros(num_tokens, np.int32)
     cu_q_lens = np.zeros(num_rows + 1, np.int32)
     kv_lens = np.zeros(num_rows, np.int32)
     block_tables = np.zeros((num_rows, blocks_per_seq), np.int32)
@@ -76,48 +91,75 @@ def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, bloc
     reqs, n = out.requests, len(out.requests)
     if n:
         counts = np.asarray(out.num_scheduled_tokens, np.int32)
-        firsts = np.fromiter((r.num_computed_tokens for r in reqs), np.int32, n)
+        firsts = np.asarray(out.num_computed_tokens, np.int32)
         ends = np.cumsum(counts, dtype=np.int32)
+        starts = ends - counts
         cu_q_lens[1: n + 1] = ends
         cu_q_lens[n + 1:] = ends[-1]
         kv_lens[:n] = firsts + counts
         logits_indices[:n] = ends - 1
         sample_positions[:n] = firsts + counts
-        _fill_tokens(reqs, counts, firsts, ends - counts, block_size, token_ids, positions,
-                     slot_mapping)
-        for row, req in enumerate(reqs):
-            block_tables[row, : len(req.block_ids)] = req.block_ids
 
-        # Per-request constants, gathered in one conversion each.
-        floats = np.array([r.sampling_floats for r in reqs], np.float32)
+        # The one pass over the requests: what changes per step, and their block ids.
+        ints = np.array([(r.state_slot, r.num_tokens, r.num_proposed, r.needs_state_reset,
+                          len(r.block_ids)) for r in reqs], np.int64)
+        flat_blocks = np.fromiter(itertools.chain.from_iterable(r.block_ids for r in reqs),
+                                  np.int32)
+        slots, known, num_blocks = ints[:, 0], ints[:, 1], ints[:, 4]
+        for row in (range(n) if refresh else np.flatnonzero(ints[:, 3]).tolist()):
+            r = reqs[row]  # a new slot: its sampling settings go into the table
+            table._floats[r.state_slot] = r.sampling_floats
+            table._ints[r.state_slot] = (r.sampling_top_k, r.seed, r.num_prompt_tokens,
+                                         r.step_extras)
+        floats, static = table._floats[slots], table._ints[slots]
+        state_slots[:n], reset_state[:n], num_proposed[:n] = slots, ints[:, 3], ints[:, 2]
+        top_k[:n] = static[:, 0]  # SamplingParams keeps top_k within int32
+        seeds[:n], prompt_lens[:n] = static[:, 1], static[:, 2]
         temperature[:n], top_p[:n], min_p[:n] = floats[:, 0], floats[:, 1], floats[:, 2]
         presence[:n], frequency[:n], repetition[:n] = floats[:, 3], floats[:, 4], floats[:, 5]
-        ints = np.array([(r.sampling_top_k, r.seed, r.num_prompt_tokens, r.state_slot,
-                          r.num_proposed) for r in reqs], np.int64)
-        top_k[:n] = ints[:, 0]  # SamplingParams keeps top_k within int32
-        seeds[:n], prompt_lens[:n], state_slots[:n] = ints[:, 1], ints[:, 2], ints[:, 3]
-        num_proposed[:n] = ints[:, 4]
-        for row, (req, count) in enumerate(zip(reqs, out.num_scheduled_tokens)):
-            if req.grammar_active and samples_this_step(req, count):
+        wants_logprobs[:n], has_bias[:n] = floats[:, 6] != 0, floats[:, 7] != 0
+        block_tables[:n][np.arange(blocks_per_seq) < num_blocks[:, None]] = flat_blocks
+        block_offsets = np.cumsum(num_blocks) - num_blocks
+
+        # Token positions of the whole step, and the row of each.
+        rows = np.repeat(np.arange(n), counts)
+        pos = np.arange(ends[-1], dtype=np.int32) - starts[rows] + firsts[rows]
+        total = len(pos)
+        positions[:total] = pos
+        slot_mapping[:total] = flat_blocks[block_offsets[rows] + pos // block_size] * \
+            block_size + pos % block_size
+        # Proposals too are written past the known tokens; a step holds placeholders (as
+        # its inputs) or proposals, never both: asynchronous steps do not speculate.
+        placeholder = (pos >= known[rows]) & (ints[rows, 2] == 0)
+        feed_slots[:total] = np.where(placeholder, slots[rows], 0)
+        single = counts == 1
+        firsts_list = out.num_computed_tokens
+        decode = np.flatnonzero(single & (firsts < known))  # decode rows with a known token
+        token_ids[starts[decode]] = [reqs[row].token_ids[firsts_list[row]]
+                                     for row in decode.tolist()]
+        for row in np.flatnonzero(~single).tolist():  # chunks, proposals: known tokens
+            req, first, start, count = reqs[row], firsts[row], starts[row], counts[row]
+            token_ids[start: start + count] = req.token_ids[first: first + count]
+        token_ids[:total][placeholder] = 0
+
+        for row in np.flatnonzero(static[:, 3]).tolist():  # grammar, min_tokens, bad words
+            req = reqs[row]
+            if req.grammar_active and out.samples[row]:
                 has_grammar[row] = True  # its mask comes with the step (see the engine)
-            if req.needs_state_reset:  # cleared by update_from_output once it ran
-                reset_state[row] = True
-            if req.params.logprobs is not None:
-                wants_logprobs[row] = True
             banned = []
-            if req.num_output_tokens < req.params.min_tokens:
+            # The output index of the token this row samples.
+            if firsts[row] + counts[row] - req.num_proposed - req.num_prompt_tokens < \
+                    req.params.min_tokens:
                 banned = sorted(req.eos_token_ids | req.stop_token_ids)
-            if req.constraints is not None:
-                has_bias[row] = req.constraints.has_row
-                if req.constraints.bad_sequences:
-                    banned += req.constraints.banned_next(
-                        req.token_ids[req.num_prompt_tokens: req.num_tokens])
+            if req.constraints is not None and req.constraints.bad_sequences:
+                banned += req.constraints.banned_next(
+                    req.token_ids[req.num_prompt_tokens: req.num_tokens])
             if banned:  # the engine refuses requests that could need more
                 banned_ids[row, : len(banned)] = banned
 
     batch = dict(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
-                 cu_q_lens=cu_q_lens, kv_lens=kv_lens, block_tables=block_tables,
-                 num_seqs=np.array([len(out.requests)], np.int32),
+                 feed_slots=feed_slots, cu_q_lens=cu_q_lens, kv_lens=kv_lens,
+                 block_tables=block_tables, num_seqs=np.array([len(out.requests)], np.int32),
                  logits_indices=logits_indices)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                     presence_penalty=presence, frequency_penalty=frequency,
@@ -133,14 +175,14 @@ def prompt_score_targets(out: SchedulerOutput, wanted: list[bool]) -> np.ndarray
     """i32[T]: for each token of the step, the next prompt token whose logprob it scores
     (-1: none), for the rows where `wanted` (a prompt-logprobs request) while they still
     read their prompt; None when no row scores anything."""
-    wanted = [want and req.num_computed_tokens < req.num_prompt_tokens - 1
-              for req, want in zip(out.requests, wanted)]
+    wanted = [want and first < req.num_prompt_tokens - 1
+              for req, first, want in zip(out.requests, out.num_computed_tokens, wanted)]
     if not any(wanted):
         return None
     targets = np.full(out.total_num_scheduled_tokens, -1, np.int32)
     start = 0
-    for req, count, want in zip(out.requests, out.num_scheduled_tokens, wanted):
-        first = req.num_computed_tokens
+    for req, first, count, want in zip(out.requests, out.num_computed_tokens,
+                                       out.num_scheduled_tokens, wanted):
         end = min(first + count, req.num_prompt_tokens - 1)
         if want and end > first:
             targets[start: start + end - first] = req.token_ids[first + 1: end + 1]
@@ -154,8 +196,8 @@ def grammar_masks(out: SchedulerOutput, grammars):
     structured_output.GrammarCompiler), and the requests whose matcher failed to give one
     (out of its per-step fuel: they fail alone; their rows sample freely meanwhile and
     their results are dropped)."""
-    rows = [req for req, count in zip(out.requests, out.num_scheduled_tokens)
-            if req.grammar_active and samples_this_step(req, count)]
+    rows = [req for req, samples in zip(out.requests, out.samples)
+            if samples and req.grammar_active]
     if not rows:
         return None, []
     masks = grammars.fill_masks([req.grammar for req in rows])

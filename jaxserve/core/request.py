@@ -47,7 +47,8 @@ class Request:
         # Sampling settings as the step's input builder reads them, row by row.
         self.sampling_floats = (params.temperature, params.top_p, params.min_p,
                                 params.presence_penalty, params.frequency_penalty,
-                                params.repetition_penalty)
+                                params.repetition_penalty, params.logprobs is not None,
+                                constraints is not None and constraints.has_row)
         self.sampling_top_k = params.top_k
         self.stop_token_ids = frozenset(params.stop_token_ids)
         # logit_bias, allowed_token_ids, bad_words (shared by a request's n children).
@@ -60,7 +61,13 @@ class Request:
         self.token_ids = np.zeros(self.num_prompt_tokens + self.max_output_tokens, np.int32)
         self.token_ids[: self.num_prompt_tokens] = prompt_token_ids
         self.num_tokens = self.num_prompt_tokens
+        # Tokens whose KV is computed or being computed: the scheduler advances it when it
+        # schedules a step (a step's first position is in SchedulerOutput.num_computed_tokens).
         self.num_computed_tokens = 0
+        # Tokens that steps in flight are sampling for it, not known yet (asynchronous
+        # scheduling schedules the next step before they come): its next input may be one.
+        self.num_placeholders = 0
+        self.steps_in_flight = 0  # scheduled steps holding it that are not folded in yet
         self.block_ids: list[int] = []
         # Prefix caching: the hash chain of every full block of token_ids (grows as blocks
         # fill, outputs included), and how many leading blocks are registered in the cache.
@@ -79,6 +86,14 @@ class Request:
         self.speculates = params.presence_penalty == 0.0 and params.frequency_penalty == 0.0 \
             and params.repetition_penalty == 1.0 and grammar is None and not (
                 constraints is not None and constraints.bad_sequences)
+        # What its step inputs read from its known output tokens, not only their count:
+        # then no step is scheduled for it while a token it needs is still a placeholder.
+        self.needs_known_tokens = grammar is not None or (
+            constraints is not None and bool(constraints.bad_sequences))
+        # Whether its step inputs need more than its scalars (a grammar mask, tokens banned
+        # below min_tokens or by bad words): the input builder looks at those rows alone.
+        self.step_extras = grammar is not None or params.min_tokens > 0 or (
+            constraints is not None and bool(constraints.bad_sequences))
         self.num_cached_tokens: int | None = None  # cache hits at its first admission
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -87,7 +102,9 @@ class Request:
         self.spec_drafts = 0  # its steps that verified proposals
         self.spec_first_kept = 0  # of those, the ones that kept the first proposal
         self.state_slot = 0  # row of the device-side penalty state; 0 = none held
-        self.needs_state_reset = False  # set when a row is handed out, cleared once it ran
+        # Set when a row is handed out; cleared when the next step is scheduled (the step
+        # that reset the row has been dispatched by then).
+        self.needs_state_reset = False
         self.cumulative_logprob = 0.0  # of the output tokens, when logprobs are asked for
 
     @property

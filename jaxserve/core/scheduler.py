@@ -53,6 +53,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._free_slots = list(range(config.max_num_seqs, 0, -1))  # penalty-state rows
+        self._admitted: list[Request] = []  # admitted by the last schedule()
 
     @property
     def num_unfinished(self) -> int:
@@ -70,11 +71,20 @@ class Scheduler:
     def schedule(self, limits: tuple[int, int] | None = None) -> SchedulerOutput:
         """limits: (tokens, sequences) this step may hold at most, below the configured
         budget (the compiled buckets while a background warm-up runs); a running request
-        over the sequence limit waits for a later step."""
+        over the sequence limit waits for a later step.
+
+        A step may be scheduled while the previous one is still in flight (asynchronous
+        scheduling): a request's tokens then include placeholders for what that step
+        samples, and a decoding request's next input is its placeholder. A request whose
+        inputs need its known tokens (a grammar, bad words) waits for them; one whose
+        placeholders already reach its length limit is not scheduled again."""
         budget = self.config.max_num_batched_tokens
         max_seqs = self.config.max_num_seqs
         if limits is not None:
             budget, max_seqs = min(budget, limits[0]), min(max_seqs, limits[1])
+        for request in self._admitted:  # their reset step has been dispatched
+            request.needs_state_reset = False
+        self._admitted = []
         scheduled: list[Request] = []
         counts: list[int] = []
         preempted: list[Request] = []
@@ -83,18 +93,29 @@ class Scheduler:
             self.running) <= spec.disable_by_batch_size)
 
         # The running requests' own tokens come before any proposal.
-        reserved = sum(r.num_tokens - r.num_computed_tokens for r in self.running[:max_seqs])
+        reserved = 0
+        if self._speculating:
+            reserved = sum(r.num_tokens + r.num_placeholders - r.num_computed_tokens
+                           for r in self.running[:max_seqs])
+        kv = self.kv_manager
         index = 0
-        while index < len(self.running) and budget > 0 and index < max_seqs:
+        while index < len(self.running) and budget > 0 and len(scheduled) < max_seqs:
             request = self.running[index]
-            remaining = request.num_tokens - request.num_computed_tokens
+            waiting_for = request.num_placeholders
+            remaining = request.num_tokens + waiting_for - request.num_computed_tokens
             reserved -= remaining
-            request.num_proposed = self._propose(request, budget - remaining - reserved)
+            if waiting_for and (request.needs_known_tokens or remaining <= 0 or
+                                request.num_output_tokens + waiting_for
+                                >= request.max_output_tokens):
+                index += 1  # its next input is not known yet, or it ends in flight
+                continue
+            if self._speculating:
+                request.num_proposed = self._propose(request, budget - remaining - reserved)
             num_new = min(remaining + request.num_proposed, budget)
-            if request.num_proposed and not self.kv_manager.allocate_slots(request, num_new):
+            if request.num_proposed and not kv.allocate_slots(request, num_new):
                 request.num_proposed = 0  # no room for proposals: never preempt for them
                 num_new = min(remaining, budget)
-            while not self.kv_manager.allocate_slots(request, num_new):
+            while not kv.allocate_slots(request, num_new):
                 # Victims come from running past index: none of them has been scheduled in
                 # this pass. That matters for prefix caching: allocate_slots registers the
                 # blocks a scheduled request fills this step, and those must be written by
@@ -114,21 +135,37 @@ class Scheduler:
 
         # Waiting requests' prompt tokens come before proposals too: proposals keep only the
         # budget admission leaves (a prompt token is always used, a proposal only if kept).
-        proposed = sum(r.num_proposed for r in scheduled)
+        proposed = sum(r.num_proposed for r in scheduled) if self._speculating else 0
         budget = self._admit(budget + proposed, max_seqs, scheduled, counts, preempted)
         if proposed:
             budget -= self._choose_proposals(scheduled, counts, budget)
             # The head of the queue may have been refused blocks for a bigger chunk.
             self._admit(budget, max_seqs, scheduled, counts, preempted)
-        return SchedulerOutput(scheduled, counts, preempted)
+        # Each row's first position, and whether it samples (then the request has one more
+        # placeholder until the step is folded in); the requests advance past the step.
+        firsts, samples = [], []
+        for request, count in zip(scheduled, counts):
+            first = request.num_computed_tokens
+            firsts.append(first)
+            end = request.num_computed_tokens = first + count
+            request.steps_in_flight += 1
+            # Proposals are written after the known tokens (and count in `count`).
+            sampling = end - request.num_proposed >= request.num_tokens + \
+                request.num_placeholders
+            samples.append(sampling)
+            if sampling:
+                request.num_placeholders += 1
+        return SchedulerOutput(scheduled, counts, preempted, firsts, samples)
 
     def _admit(self, budget: int, max_seqs: int, scheduled: list[Request], counts: list[int],
                preempted: list[Request]) -> int:
         """Admit waiting requests in order while the budget, the sequence limit and the KV
         pool allow, and only when nothing had to give way this step; the budget left."""
         while (not preempted and self.waiting and budget > 0
-               and len(self.running) < max_seqs):
+               and len(self.running) < max_seqs and len(scheduled) < max_seqs):
             request = self.waiting[0]
+            if request.steps_in_flight:
+                break  # preempted while a step held it: it starts over once that is folded
             hits = self.kv_manager.get_computed_blocks(request)  # no reference taken yet
             num_hit = len(hits) * self.kv_manager.block_size
             num_new = min(request.num_tokens - num_hit, budget)
@@ -145,6 +182,7 @@ class Scheduler:
             request.state_slot = self._free_slots.pop()
             request.num_proposed = 0
             request.needs_state_reset = True
+            self._admitted.append(request)
             self.running.append(request)
             scheduled.append(request)
             counts.append(num_new)
@@ -192,10 +230,10 @@ class Scheduler:
 
     def update_from_output(self, out: SchedulerOutput, sampled,
                            num_emitted=None) -> list[tuple[Request, list[int]]]:
-        """Fold a finished step into its requests: each scheduled request (not finished
-        meanwhile) has its scheduled tokens computed; one that caught up with its tokens
-        appends the tokens sampled for its row and finishes on a stop token, EOS or length,
-        freeing its blocks.
+        """Fold a finished step into its requests: each row that sampled replaces its
+        request's placeholder with the token sampled for it, and the request finishes on a
+        stop token, EOS or length, freeing its blocks. Rows of requests that finished or
+        were preempted since the step was scheduled are dropped.
 
         sampled.token_ids holds each row's num_proposed + 1 draws, row after row (the
         runner's slots), of which row r emitted num_emitted[r] (i32[R]; None: one each,
@@ -204,16 +242,29 @@ class Scheduler:
         proposals are uncomputed again. Returns (request, indices into sampled of its new
         tokens) for each request that got tokens, in batch order."""
         appended = []
+        token_ids = None  # the sampled tokens as a list, converted once when needed
         start = 0  # the row's first slot
-        for row, (request, count) in enumerate(zip(out.requests, out.num_scheduled_tokens)):
-            first, start = start, start + request.num_proposed + 1
-            proposed, request.num_proposed = request.num_proposed, 0
-            if request.finished:
-                continue  # stopped (stop string), aborted or failed while the step ran
-            request.needs_state_reset = False  # the step reset its penalty-state row
-            request.num_computed_tokens += count
-            if request.num_computed_tokens < request.num_tokens:
+        running = RequestStatus.RUNNING
+        for row, request in enumerate(out.requests):
+            first, proposed = start, request.num_proposed
+            start += proposed + 1
+            request.steps_in_flight -= 1
+            if request.status is not running:
+                continue  # stopped (stop string), aborted, failed or preempted meanwhile
+            if not out.samples[row]:
                 continue  # a prefill chunk: nothing sampled yet
+            request.num_proposed = 0
+            request.num_placeholders -= 1
+            if token_ids is None:
+                token_ids = sampled.token_ids.tolist()
+            if not proposed and num_emitted is None:  # one token: the common case
+                request.append_token(token_ids[first])
+                if request.params.logprobs is not None:
+                    request.cumulative_logprob += float(sampled.logprobs[first])
+                if request.check_stop_token():
+                    self.finish(request, request.status)
+                appended.append((request, [first]))
+                continue
             emitted = 1 if num_emitted is None else int(num_emitted[row])
             if not 1 <= emitted <= proposed + 1:
                 raise RuntimeError(f"row {row} emitted {emitted} tokens for {proposed} "
@@ -225,7 +276,7 @@ class Scheduler:
                 request.spec_first_kept += emitted > 1
             taken = []
             for index in range(first, first + emitted):
-                request.append_token(int(sampled.token_ids[index]))
+                request.append_token(token_ids[index])
                 if request.params.logprobs is not None:
                     request.cumulative_logprob += float(sampled.logprobs[index])
                 taken.append(index)
@@ -234,6 +285,12 @@ class Scheduler:
                     break
             appended.append((request, taken))
         return appended
+
+    def drop_step(self, out: SchedulerOutput) -> None:
+        """A step whose results will never be folded in (lost on the device): its rows stop
+        holding their requests (the engine recomputes or fails them)."""
+        for request in out.requests:
+            request.steps_in_flight -= 1
 
     def _victim(self, index: int) -> Request:
         """The running request to preempt, from running[index:]: the newest (fcfs), or the
@@ -247,6 +304,7 @@ class Scheduler:
         self._release_slot(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_placeholders = 0  # what steps in flight sample for it is dropped
         request.num_proposed = 0
         request.num_preemptions += 1
         self.num_preemptions += 1

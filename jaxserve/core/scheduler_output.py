@@ -1,19 +1,25 @@
 """SchedulerOutput: the step the scheduler hands the engine and a backend.
 
 What a step runs is the scheduled requests themselves (`core/request.py`'s Request, shared
-with the scheduler, not copied): a backend reads, for each one in batch order,
+with the scheduler, not copied), with what the scheduler recorded for each row when it
+formed the step. A backend reads, for each one in batch order (row r):
 
-- `token_ids[num_computed_tokens : num_computed_tokens + count]`: the tokens to feed,
-  where count is its entry of `num_scheduled_tokens` (its known tokens first, then
-  `num_proposed` speculative proposals written after them);
-- `block_ids`: its KV blocks, enough for num_computed_tokens + count slots;
-- `state_slot`: its row of the device-side penalty, bias and grammar state;
+- `num_computed_tokens[r]` = first, `num_scheduled_tokens[r]` = count: the step feeds the
+  request's positions first .. first + count - 1, `token_ids[first : first + count]` (its
+  known tokens first, then `num_proposed` speculative proposals written after them). A
+  position at or past the request's `num_tokens` is a placeholder: the token a step still
+  in flight is sampling for it (asynchronous scheduling), which the backend takes from that
+  step's output on the device, by the request's `state_slot`;
+- `block_ids`: its KV blocks, enough for first + count slots;
+- `state_slot`: its row of the device-side penalty, bias, grammar and last-token state, and
+  `needs_state_reset`: the row was just handed out and starts from nothing;
 - `seed`, `sampling_floats`, `sampling_top_k`, `params`: how to sample its next token;
-- `num_prompt_tokens`: whether this step still reads the prompt (prompt logprobs, and
-  whether it samples at all: `input_builder.samples_this_step`).
+- `samples[r]`: whether the row samples a token (a prompt chunk short of the prompt's end
+  does not), and `num_prompt_tokens`: whether it still reads its prompt (prompt logprobs).
 
-The scheduler moves num_computed_tokens forward only in `update_from_output`, after the
-step, so during a step these fields describe the step's start.
+The scheduler advances each request's num_computed_tokens as it schedules it, so the
+request itself already describes the state after the step; the fields above describe the
+step.
 """
 
 from __future__ import annotations
@@ -33,6 +39,18 @@ class SchedulerOutput:
     # Requests preempted while this step was formed (their blocks are freed; they wait to be
     # recomputed). Not part of the batch; the engine reports them in its stats.
     preempted: list[Request]
+    # Each row's first position: its request's num_computed_tokens when it was scheduled
+    # (None: read from the requests now, for a step formed by hand from their state).
+    num_computed_tokens: list[int] | None = None
+    # Whether each row samples a token at its end (None: from the requests' state now).
+    samples: list[bool] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_computed_tokens is None:
+            self.num_computed_tokens = [r.num_computed_tokens for r in self.requests]
+        if self.samples is None:
+            self.samples = [first + count >= r.num_tokens for r, first, count in zip(
+                self.requests, self.num_computed_tokens, self.num_scheduled_tokens)]
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -43,10 +61,20 @@ class SchedulerOutput:
     def empty(self) -> bool:
         return not self.requests
 
+    def rows(self, indices) -> SchedulerOutput:
+        """The step's rows at `indices` as a step of their own (the engine splits a step to
+        isolate a failing request)."""
+        return SchedulerOutput([self.requests[i] for i in indices],
+                               [self.num_scheduled_tokens[i] for i in indices], [],
+                               [self.num_computed_tokens[i] for i in indices],
+                               [self.samples[i] for i in indices])
+
     @classmethod
     def concat(cls, parts: list[SchedulerOutput]) -> SchedulerOutput:
         """Several partial steps seen as one (a step the engine split to isolate a failing
         request runs as parts)."""
         return cls([r for p in parts for r in p.requests],
                    [n for p in parts for n in p.num_scheduled_tokens],
-                   [r for p in parts for r in p.preempted])
+                   [r for p in parts for r in p.preempted],
+                   [n for p in parts for n in p.num_computed_tokens],
+                   [s for p in parts for s in p.samples])

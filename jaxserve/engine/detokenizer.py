@@ -133,6 +133,17 @@ class IncrementalDetokenizer:
         return self._text
 
     @property
+    def checks_stop_strings(self) -> bool:
+        """Whether it has stop strings: only then must it see each token as it comes (the
+        engine feeds the others their tokens when their text is read, in one update)."""
+        return bool(self._stop)
+
+    @property
+    def num_tokens(self) -> int:
+        """Output token ids given so far."""
+        return len(self._token_ids)
+
+    @property
     def token_ids(self) -> list[int]:
         """All output token ids given so far (also those past a stop string or a
         stop token). The list is the detokenizer's own: do not mutate it."""

@@ -211,6 +211,8 @@ class LLMEngine(EngineInterface):
         for tracked in changed:
             if tracked.error is not None:
                 continue  # failed after its tokens came: reported with the failures
+            if final_only and not tracked.finished:
+                continue
             try:
                 output = self.outputs.make_output(tracked)
             except Exception as err:  # noqa: BLE001 - this request's output only
@@ -234,7 +236,10 @@ class LLMEngine(EngineInterface):
             if tracked.error is not None:
                 continue
             try:
-                self._detokenize(tracked, req, tokens)
+                # Stop strings are looked for token by token; other text waits until it is
+                # read (OutputBuilder.make_output).
+                if tracked.detokenizers[tracked.children.index(req)].checks_stop_strings:
+                    self._detokenize(tracked, req, tokens)
             except Exception as err:  # noqa: BLE001 - this request only
                 self._fail(tracked, err, "while detokenizing")
                 continue
@@ -255,15 +260,14 @@ class LLMEngine(EngineInterface):
         if not self._suspects:
             self._dispatch(out)
             return
-        rest = SchedulerOutput([], [], out.preempted)
-        for req, count in zip(out.requests, out.num_scheduled_tokens):
+        rest = []
+        for row, req in enumerate(out.requests):
             if req.request_id in self._suspects:
-                self._dispatch(SchedulerOutput([req], [count], []))
+                self._dispatch(out.rows([row]))
             else:
-                rest.requests.append(req)
-                rest.num_scheduled_tokens.append(count)
-        if rest.requests:
-            self._dispatch(rest)
+                rest.append(row)
+        if rest:
+            self._dispatch(out.rows(rest))
 
     def _dispatch(self, out: SchedulerOutput) -> None:
         """Start a step on the device. If it cannot start, nothing of it ran: start its
@@ -281,9 +285,9 @@ class LLMEngine(EngineInterface):
                 return
             logger.warning("A step of %d requests could not start (%s); starting them one at "
                            "a time", len(out.requests), _describe(err))
-            for req, count in zip(out.requests, out.num_scheduled_tokens):
+            for row, req in enumerate(out.requests):
                 if not req.finished:
-                    self._dispatch(SchedulerOutput([req], [count], []))
+                    self._dispatch(out.rows([row]))
             return
         self._in_flight.append((out, handle, time.perf_counter()))
         self._fail_masks(broken)
@@ -326,8 +330,9 @@ class LLMEngine(EngineInterface):
                 self.scheduler.observe_step(out, time.perf_counter() - started)
             appended += self._fold(out, result)
             if self._suspects:  # a suspect that ran alone up to its failed step is cleared
-                for req in out.requests:
-                    if req.num_computed_tokens >= self._suspects.get(req.request_id, 0):
+                for req, first, count in zip(out.requests, out.num_computed_tokens,
+                                             out.num_scheduled_tokens):
+                    if first + count >= self._suspects.get(req.request_id, 0):
                         self._suspects.pop(req.request_id, None)
         return appended
 
@@ -335,6 +340,7 @@ class LLMEngine(EngineInterface):
         """A step failed on the device. What it did to its requests' KV and penalty state is
         unknown, so they are recomputed from scratch, each alone; one that was alone already
         is the culprit."""
+        self.scheduler.drop_step(out)
         if len(out.requests) == 1:
             if not out.requests[0].finished:
                 self._fail(self._by_child[out.requests[0].request_id], err,
@@ -342,9 +348,10 @@ class LLMEngine(EngineInterface):
             return
         logger.warning("A step of %d requests failed on the device (%s); recomputing each "
                        "alone", len(out.requests), _describe(err))
-        for req, count in zip(out.requests, out.num_scheduled_tokens):
+        for req, first, count in zip(out.requests, out.num_computed_tokens,
+                                     out.num_scheduled_tokens):
             if not req.finished:
-                self._suspects[req.request_id] = req.num_computed_tokens + count
+                self._suspects[req.request_id] = first + count
                 self.scheduler.recompute(req)
 
     def _fold(self, out: SchedulerOutput,
@@ -353,14 +360,15 @@ class LLMEngine(EngineInterface):
         tokens, sampled tokens, finishes), then the sampled tokens' logprob entries."""
         if result.prompt_scores is not None:
             start = 0
-            for req, count in zip(out.requests, out.num_scheduled_tokens):
-                first, start = start, start + count
+            for req, first, count in zip(out.requests, out.num_computed_tokens,
+                                         out.num_scheduled_tokens):
+                row_start, start = start, start + count
                 tracked = self._by_child.get(req.request_id)
                 if req.finished or tracked.prompt_logprobs is None or \
                         req is not tracked.children[0]:
                     continue
                 try:
-                    self.outputs.record_prompt_logprobs(tracked, req, first, count,
+                    self.outputs.record_prompt_logprobs(tracked, req, row_start, first, count,
                                                         result.prompt_scores)
                 except Exception as err:  # noqa: BLE001 - this request only
                     self._fail(tracked, err, "while its results were read")

@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from jaxserve.core.request import Request
+from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxserve.engine.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput,
+                                     Snapshot)
 
 
 @dataclasses.dataclass
@@ -47,12 +48,11 @@ class OutputBuilder:
         self._decode_one = functools.lru_cache(maxsize=65536)(self._decode_token)
 
     def record_prompt_logprobs(self, tracked: TrackedRequest, req: Request, start: int,
-                               count: int, scores) -> None:
-        """Append the prompt logprobs of the positions a step computed (req's tokens from
-        num_computed_tokens, at rows start.. of scores) that are not recorded yet."""
+                               first: int, count: int, scores) -> None:
+        """Append the prompt logprobs of the positions a step computed (req's positions
+        first .. first + count - 1, at rows start.. of scores) that are not recorded yet."""
         k = tracked.params.prompt_logprobs
         have = len(tracked.prompt_logprobs)  # positions 0..have-1 are done
-        first = req.num_computed_tokens
         for pos in range(max(first, have - 1), min(first + count, req.num_prompt_tokens - 1)):
             i = start + pos - first
             target = int(req.token_ids[pos + 1])
@@ -71,18 +71,28 @@ class OutputBuilder:
         return self.tokenizer.decode([token_id])
 
     def make_output(self, tracked: TrackedRequest) -> RequestOutput:
+        """The request's output now. Its cost does not grow with the output's length while
+        it runs: token ids and logprobs are Snapshots, and only new tokens are
+        detokenized."""
         completions = []
         for i, (child, detok) in enumerate(zip(tracked.children, tracked.detokenizers)):
+            finished = child.finished
+            if not detok.checks_stop_strings:
+                _catch_up(child, detok)
             logprobs = cumulative = None
             if child.params.logprobs is not None:
-                logprobs, cumulative = list(tracked.logprobs[i]), child.cumulative_logprob
+                entries, cumulative = tracked.logprobs[i], child.cumulative_logprob
+                logprobs = list(entries) if finished else Snapshot(entries, len(entries))
             # Safe text: while running, the tail that could still become a stop string (or
             # an incomplete character) is held back, so streamed deltas never retract.
-            finished = child.finished
             text = detok.get_next_output_text(finished=finished, delta=False)
-            reason = child.status.value if finished else None
-            completions.append(CompletionOutput(i, text, child.output_token_ids, cumulative,
-                                                logprobs, reason, child.stop_reason))
+            first, end = child.num_prompt_tokens, child.num_tokens
+            if finished:
+                token_ids, reason = child.token_ids[first:end].tolist(), child.status.value
+            else:
+                token_ids, reason = Snapshot(child.token_ids[first:], end - first), None
+            completions.append(CompletionOutput(i, text, token_ids, cumulative, logprobs,
+                                                reason, child.stop_reason))
         scheduled = [c.scheduled_time for c in tracked.children if c.scheduled_time is not None]
         metrics = RequestMetrics(tracked.children[0].arrival_time,
                                  min(scheduled) if scheduled else None)
@@ -101,3 +111,18 @@ class OutputBuilder:
         return RequestOutput(tracked.request_id, tracked.prompt, tracked.prompt_token_ids,
                              None, completions, True, error=tracked.error,
                              error_param=tracked.error_param)
+
+
+def _catch_up(child: Request, detok: IncrementalDetokenizer) -> None:
+    """Hand a detokenizer without stop strings the tokens its sequence got since its text
+    was last read (the engine feeds those with stop strings token by token), in one
+    update: the text does not depend on how tokens are grouped."""
+    have = detok.num_tokens
+    if have >= child.num_output_tokens:
+        return
+    new = child.token_ids[child.num_prompt_tokens + have: child.num_tokens].tolist()
+    # A stop token id or EOS that ended the sequence is not part of its text.
+    last = new[-1]
+    by_token = child.status is RequestStatus.FINISHED_STOPPED and (
+        last in child.eos_token_ids or last in child.stop_token_ids)
+    detok.update(new, stop_terminated=by_token, check_stop=False)

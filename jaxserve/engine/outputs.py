@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 
 @dataclasses.dataclass
@@ -17,11 +18,54 @@ SampleLogprobs = list[dict[int, Logprob]]
 PromptLogprobs = list[dict[int, Logprob] | None]
 
 
+class Snapshot(Sequence):
+    """The first `length` items of a growing sequence (a request's token array, its logprob
+    entries), read-only: what a running request's output holds instead of a copy, so that
+    building an output per step costs the same at any length. The items it covers never
+    change (a request only appends). Reads like a list: len, indexing, iteration, and a
+    slice or `list()` gives a list; compares equal to a list or tuple of the same items.
+    A finished request's output holds plain lists."""
+
+    __slots__ = ("_items", "_length")
+
+    def __init__(self, items, length: int) -> None:
+        self._items, self._length = items, length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            part = self._items[: self._length][index]
+            return part.tolist() if hasattr(part, "tolist") else list(part)
+        if not -self._length <= index < self._length:
+            raise IndexError("index out of range")
+        item = self._items[index % self._length]
+        return item.item() if hasattr(item, "item") else item
+
+    def __iter__(self):
+        return iter(self[:])
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (Snapshot, list, tuple)):
+            return len(self) == len(other) and self[:] == list(other)
+        return NotImplemented
+
+    def __add__(self, other) -> list:
+        return self[:] + list(other)
+
+    def __radd__(self, other) -> list:
+        return list(other) + self[:]
+
+    def __repr__(self) -> str:
+        return repr(self[:])
+
+
 @dataclasses.dataclass
 class CompletionOutput:
     index: int
     text: str
-    token_ids: list[int]
+    token_ids: list[int] | Snapshot  # a Snapshot while the request runs
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None: running

@@ -78,7 +78,7 @@ from jaxserve.config.mesh import (
     param_spec,
     plan_sharding,
 )
-from jaxserve.core.input_builder import build_step_inputs
+from jaxserve.core.input_builder import StepInputBuilder, build_step_inputs
 from jaxserve.core.sampling_params import MAX_LOGPROBS
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.kernels_pallas import ref
@@ -170,6 +170,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.blocks_per_seq = kv_sizing.blocks_per_seq(config.model.max_model_len,
                                                        self.block_size)
+        self.inputs = StepInputBuilder(config.scheduler.max_num_seqs, self.block_size,
+                                       self.blocks_per_seq)
         # Before sizing the KV cache, so that the device's bytes in use count it.
         self.penalty_state = PenaltyState.zeros(config.scheduler.max_num_seqs + 1,
                                                 self.arch.vocab_size, self.replicated)
@@ -242,7 +244,11 @@ class ModelRunner:
     # ---- device functions ---------------------------------------------------------------
     def _step_fn(self, params, kv_caches, penalty_state, packed, layout: Layout):
         arrays = unpack(packed, layout)
+        feed = arrays.pop("feed_slots")
         batch = Batch(**{f: arrays.pop(f) for f in _BATCH_FIELDS})
+        # Placeholder inputs: the token the previous step sampled for the row's request.
+        batch = dataclasses.replace(batch, token_ids=jnp.where(
+            feed > 0, penalty_state.last_tokens[feed], batch.token_ids))
         sampling = SamplingInputs(**arrays)
         model = nnx.merge(self.graphdef, params)
         kv_caches, hidden = model(kv_caches, batch, self.attend)
@@ -262,6 +268,10 @@ class ModelRunner:
         k = self.num_speculative
         if not k:
             result = sample_at(batch.logits_indices, sampling)
+            # Each row's token for a later step's placeholder (padding rows write row 0;
+            # speculative steps are never followed by placeholders).
+            penalty_state = dataclasses.replace(penalty_state, last_tokens=(
+                penalty_state.last_tokens.at[sampling.state_slots].set(result.token_ids)))
             return kv_caches, penalty_state, hidden, pack_device(result)
         rows = batch.logits_indices.shape[0]
         slots = min(batch.token_ids.shape[0], rows * (k + 1))  # L
@@ -410,8 +420,7 @@ class ModelRunner:
                                                          len(out.requests))
         self.padding.record(out.total_num_scheduled_tokens, num_tokens, len(out.requests),
                             num_rows)
-        batch, sampling = build_step_inputs(out, num_tokens, num_rows, self.block_size,
-                                            self.blocks_per_seq)
+        batch, sampling = self.inputs.build(out, num_tokens, num_rows)
         packed = pack({**batch, **sampling})
         targets = None
         if score_targets is not None:

@@ -34,6 +34,9 @@ class PenaltyState:
     prompt_mask: jax.Array  # bool[Q, V]
     logit_bias: jax.Array  # f32[Q, V]
     grammar_mask: jax.Array  # i32[Q, W]  W = ceil(V / 32): bit t % 32 of word t // 32
+    # i32[Q]: each row's last sampled token, which a step scheduled before that token reached
+    # the host (asynchronous scheduling) feeds where its input is a placeholder.
+    last_tokens: jax.Array | None = None
 
     @classmethod
     def zeros(cls, rows: int, vocab: int, sharding=None) -> PenaltyState:
@@ -41,7 +44,8 @@ class PenaltyState:
         mask = jnp.zeros((rows, vocab), jnp.bool_, device=sharding)
         bias = jnp.zeros((rows, vocab), jnp.float32, device=sharding)
         grammar = jnp.full((rows, (vocab + 31) // 32), -1, jnp.int32, device=sharding)
-        return cls(counts, mask, bias, grammar)
+        last = jnp.zeros((rows,), jnp.int32, device=sharding)
+        return cls(counts, mask, bias, grammar, last)
 
 
 MASK_ROWS_PER_CALL = 8  # grammar masks written per set_grammar_rows call (K)

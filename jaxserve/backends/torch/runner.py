@@ -44,7 +44,7 @@ from jaxserve.backends.torch.sampler import (
 )
 from jaxserve.config import kv_sizing
 from jaxserve.config.engine_config import TORCH_ATTENTION_BACKENDS, EngineConfig
-from jaxserve.core.input_builder import build_step_inputs
+from jaxserve.core.input_builder import StepInputBuilder, build_step_inputs
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.kernels_triton import ref
 from jaxserve.models import model_family
@@ -197,6 +197,8 @@ class TorchRunner:
         self.block_size = config.cache.block_size
         self.blocks_per_seq = kv_sizing.blocks_per_seq(config.model.max_model_len,
                                                        self.block_size)
+        self.inputs = StepInputBuilder(config.scheduler.max_num_seqs, self.block_size,
+                                       self.blocks_per_seq)
         hf = config.model.hf_config
         arch = model_family(hf).arch_from_hf(hf)
         self.arch = arch
@@ -295,10 +297,14 @@ class TorchRunner:
             out.total_num_scheduled_tokens, len(out.requests))
         self.padding.record(out.total_num_scheduled_tokens, num_tokens, len(out.requests),
                             num_rows)
-        batch_np, sampling_np = build_step_inputs(out, num_tokens, num_rows, self.block_size,
-                                                  self.blocks_per_seq)
+        batch_np, sampling_np = self.inputs.build(out, num_tokens, num_rows)
         flags = StepFlags.of(sampling_np, len(out.requests), self.arch.vocab_size)
+        feed = batch_np.pop("feed_slots")
         batch = TorchBatch(**{k: self._put(v) for k, v in batch_np.items()})
+        if feed.any():  # placeholders: the tokens the previous step sampled, on the device
+            feed = self._put(feed).long()
+            batch.token_ids = torch.where(feed > 0, self.penalty_state.last_tokens[feed],
+                                          batch.token_ids)
         s = {k: self._put(v) for k, v in sampling_np.items()}
         self._write_rows(out, grammar_masks or [])
         if self.graphs is not None:
@@ -311,6 +317,9 @@ class TorchRunner:
             update_penalty_state(self.penalty_state, batch.token_ids, batch.positions, s,
                                  self._put(seq).long(), self._put(valid))
         result = sample(logits, self.penalty_state, s, flags)
+        # Each row's token for a later step's placeholder (padding rows write row 0).
+        self.penalty_state.last_tokens[s["state_slots"].long()] = result.token_ids.to(
+            torch.int32)
         scores = None
         if score_targets is not None:
             targets = np.zeros(num_tokens, np.int32)
@@ -391,6 +400,7 @@ class GraphCache:
         empty = SchedulerOutput([], [], [])
         batch_np, _ = build_step_inputs(empty, num_tokens, num_rows, runner.block_size,
                                         runner.blocks_per_seq)
+        batch_np.pop("feed_slots")
         inputs = TorchBatch(**{k: runner._put(v).clone() for k, v in batch_np.items()})
         # An empty batch writes only into the null block 0: safe to run on the live cache.
         stream = torch.cuda.Stream()

@@ -36,13 +36,15 @@ class PenaltyState:
     prompt_mask: torch.Tensor  # bool[Q, V]
     logit_bias: torch.Tensor  # f32[Q, V]
     grammar_mask: torch.Tensor  # i32[Q, W]  W = ceil(V / 32): bit t % 32 of word t // 32
+    last_tokens: torch.Tensor  # i32[Q]  each row's last sampled token (placeholder inputs)
 
     @classmethod
     def zeros(cls, rows: int, vocab: int, device) -> PenaltyState:
         return cls(torch.zeros(rows, vocab, dtype=torch.int32, device=device),
                    torch.zeros(rows, vocab, dtype=torch.bool, device=device),
                    torch.zeros(rows, vocab, dtype=torch.float32, device=device),
-                   torch.full((rows, (vocab + 31) // 32), -1, dtype=torch.int32, device=device))
+                   torch.full((rows, (vocab + 31) // 32), -1, dtype=torch.int32, device=device),
+                   torch.zeros(rows, dtype=torch.int32, device=device))
 
 
 @dataclasses.dataclass
