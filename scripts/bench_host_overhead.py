@@ -4,12 +4,13 @@
 
 Runs the real LLMEngine.step (scheduling, input building and packing, output processing,
 detokenization, output objects) with a runner that does the host work of a real step
-(build_step_inputs + pack) but returns made-up tokens instead of calling the device. Each
-case first admits N requests and finishes their prefill, then times decode steps with all N
-running. Prints microseconds per step (median and p90 over the timed steps), as the server
-runs it (an output object per request per step) and as LLM.generate runs it (final outputs
-only). Both include the cost of the requests' final outputs (made once at the end, when
-the text of deferred detokenization is produced), spread over the timed steps.
+(StepInputBuilder.build + pack) but returns made-up tokens instead of calling the device
+(benchmarks/standin_runners.py). Each case first admits N requests and finishes their
+prefill, then times decode steps with all N running. Prints microseconds per step (median
+and p90 over the timed steps), as the server runs it (an output object per request per
+step) and as LLM.generate runs it (final outputs only). Both include the cost of the
+requests' final outputs (made once at the end, when the text of deferred detokenization is
+produced), spread over the timed steps.
 """
 
 from __future__ import annotations
@@ -20,57 +21,9 @@ import time
 import numpy as np
 
 from jaxserve import SamplingParams, default_model_path
-from jaxserve.backends.jax.packing import pack
-from jaxserve.backends.jax.sampler import SampleResult
-from jaxserve.backends.protocol import RunnerStats, StepResult
+from jaxserve.benchmarks.standin_runners import NullRunner
 from jaxserve.config.engine_config import EngineConfig
-from jaxserve.core.input_builder import StepInputBuilder
-from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.engine.llm_engine import LLMEngine
-
-
-class NullRunner:
-    """The host half of ModelRunner.dispatch / fetch; the device half returns random
-    tokens."""
-
-    def __init__(self, config: EngineConfig, vocab: int) -> None:
-        self.config = config
-        self.block_size = config.cache.block_size
-        self.blocks_per_seq = -(-config.model.max_model_len // self.block_size)
-        self.num_blocks = config.scheduler.max_num_seqs * self.blocks_per_seq + 1
-        self.bytes_per_block = 1
-        self.inputs = StepInputBuilder(config.scheduler.max_num_seqs, self.block_size,
-                                       self.blocks_per_seq)
-        self.vocab = vocab
-        self.rng = np.random.default_rng(0)
-
-    def warm_up(self, background: bool = False) -> None:
-        pass
-
-    def step_limits(self) -> None:
-        return None
-
-    def fetch(self, result: StepResult) -> StepResult:
-        return result
-
-    def stats(self) -> RunnerStats:
-        return RunnerStats(compilations=0, compiling=0, warm_up_done=True)
-
-    def close(self) -> None:
-        pass
-
-    def dispatch(self, out: SchedulerOutput, score_targets=None,
-                 grammar_masks=None) -> StepResult:
-        sched = self.config.scheduler
-        num_tokens, num_rows = sched.pick_bucket(out.total_num_scheduled_tokens,
-                                                 len(out.requests))
-        batch, sampling = self.inputs.build(out, num_tokens, num_rows)
-        pack({**batch, **sampling})
-        tokens = self.rng.integers(5, self.vocab, num_rows).astype(np.int32)
-        zeros = np.zeros(num_rows, np.float32)
-        top = np.zeros((num_rows, 20), np.int32)
-        return StepResult(SampleResult(tokens, zeros, zeros.astype(np.int32) + 1, top,
-                                       top.astype(np.float32)), None)
 
 
 def measure(num_seqs: int, steps: int, final_only: bool) -> tuple[float, float]:
@@ -83,7 +36,7 @@ def measure(num_seqs: int, steps: int, final_only: bool) -> tuple[float, float]:
     rng = np.random.default_rng(1)
     for i in range(num_seqs):
         engine.add_request(str(i), None, rng.integers(5, 4000, 64).tolist(), params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in
+    while any(r.num_output_tokens == 0 for r in
               list(engine.scheduler.running) + list(engine.scheduler.waiting)):
         engine.step()
     times = []

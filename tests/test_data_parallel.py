@@ -80,6 +80,9 @@ class FakeReplica:
             self.waiting.remove(request_id)
         return FakeOutput(request_id, True)
 
+    def begin_step(self):
+        self.launched = getattr(self, "launched", 0) + 1
+
     def step(self, final_only=False):
         self.steps += 1
         for _ in range(len(self.waiting)):

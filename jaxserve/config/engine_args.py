@@ -96,6 +96,12 @@ class EngineArgs:
         "fcfs", "fcfs: first come, first served; priority: requests with a lower priority "
         "value go first, and the lowest-priority running request is preempted first",
         choices=SCHEDULING_POLICIES)
+    async_scheduling: bool | None = _arg(
+        None, "schedule each step while the previous one runs on the device, its inputs "
+        "taken from that step's sampled tokens on the device, so host work overlaps device "
+        "work; None: on, except with speculative decoding (which steps synchronously)",
+        cli_help="schedule each step while the previous one runs on the device, so host work "
+        "overlaps device work (default: on, except with speculative decoding)")
     mesh: str | None = _arg(
         None, "device mesh DATAxMODEL, e.g. 2x4 (or data=2,model=4): DATA replicas, each "
         "tensor-parallel over MODEL devices (default 1x1)")
@@ -175,7 +181,7 @@ class EngineArgs:
             meta = f.metadata
             flags = [_flag(f.name), *(_flag(a) for a in meta["aliases"]), *meta["short"]]
             help_text = meta["cli_help"] or meta["help"]
-            if isinstance(f.default, bool):
+            if isinstance(f.default, bool) or str(f.type).startswith("bool | None"):
                 parser.add_argument(*flags, dest=f.name, default=f.default,
                                     action=argparse.BooleanOptionalAction, help=help_text)
                 continue
@@ -219,6 +225,7 @@ class EngineArgs:
             compilation_cache_dir=self.compilation_cache_dir, precompile=precompile,
             generation_config=self.generation_config,
             scheduling_policy=self.scheduling_policy,
+            async_scheduling=self.async_scheduling,
             speculative_config=self.speculative_config, quantization=self.quantization,
             request_limits=self.request_limits, on_accelerator=on_accelerator)
 

@@ -107,6 +107,10 @@ class SchedulerConfig:
     # requests by priority (lower first), and the lowest-priority running request is the
     # one preempted (vLLM's --scheduling-policy).
     policy: str = "fcfs"
+    # Schedule and launch step N+1 while step N runs, its placeholder inputs taken from N's
+    # sampled tokens on the device (vLLM's async_scheduling); False: each step is scheduled
+    # after the previous one's tokens reached the host.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
@@ -218,6 +222,9 @@ class EngineConfig:
                 Path(self.model.model) / ORBAX_MARKER).is_file():
             raise ValueError("quantization: an Orbax checkpoint (jaxserve convert) is restored "
                              "as saved; quantize from the Hugging Face folder instead.")
+        if self.scheduler.async_scheduling and self.speculative is not None:
+            raise ValueError("async_scheduling does not work with speculative_config; drop one "
+                             "of them.")
         if self.backend == "torch" and self.speculative is not None:
             raise ValueError("speculative_config: speculative decoding runs on the JAX backend "
                              "only; drop speculative_config or use backend='jax'.")
@@ -254,6 +261,7 @@ class EngineConfig:
         precompile: bool | str = True,
         generation_config: str = "auto",
         scheduling_policy: str = "fcfs",
+        async_scheduling: bool | None = None,
         speculative_config: SpeculativeConfig | dict | str | None = None,
         quantization: str | None = None,
         request_limits: RequestLimits | dict | str | None = None,
@@ -275,6 +283,17 @@ class EngineConfig:
             max_num_seqs = 256 if on_accelerator else 128
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if on_accelerator else 512
+        speculative = SpeculativeConfig.parse(speculative_config)
+        if async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be True, False or None (auto), got "
+                             f"{async_scheduling!r}.")
+        if async_scheduling and speculative is not None:
+            raise ValueError("async_scheduling=True does not work with speculative_config: a "
+                             "speculative step's next inputs depend on how many proposals it "
+                             "accepts. Drop one of them (speculative decoding steps "
+                             "synchronously when async_scheduling is left unset).")
+        if async_scheduling is None:
+            async_scheduling = speculative is None
         if compilation_cache_dir == "default":
             cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
             compilation_cache_dir = os.path.join(cache_home, "jaxserve", "xla")
@@ -292,14 +311,15 @@ class EngineConfig:
                               kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len, policy=scheduling_policy),
+                                      max_model_len=max_model_len, policy=scheduling_policy,
+                                      async_scheduling=async_scheduling),
             parallel=_parallel_config(hf_config, mesh, data_parallel_size,
                                       tensor_parallel_size, expert_parallel),
             attention=AttentionConfig(backend=attention_backend),
             backend=resolve_backend(backend),
             compilation_cache_dir=compilation_cache_dir,
             precompile=precompile,
-            speculative=SpeculativeConfig.parse(speculative_config),
+            speculative=speculative,
             limits=RequestLimits.parse(request_limits),
         )
 

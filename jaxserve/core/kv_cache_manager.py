@@ -203,7 +203,13 @@ class KVCacheManager:
         it. A request admitted later in the same step may hit them too: each layer writes
         the step's KV before its attention reads the cache.
         """
-        num_hit = len(computed_blocks) * self.block_size
+        size = self.block_size
+        if not computed_blocks:  # the common case: room in its blocks, nothing to name
+            total = request.num_computed_tokens + num_new_tokens
+            if total <= len(request.block_ids) * size and (not self.enable_caching or min(
+                    total, request.num_tokens) // size <= request.num_registered_blocks):
+                return True
+        num_hit = len(computed_blocks) * size
         total = request.num_computed_tokens + num_hit + num_new_tokens
         missing = self.blocks_needed(total) - len(request.block_ids) - len(computed_blocks)
         if computed_blocks:

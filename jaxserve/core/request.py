@@ -51,6 +51,8 @@ class Request:
                                 constraints is not None and constraints.has_row)
         self.sampling_top_k = params.top_k
         self.stop_token_ids = frozenset(params.stop_token_ids)
+        self._stops = self.eos_token_ids | self.stop_token_ids  # either ends it
+        self._min_outputs = max(params.min_tokens, 1)  # before a stop token may end it
         # logit_bias, allowed_token_ids, bad_words (shared by a request's n children).
         self.constraints = constraints
         # Structured outputs: this sequence's llguidance matcher (None: unconstrained), and
@@ -166,13 +168,12 @@ class Request:
     def check_stop_token(self) -> bool:
         """After appending a token: finish on EOS / stop_token_ids (after min_tokens) or length."""
         last = int(self.token_ids[self.num_tokens - 1])
-        if self.num_output_tokens >= max(self.params.min_tokens, 1) and (
-            last in self.eos_token_ids or last in self.stop_token_ids
-        ):
+        outputs = self.num_tokens - self.num_prompt_tokens
+        if last in self._stops and outputs >= self._min_outputs:
             self.status = RequestStatus.FINISHED_STOPPED
             self.stop_reason = None if last in self.eos_token_ids else last
             return True
-        if self.num_output_tokens >= self.max_output_tokens:
+        if outputs >= self.max_output_tokens:
             self.status = RequestStatus.FINISHED_LENGTH
             return True
         return False

@@ -97,24 +97,27 @@ class Scheduler:
         if self._speculating:
             reserved = sum(r.num_tokens + r.num_placeholders - r.num_computed_tokens
                            for r in self.running[:max_seqs])
-        kv = self.kv_manager
+        kv, running, speculating = self.kv_manager, self.running, self._speculating
         index = 0
-        while index < len(self.running) and budget > 0 and len(scheduled) < max_seqs:
-            request = self.running[index]
+        while index < len(running) and budget > 0 and len(scheduled) < max_seqs:
+            request = running[index]
             waiting_for = request.num_placeholders
             remaining = request.num_tokens + waiting_for - request.num_computed_tokens
-            reserved -= remaining
             if waiting_for and (request.needs_known_tokens or remaining <= 0 or
-                                request.num_output_tokens + waiting_for
+                                request.num_tokens - request.num_prompt_tokens + waiting_for
                                 >= request.max_output_tokens):
                 index += 1  # its next input is not known yet, or it ends in flight
+                reserved -= remaining
                 continue
-            if self._speculating:
+            if speculating:
+                reserved -= remaining
                 request.num_proposed = self._propose(request, budget - remaining - reserved)
-            num_new = min(remaining + request.num_proposed, budget)
-            if request.num_proposed and not kv.allocate_slots(request, num_new):
-                request.num_proposed = 0  # no room for proposals: never preempt for them
-                num_new = min(remaining, budget)
+                num_new = min(remaining + request.num_proposed, budget)
+                if request.num_proposed and not kv.allocate_slots(request, num_new):
+                    request.num_proposed = 0  # no room for proposals: never preempt for them
+                    num_new = min(remaining, budget)
+            else:
+                num_new = remaining if remaining < budget else budget
             while not kv.allocate_slots(request, num_new):
                 # Victims come from running past index: none of them has been scheduled in
                 # this pass. That matters for prefix caching: allocate_slots registers the
@@ -258,7 +261,8 @@ class Scheduler:
             if token_ids is None:
                 token_ids = sampled.token_ids.tolist()
             if not proposed and num_emitted is None:  # one token: the common case
-                request.append_token(token_ids[first])
+                request.token_ids[request.num_tokens] = token_ids[first]
+                request.num_tokens += 1
                 if request.params.logprobs is not None:
                     request.cumulative_logprob += float(sampled.logprobs[first])
                 if request.check_stop_token():

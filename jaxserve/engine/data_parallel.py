@@ -4,9 +4,12 @@ With `--mesh DxM`, D replicas each run a whole LLMEngine (its own scheduler, KV 
 and compiled steps) on its own (1, M) sub-mesh: replica r gets devices r*M .. r*M + M - 1.
 This front end implements LLMEngine's interface (interface.EngineInterface); it sends each
 new request to the replica with the fewest unfinished requests (the lowest rank on a tie),
-routes aborts to the owner, and steps every replica in turn. A replica's step only launches device work and returns (JAX dispatch
-is asynchronous), so while the host serves replica 1 the devices of replica 0 are computing:
-all ranks stay busy under load.
+routes aborts to the owner, and steps every replica in turn. With asynchronous scheduling
+every replica's next step is launched first (LLMEngine.begin_step), then each replica's
+previous step is collected and its outputs built, so one replica's host work never delays
+another's launch; without it a replica's step only launches device work and returns (JAX
+dispatch is asynchronous), so while the host serves replica 1 the devices of replica 0 are
+computing.
 
 One engine per rank rather than one scheduler over all ranks: each replica's batch, blocks
 and buckets are exactly those of a single-replica engine, so nothing in the scheduler, the
@@ -85,10 +88,12 @@ class DataParallelEngine(EngineInterface):
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One step of every replica that has work; their outputs together."""
+        busy = [r for r in self.replicas if r.has_unfinished_requests()]
+        for replica in busy:  # asynchronous scheduling: every replica's next step starts
+            replica.begin_step()  # before any replica's host work on the step it follows
         outputs = []
-        for replica in self.replicas:
-            if replica.has_unfinished_requests():
-                outputs.extend(replica.step(final_only))
+        for replica in busy:
+            outputs.extend(replica.step(final_only))
         for output in outputs:
             if output.finished:
                 self._owner.pop(output.request_id, None)

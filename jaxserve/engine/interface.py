@@ -47,6 +47,11 @@ class EngineInterface(abc.ABC):
         """Advance every request by a step; the outputs of those that changed (with
         final_only, of those that finished)."""
 
+    def begin_step(self) -> None:
+        """Start the next step's device work now, before step() collects the one it
+        follows (asynchronous scheduling; a no-op for an engine that does not schedule
+        ahead). step() calls it itself when it was not called."""
+
     @abc.abstractmethod
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (vLLM's reset_prefix_cache): later prompts hit nothing

@@ -40,7 +40,7 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.interface import EngineInterface
 from jaxserve.engine.output_processor import OutputBuilder, TrackedRequest
 from jaxserve.engine.outputs import RequestOutput
-from jaxserve.engine.stats import EngineStats
+from jaxserve.engine.stats import EngineStats, HostTimes
 from jaxserve.inputs.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -87,14 +87,25 @@ class LLMEngine(EngineInterface):
         self.outputs = OutputBuilder(self.tokenizer)
         self._tracked: dict[str, TrackedRequest] = {}
         self._by_child: dict[str, TrackedRequest] = {}
-        # The step dispatched to the device and not collected yet, as (batch, runner handle,
-        # dispatch time) parts: one part, unless suspects or a failed dispatch split the step.
+        # The tracked requests that asked for prompt logprobs, and for structured outputs:
+        # a step needs prompt scores or grammar masks only while there are some.
+        self._scoring: dict[str, TrackedRequest] = {}
+        self._constrained: dict[str, TrackedRequest] = {}
+        # The last step dispatched to the device and not collected yet, as (batch, runner
+        # handle, dispatch time) parts: one part, unless suspects or a failed dispatch split
+        # the step. With asynchronous scheduling, the step before it too (_older), while a
+        # step() that launched the next one first collects it.
+        self._async = config.scheduler.async_scheduling
         self._in_flight: list[tuple[SchedulerOutput, object, float]] = []
+        self._older: list[tuple[SchedulerOutput, object, float]] = []
+        self._launched_ahead = False  # begin_step() launched this step() call's step
         # Children whose step failed on the device -> the computed length up to which they
         # run alone (the end of that step): a culprit fails alone before it catches up.
         self._suspects: dict[str, int] = {}
         self._failed: list[TrackedRequest] = []  # failed since the last step() returned
         self._device_failure: BaseException | None = None  # a culprit's step failed
+        self.host_times = HostTimes()  # where the engine thread's time goes, by stage
+        self._outputs_start = time.perf_counter()
 
     # ---- the EngineInterface ----------------------------------------------------------
     def close(self) -> None:
@@ -121,10 +132,12 @@ class LLMEngine(EngineInterface):
 
     @property
     def in_flight(self) -> SchedulerOutput | None:
-        """The batch of the step running on the device, not collected yet (None if none)."""
-        if not self._in_flight:
+        """The batches of the steps on the device, not collected yet, as one (None if
+        none)."""
+        parts = self._older + self._in_flight
+        if not parts:
             return None
-        return SchedulerOutput.concat([out for out, _, _ in self._in_flight])
+        return SchedulerOutput.concat([out for out, _, _ in parts])
 
     def add_processed(self, request: EngineRequest) -> None:
         """Queue a request the admission path made (InputProcessor.process; with its grammar
@@ -159,6 +172,10 @@ class LLMEngine(EngineInterface):
         tracked = TrackedRequest(request.request_id, request.prompt, ids, params, children,
                                  detoks, [None] if params.prompt_logprobs is not None else None)
         self._tracked[request.request_id] = tracked
+        if tracked.prompt_logprobs is not None:
+            self._scoring[request.request_id] = tracked
+        if request.grammar is not None:
+            self._constrained[request.request_id] = tracked
         for child in children:
             self._by_child[child.request_id] = tracked
             self.scheduler.add(child)
@@ -185,25 +202,26 @@ class LLMEngine(EngineInterface):
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Fold in the results of the step on the device, start the next one, and while it
         runs detokenize and build outputs (JAX dispatch is asynchronous, so that host work
-        overlaps the device's).
+        overlaps the device's). With asynchronous scheduling the next step starts first,
+        scheduled with placeholders for the tokens of the step it follows on the device,
+        and that step's results are folded in while it runs.
 
         Returns the outputs of the requests that got tokens or failed (finished ones are
         then forgotten); with final_only, only of those that finished (offline generation
         needs no intermediate outputs). Results come one call after the step that made
-        them: call until has_unfinished_requests() is False. Raises EngineDeadError when
-        the device no longer runs even an empty step."""
+        them (two with asynchronous scheduling): call until has_unfinished_requests() is
+        False. Raises EngineDeadError when the device no longer runs even an empty step."""
+        if self._async and not self._launched_ahead:
+            self.begin_step()
+        ahead, self._launched_ahead = self._launched_ahead, False
+        self.host_times.steps += 1
+        self._outputs_start = time.perf_counter()  # until _step() moves it past collecting
         try:
-            changed = self._step()
+            changed = self._step(ahead)
         except EngineDeadError:
             raise
         except Exception as err:  # noqa: BLE001 - outside any one request: fail them all
-            logger.error("The engine failed outside any one request (%s): failing all %d "
-                         "requests", _describe(err), len(self._tracked), exc_info=err)
-            self._in_flight = []
-            self._drop_cached_blocks()
-            for tracked in list(self._tracked.values()):
-                self._fail(tracked, err, "in the engine", log=False)
-            self._device_failure = err
+            self._fail_all(err)
             changed = []
         if self._device_failure is not None:
             self._check_device()
@@ -225,21 +243,54 @@ class LLMEngine(EngineInterface):
         for output in outputs:
             if output.finished:
                 self._forget(output.request_id)
+        self.host_times.add("outputs", time.perf_counter() - self._outputs_start)
         return outputs
 
-    def _step(self) -> list[TrackedRequest]:
-        """Collect, launch, detokenize; the requests that got tokens."""
-        appended = self._collect()  # sampling results: tokens, stop tokens, lengths
-        self._launch()  # the next step, scheduled with those tokens
+    def begin_step(self) -> None:
+        """Asynchronous scheduling: schedule and launch the next step now, before the step
+        on the device is collected by step() (a data-parallel front end launches every
+        replica's step before it collects any). Without it, or when called twice, nothing;
+        nor while requests whose step failed on the device run alone (suspects): those
+        steps run synchronously, so that each failure is their own."""
+        if not self._async or self._launched_ahead or self._suspects:
+            return
+        self._launched_ahead = True
+        self._older, self._in_flight = self._older + self._in_flight, []
+        try:
+            self._launch()
+        except Exception as err:  # noqa: BLE001 - outside any one request: fail them all
+            self._fail_all(err)
+
+    def _fail_all(self, err: Exception) -> None:
+        logger.error("The engine failed outside any one request (%s): failing all %d "
+                     "requests", _describe(err), len(self._tracked), exc_info=err)
+        self._in_flight, self._older = [], []
+        self._drop_cached_blocks()
+        for tracked in list(self._tracked.values()):
+            self._fail(tracked, err, "in the engine", log=False)
+        self._device_failure = err
+
+    def _step(self, ahead: bool) -> list[TrackedRequest]:
+        """Collect, launch (ahead: begin_step launched it already, before collecting),
+        detokenize; the requests that got tokens."""
+        if ahead:
+            parts, self._older = self._older, []
+            appended = self._collect(parts)  # sampling results: tokens, stops, lengths
+        else:
+            parts, self._older, self._in_flight = self._older + self._in_flight, [], []
+            appended = self._collect(parts)
+            self._launch()  # the next step, scheduled with those tokens
+        self._outputs_start = time.perf_counter()
         changed: dict[str, TrackedRequest] = {}
-        for tracked, req, tokens in appended:  # overlaps the device step just launched
+        for tracked, req, indices in appended:  # overlaps the device step just launched
             if tracked.error is not None:
                 continue
             try:
                 # Stop strings are looked for token by token; other text waits until it is
                 # read (OutputBuilder.make_output).
-                if tracked.detokenizers[tracked.children.index(req)].checks_stop_strings:
-                    self._detokenize(tracked, req, tokens)
+                if req.params.stop:  # (the detokenizer's checks_stop_strings)
+                    self._detokenize(tracked, req, req.token_ids[
+                        req.num_tokens - len(indices): req.num_tokens].tolist())
             except Exception as err:  # noqa: BLE001 - this request only
                 self._fail(tracked, err, "while detokenizing")
                 continue
@@ -248,13 +299,24 @@ class LLMEngine(EngineInterface):
 
     def _forget(self, request_id: str) -> None:
         tracked = self._tracked.pop(request_id, None)
+        self._scoring.pop(request_id, None)
+        self._constrained.pop(request_id, None)
         if tracked is not None:
             for child in tracked.children:
                 self._by_child.pop(child.request_id, None)
                 self._suspects.pop(child.request_id, None)
 
     def _launch(self) -> None:
+        start = time.perf_counter()
         out = self.scheduler.schedule(self.runner.step_limits())
+        scheduled = time.perf_counter()
+        self.host_times.add("schedule", scheduled - start)
+        try:
+            self._launch_parts(out)
+        finally:
+            self.host_times.add("prepare", time.perf_counter() - scheduled)
+
+    def _launch_parts(self, out: SchedulerOutput) -> None:
         if out.empty:
             return
         if not self._suspects:
@@ -273,7 +335,8 @@ class LLMEngine(EngineInterface):
         """Start a step on the device. If it cannot start, nothing of it ran: start its
         requests one at a time, and fail one that cannot start alone."""
         try:
-            masks, broken = grammar_masks(out, self.grammars)
+            masks, broken = grammar_masks(out, self.grammars) if self._constrained \
+                else (None, [])
             handle = self.runner.dispatch(out, self._prompt_score_targets(out), masks)
         except BaseException as err:
             self._drop_cached_blocks()
@@ -311,13 +374,14 @@ class LLMEngine(EngineInterface):
         # Ctrl-C), their KV may be missing, so no later request may hit them.
         self.kv_manager.reset_prefix_cache()
 
-    def _collect(self) -> list[tuple[TrackedRequest, Request, list[int]]]:
-        """Wait for the step in flight and fold its results in: computed tokens, prompt
-        logprobs, sampled tokens, and the finishes that need no text (stop token ids, EOS,
-        length). Returns the (request, new tokens) pairs sampled."""
-        parts, self._in_flight = self._in_flight, []
+    def _collect(self, parts) -> list[tuple[TrackedRequest, Request, list[int]]]:
+        """Wait for a step's parts and fold their results in: prompt logprobs, sampled
+        tokens, and the finishes that need no text (stop token ids, EOS, length). Returns
+        (request, indices of its new tokens in the step's samples) for each that got
+        tokens."""
         appended = []
         for out, handle, started in parts:
+            waiting = time.perf_counter()
             try:
                 result = self.runner.fetch(handle)
             except BaseException as err:
@@ -326,14 +390,17 @@ class LLMEngine(EngineInterface):
                     raise  # Ctrl-C, exit
                 self._step_failed(out, err)
                 continue
+            fetched = time.perf_counter()
+            self.host_times.add("wait", fetched - waiting)
             if len(parts) == 1:  # a step that shared the device times nothing
-                self.scheduler.observe_step(out, time.perf_counter() - started)
+                self.scheduler.observe_step(out, fetched - started)
             appended += self._fold(out, result)
             if self._suspects:  # a suspect that ran alone up to its failed step is cleared
                 for req, first, count in zip(out.requests, out.num_computed_tokens,
                                              out.num_scheduled_tokens):
                     if first + count >= self._suspects.get(req.request_id, 0):
                         self._suspects.pop(req.request_id, None)
+            self.host_times.add("fold", time.perf_counter() - fetched)
         return appended
 
     def _step_failed(self, out: SchedulerOutput, err: Exception) -> None:
@@ -341,18 +408,22 @@ class LLMEngine(EngineInterface):
         unknown, so they are recomputed from scratch, each alone; one that was alone already
         is the culprit."""
         self.scheduler.drop_step(out)
+        # Rows of requests that are no longer running (finished, or sent back to be
+        # recomputed: the step was launched behind one that had failed already) say nothing.
+        live = [(req, first + count) for req, first, count in zip(
+            out.requests, out.num_computed_tokens, out.num_scheduled_tokens)
+            if req.status is RequestStatus.RUNNING]
+        if not live:
+            return
         if len(out.requests) == 1:
-            if not out.requests[0].finished:
-                self._fail(self._by_child[out.requests[0].request_id], err,
-                           "while its step ran", device=True)
+            self._fail(self._by_child[out.requests[0].request_id], err, "while its step ran",
+                       device=True)
             return
         logger.warning("A step of %d requests failed on the device (%s); recomputing each "
                        "alone", len(out.requests), _describe(err))
-        for req, first, count in zip(out.requests, out.num_computed_tokens,
-                                     out.num_scheduled_tokens):
-            if not req.finished:
-                self._suspects[req.request_id] = first + count
-                self.scheduler.recompute(req)
+        for req, end in live:
+            self._suspects[req.request_id] = end
+            self.scheduler.recompute(req)
 
     def _fold(self, out: SchedulerOutput,
               result) -> list[tuple[TrackedRequest, Request, list[int]]]:
@@ -377,6 +448,9 @@ class LLMEngine(EngineInterface):
         for req, indices in self.scheduler.update_from_output(out, sampled,
                                                                result.num_emitted):
             tracked = self._by_child[req.request_id]
+            if req.grammar is None and req.params.logprobs is None:
+                appended.append((tracked, req, indices))
+                continue
             tokens = req.token_ids[req.num_tokens - len(indices): req.num_tokens].tolist()
             if req.grammar is not None and not all(
                     self._advance_grammar(tracked, req, token) for token in tokens):
@@ -392,7 +466,7 @@ class LLMEngine(EngineInterface):
                 except Exception as err:  # noqa: BLE001 - this request only
                     self._fail(tracked, err, "while its results were read")
                     continue
-            appended.append((tracked, req, tokens))
+            appended.append((tracked, req, indices))
         return appended
 
     def _advance_grammar(self, tracked: TrackedRequest, req: Request, token: int) -> bool:
@@ -480,6 +554,8 @@ class LLMEngine(EngineInterface):
     def _prompt_score_targets(self, out: SchedulerOutput) -> np.ndarray | None:
         """The prompt tokens whose logprobs this step scores (input_builder's targets), for
         the first child of each request that asked for prompt logprobs."""
+        if not self._scoring:
+            return None
         wanted = []
         for req in out.requests:
             tracked = self._by_child[req.request_id]

@@ -38,7 +38,9 @@ class TrackedRequest:
 
     @property
     def finished(self) -> bool:
-        return all(c.finished for c in self.children)
+        children = self.children
+        return children[0].finished if len(children) == 1 else all(
+            c.finished for c in children)
 
 
 class OutputBuilder:

@@ -55,3 +55,26 @@ class EngineStats:
             spec_accepted_tokens=sum(p.spec_accepted_tokens for p in parts),
             spec_accepted_per_pos=tuple(map(sum, zip(*(p.spec_accepted_per_pos
                                                        for p in parts)))))
+
+
+# The stages of the engine thread's work per step, in order (HostTimes).
+STAGES = ("schedule", "prepare", "wait", "fold", "outputs")
+
+
+class HostTimes:
+    """Seconds the engine thread spent in each stage of its steps, summed since it started
+    (a clock read per stage per step): schedule (Scheduler.schedule), prepare (grammar
+    masks, inputs, launch: the runner's dispatch), wait (blocked until the device's results
+    came: the runner's fetch), fold (results into the requests: tokens, stops, grammars,
+    logprobs), outputs (detokenizing, RequestOutputs). All but wait is host work."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.seconds = dict.fromkeys(STAGES, 0.0)
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.seconds[stage] += seconds
+
+    def per_step(self) -> dict[str, float]:
+        """Seconds per step() call, by stage."""
+        return {s: t / max(self.steps, 1) for s, t in self.seconds.items()}

@@ -1,0 +1,90 @@
+"""Runners that stand in for the device, for the benchmarks of the engine's host side.
+
+NullRunner does the host half of a real runner's dispatch (StepInputBuilder.build and
+pack: what ModelRunner.dispatch does before it launches the step) and returns random
+tokens at once. TimedRunner adds a device that takes a fixed time per step: steps queue on
+it in dispatch order, as on an accelerator, and fetch sleeps (releasing the GIL, as a real
+runner does while it waits for the device) until the fetched step has finished. Its busy
+fraction is then what an accelerator would get from the engine's host work.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from jaxserve.backends.jax.packing import pack
+from jaxserve.backends.jax.sampler import SampleResult
+from jaxserve.backends.protocol import RunnerStats, StepResult
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.core.input_builder import StepInputBuilder
+from jaxserve.core.scheduler_output import SchedulerOutput
+
+
+class NullRunner:
+    """The host half of ModelRunner.dispatch / fetch; the device half returns random tokens
+    (5 .. vocab - 1: never a special token)."""
+
+    def __init__(self, config: EngineConfig, vocab: int) -> None:
+        self.config = config
+        self.block_size = config.cache.block_size
+        self.blocks_per_seq = -(-config.model.max_model_len // self.block_size)
+        self.num_blocks = config.scheduler.max_num_seqs * self.blocks_per_seq + 1
+        self.bytes_per_block = 1
+        self.inputs = StepInputBuilder(config.scheduler.max_num_seqs, self.block_size,
+                                       self.blocks_per_seq)
+        self.vocab = vocab
+        self.rng = np.random.default_rng(0)
+
+    def warm_up(self, background: bool = False) -> None:
+        pass
+
+    def step_limits(self) -> None:
+        return None
+
+    def fetch(self, result):
+        return result
+
+    def stats(self) -> RunnerStats:
+        return RunnerStats(compilations=0, compiling=0, warm_up_done=True)
+
+    def close(self) -> None:
+        pass
+
+    def dispatch(self, out: SchedulerOutput, score_targets=None,
+                 grammar_masks=None) -> StepResult:
+        sched = self.config.scheduler
+        num_tokens, num_rows = sched.pick_bucket(out.total_num_scheduled_tokens,
+                                                 len(out.requests))
+        batch, sampling = self.inputs.build(out, num_tokens, num_rows)
+        pack({**batch, **sampling})
+        tokens = self.rng.integers(5, self.vocab, num_rows).astype(np.int32)
+        zeros = np.zeros(num_rows, np.float32)
+        top = np.zeros((num_rows, 20), np.int32)
+        return StepResult(SampleResult(tokens, zeros, zeros.astype(np.int32) + 1, top,
+                                       top.astype(np.float32)), None)
+
+
+class TimedRunner(NullRunner):
+    """NullRunner on a device whose every step takes device_seconds."""
+
+    def __init__(self, config: EngineConfig, vocab: int, device_seconds: float) -> None:
+        super().__init__(config, vocab)
+        self.device_seconds = device_seconds
+        self._free_at = 0.0  # when the device finishes the last step dispatched
+        self.busy = 0.0  # device seconds of the steps dispatched so far
+
+    def dispatch(self, out: SchedulerOutput, score_targets=None, grammar_masks=None):
+        result = super().dispatch(out, score_targets, grammar_masks)
+        start = max(time.perf_counter(), self._free_at)  # queued behind the last step
+        self._free_at = start + self.device_seconds
+        self.busy += self.device_seconds
+        return result, self._free_at
+
+    def fetch(self, handle) -> StepResult:
+        result, done = handle
+        delay = done - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        return result
