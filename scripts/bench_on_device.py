@@ -37,7 +37,9 @@ What it measures, each printed and (with --json) written out:
    (every parameter is read once per step) / the device's copy bandwidth, measured with a
    jitted `x + 1` over a 2 GiB array (bandwidth = 2 x bytes / best time: read + write).
    ratio = step time / floor (1.0 would be perfect). The floor with the KV cache read too
-   (batch x context x KV bytes per token) is reported beside it.
+   (batch x context x KV bytes per token) is reported beside it. The largest batch runs
+   again with asynchronous scheduling off (sync_step_s; async_speedup = sync step time /
+   async step time: what overlapping the host's work with the device's gains).
 3. HF transformers generate on the same device: LlamaForCausalLM(config) with random
    bfloat16 weights, static batches of 32 in workload order, left padding, greedy, each
    batch generating its longest request's length, on the first 64 requests (--quick 32).

@@ -66,17 +66,24 @@ class _Stream:
 
     def put(self, item) -> bool:
         """Engine thread: make item the latest; False when the consumer's loop is gone."""
-        with self.lock:
-            if not isinstance(self.latest, BaseException):
-                self.latest = item
-            if self.wake_pending:
-                return True
-            self.wake_pending = True
+        if not self.replace(item):
+            return True
         try:
             self.loop.call_soon_threadsafe(self.ready.set)
         except RuntimeError:  # "Event loop is closed": nobody reads it any more
             return False
         return True
+
+    def replace(self, item) -> bool:
+        """Engine thread: make item the latest; True when the consumer must be woken (its
+        ready event set on its loop: put, or a step's wakes all at once)."""
+        with self.lock:
+            if not isinstance(self.latest, BaseException):
+                self.latest = item
+            if self.wake_pending:
+                return False
+            self.wake_pending = True
+            return True
 
     async def take(self):
         """Event loop: the latest output or error, once there is one."""
@@ -250,8 +257,10 @@ class AsyncLLMEngine:
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
                     now = time.monotonic()
+                    wakes: dict = {}  # event loop -> its streams to wake, at once
                     for output in outputs:
-                        self._deliver(output, now)
+                        self._deliver(output, now, wakes)
+                    self._wake_all(wakes)
                 else:
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
@@ -309,7 +318,21 @@ class AsyncLLMEngine:
                 self.engine.reset_prefix_cache()
                 _resolve(payload)
 
-    def _deliver(self, output: RequestOutput, now: float) -> None:
+    def _wake_all(self, wakes: dict) -> None:
+        """Wake the consumers of a step's outputs: one call into each event loop (not one
+        per stream). A loop that has closed has nobody reading: its requests are aborted."""
+        for loop, streams in wakes.items():
+            try:
+                loop.call_soon_threadsafe(_set_ready, [s.ready for _, s in streams])
+            except RuntimeError:  # "Event loop is closed"
+                for request_id, _ in streams:
+                    if request_id is not None:
+                        self._forget(request_id)
+                        self.engine.abort_request(request_id)
+
+    def _deliver(self, output: RequestOutput, now: float, wakes: dict | None = None) -> None:
+        """Hand an output to its stream: woken at once, or (wakes given) added to the
+        step's wakes for _wake_all."""
         with self._lock:
             stream = self._streams.get(output.request_id)
         if stream is None:
@@ -321,6 +344,11 @@ class AsyncLLMEngine:
         if output.finished:
             self._record_finish(output, stream, now)
             self._forget(output.request_id)
+        if wakes is not None:
+            if stream.replace(output):  # (a finished one has nothing left to abort)
+                wakes.setdefault(stream.loop, []).append(
+                    (None if output.finished else output.request_id, stream))
+            return
         if not _send(stream, output) and not output.finished:
             # Its consumer's event loop is gone (nobody reads it any more): abort it now.
             self._forget(output.request_id)
@@ -417,6 +445,12 @@ def _resolve(future: asyncio.Future) -> None:
         future.get_loop().call_soon_threadsafe(done)
     except RuntimeError:  # the loop has closed: nobody waits
         pass
+
+
+def _set_ready(events) -> None:
+    """On an event loop: wake these streams' consumers."""
+    for event in events:
+        event.set()
 
 
 def _send(stream: _Stream, item) -> bool:

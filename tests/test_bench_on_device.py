@@ -76,6 +76,9 @@ def test_cpu_run_reports_every_section(tmp_path):
         assert b["step_s"] > 0 and b["floor_s"] == data["weights"]["floor_s"]
         assert b["ratio"] > 0 and b["ratio_with_kv"] > 0
         assert b["floor_with_kv_s"] > b["floor_s"]
+    # The largest batch also ran with asynchronous scheduling off.
+    assert batches[-1]["sync_step_s"] > 0 and batches[-1]["async_speedup"] > 0
+    assert "with async scheduling off" in out.stdout
 
     hf = data["hf"]
     if "skipped" in hf:

@@ -159,6 +159,7 @@ def test_a_failure_reading_one_requests_results_fails_it_alone(engine, good_prom
         raise InjectedError("injected while detokenizing")
 
     monkeypatch.setattr(detok, "update", broken)
+    monkeypatch.setattr(detok, "extend", broken)  # what the engine feeds sampled tokens to
     finals = run(engine, {})
     assert finals["poison"].outputs[0].finish_reason == "error"
     for i in range(len(good_prompts)):

@@ -99,6 +99,21 @@ def run_engine_sections(report: Report, folder: pathlib.Path, seed: int,
             break
         data["decode"]["batches"].append(r)
         clock.say(f"decode batch {batch:3d}: " + add_floor(r, plan, data["bandwidth"], floor_s))
+        if batch == plan.decode_batches[-1] and report.fits("decode", reserve):
+            # The same batch with synchronous scheduling: what hiding host work gains.
+            engine.async_scheduling = False
+            try:
+                sync = measure_decode(engine, batch, plan.decode_prompt, plan.decode_steps,
+                                      rng, id_limit, deadline)
+                r["sync_step_s"] = sync["step_s"]
+                r["async_speedup"] = sync["step_s"] / r["step_s"]
+                clock.say(f"decode batch {batch:3d} with async scheduling off: step "
+                          f"{1e3 * sync['step_s']:.3f} ms; async scheduling is "
+                          f"{r['async_speedup']:.2f}x faster per step")
+            except Exception as err:  # noqa: BLE001 - report it, run the other sections
+                report.failed("decode", err)
+            finally:
+                engine.async_scheduling = True
 
     # 3. HF transformers generate on the same device, same requests
     if report.fits("hf", reserve):

@@ -62,6 +62,7 @@ class Request:
         # i32[max_model_len]: prompt then outputs; the first num_tokens entries are valid.
         self.token_ids = np.zeros(self.num_prompt_tokens + self.max_output_tokens, np.int32)
         self.token_ids[: self.num_prompt_tokens] = prompt_token_ids
+        self.output_view = self.token_ids[self.num_prompt_tokens:]  # the outputs' slots
         self.num_tokens = self.num_prompt_tokens
         # Tokens whose KV is computed or being computed: the scheduler advances it when it
         # schedules a step (a step's first position is in SchedulerOutput.num_computed_tokens).

@@ -11,7 +11,9 @@ start is a point where the text was complete. `window[:read]` was already
 emitted (or is left context taken from the end of the prompt, so tokenizers
 whose decoding depends on left context, e.g. sentencepiece's leading space,
 come out right); decode `window` and `window[:read]`, and the difference is the
-new text. While the window's text ends in U+FFFD (an incomplete multi-byte
+new text, of which the part not emitted yet is returned. The window is advanced
+(its end becoming the next `window[:read]`) every few tokens, so most tokens
+cost one decode. While the window's text ends in U+FFFD (an incomplete multi-byte
 sequence) the window is not advanced: the complete characters before it are
 emitted and the rest waits for later tokens. A character has at most 4 bytes,
 so once more than a few tokens wait the window is advanced anyway, past all
@@ -26,6 +28,7 @@ Host side: plain Python, no jax, no numpy.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
 
@@ -38,6 +41,9 @@ _CONTEXT_TOKENS = 5
 # character has at most 4 bytes, so an incomplete one at most 3, in at most 3 tokens).
 _MAX_PENDING_TOKENS = 8
 _MAX_INCOMPLETE_TOKENS = 4
+# Complete tokens past window[:read] before the window is advanced: until then each new token
+# costs one decode (of the window), not two (the window and its new prefix).
+_ADVANCE_AFTER_TOKENS = 4
 
 
 def _validate_stop(stop: Sequence[str]) -> tuple[str, ...]:
@@ -79,7 +85,7 @@ def _fast_decoder(tokenizer, kwargs: dict):
             or set(kwargs) != {"skip_special_tokens"}):
         return None
     skip = kwargs["skip_special_tokens"]
-    return lambda ids: backend.decode(ids, skip_special_tokens=skip)
+    return functools.partial(backend.decode, skip_special_tokens=skip)  # no Python frame
 
 
 class IncrementalDetokenizer:
@@ -161,9 +167,15 @@ class IncrementalDetokenizer:
         finish_reason 'stop'), else None. After a match, output_text ends right before
         the stop string (right after it when include_stop_str_in_output).
         """
+        return self.extend(_as_token_ids(new_token_ids, "new_token_ids"), stop_terminated,
+                           check_stop)
+
+    def extend(self, new: list[int], stop_terminated: bool,
+               check_stop: bool = True) -> str | None:
+        """update() for a list of ints known to be token ids (the engine's own samples):
+        not checked again. The list becomes the detokenizer's."""
         if self._finished:
             raise RuntimeError("update() called on a finished request")
-        new = _as_token_ids(new_token_ids, "new_token_ids")
         if stop_terminated and not new:
             raise ValueError("stop_terminated=True needs the stop token as the last new token id")
         self._token_ids.extend(new)
@@ -227,7 +239,7 @@ class IncrementalDetokenizer:
             return ""
         if self._prefix_text is None:
             self._prefix_text = self._decode(window[:self._read])
-        full = self._decode(window)
+        full = self._decode_ids(window)  # not empty: it holds more than window[:read]
         tail = full[len(self._prefix_text):]
         if not tail:
             # These tokens add no text (e.g. skipped special tokens): drop them so the
@@ -236,7 +248,10 @@ class IncrementalDetokenizer:
             return ""
         end = advance = len(tail)  # chars of tail that are final / that advancing emits
         split: int | None = len(window)  # advance the window to window[:split]
-        if not flush and tail.endswith(_REPLACEMENT_CHAR):
+        if not flush and not tail.endswith(_REPLACEMENT_CHAR) and \
+                len(window) - self._read < _ADVANCE_AFTER_TOKENS:
+            split = None  # keep window[:read]: its text is reused, one decode per token
+        elif not flush and tail.endswith(_REPLACEMENT_CHAR):
             end, split = len(tail.rstrip(_REPLACEMENT_CHAR)), None
             if len(window) - self._read > _MAX_PENDING_TOKENS:
                 # Too long to be one character still being completed: keep only the

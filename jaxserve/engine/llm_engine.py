@@ -91,6 +91,10 @@ class LLMEngine(EngineInterface):
         # a step needs prompt scores or grammar masks only while there are some.
         self._scoring: dict[str, TrackedRequest] = {}
         self._constrained: dict[str, TrackedRequest] = {}
+        # Those whose step inputs read their known tokens (a grammar's mask, bad words):
+        # while there are some, steps run synchronously (each scheduled once the previous
+        # one's tokens are in), so that they get a token every step.
+        self._reads_tokens: dict[str, TrackedRequest] = {}
         # The last step dispatched to the device and not collected yet, as (batch, runner
         # handle, dispatch time) parts: one part, unless suspects or a failed dispatch split
         # the step. With asynchronous scheduling, the step before it too (_older), while a
@@ -129,6 +133,18 @@ class LLMEngine(EngineInterface):
             spec_drafts=spec.num_drafts, spec_draft_tokens=spec.num_draft_tokens,
             spec_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_pos=tuple(spec.accepted_per_pos))
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether steps are scheduled asynchronously (config.scheduler.async_scheduling, at
+        first); may be changed between steps (the benchmarks time both)."""
+        return self._async
+
+    @async_scheduling.setter
+    def async_scheduling(self, on: bool) -> None:
+        if on and self.config.speculative is not None:
+            raise ValueError("async_scheduling does not work with speculative_config.")
+        self._async = bool(on)
 
     @property
     def in_flight(self) -> SchedulerOutput | None:
@@ -176,6 +192,8 @@ class LLMEngine(EngineInterface):
             self._scoring[request.request_id] = tracked
         if request.grammar is not None:
             self._constrained[request.request_id] = tracked
+        if children[0].needs_known_tokens:
+            self._reads_tokens[request.request_id] = tracked
         for child in children:
             self._by_child[child.request_id] = tracked
             self.scheduler.add(child)
@@ -250,9 +268,10 @@ class LLMEngine(EngineInterface):
         """Asynchronous scheduling: schedule and launch the next step now, before the step
         on the device is collected by step() (a data-parallel front end launches every
         replica's step before it collects any). Without it, or when called twice, nothing;
-        nor while requests whose step failed on the device run alone (suspects): those
-        steps run synchronously, so that each failure is their own."""
-        if not self._async or self._launched_ahead or self._suspects:
+        nor while requests whose step failed on the device run alone (suspects: each failure
+        must be their own), or requests whose inputs read their tokens (structured outputs,
+        bad words) run: then steps are synchronous."""
+        if not self._async or self._launched_ahead or self._suspects or self._reads_tokens:
             return
         self._launched_ahead = True
         self._older, self._in_flight = self._older + self._in_flight, []
@@ -301,6 +320,7 @@ class LLMEngine(EngineInterface):
         tracked = self._tracked.pop(request_id, None)
         self._scoring.pop(request_id, None)
         self._constrained.pop(request_id, None)
+        self._reads_tokens.pop(request_id, None)
         if tracked is not None:
             for child in tracked.children:
                 self._by_child.pop(child.request_id, None)

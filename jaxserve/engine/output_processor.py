@@ -32,6 +32,7 @@ class TrackedRequest:
     error_param: str | None = None  # the request field at fault (RequestOutput.error_param)
     # Per child, per output token {token_id: Logprob} (chosen + top-k), when asked for.
     logprobs: list[list[dict]] = dataclasses.field(default_factory=list)
+    metrics: RequestMetrics | None = None  # once every child has been scheduled
 
     def __post_init__(self) -> None:
         self.logprobs = self.logprobs or [[] for _ in self.children]
@@ -88,16 +89,21 @@ class OutputBuilder:
             # Safe text: while running, the tail that could still become a stop string (or
             # an incomplete character) is held back, so streamed deltas never retract.
             text = detok.get_next_output_text(finished=finished, delta=False)
-            first, end = child.num_prompt_tokens, child.num_tokens
+            count = child.num_tokens - child.num_prompt_tokens
             if finished:
-                token_ids, reason = child.token_ids[first:end].tolist(), child.status.value
+                token_ids, reason = child.output_view[:count].tolist(), child.status.value
             else:
-                token_ids, reason = Snapshot(child.token_ids[first:], end - first), None
+                token_ids, reason = Snapshot(child.output_view, count), None
             completions.append(CompletionOutput(i, text, token_ids, cumulative, logprobs,
                                                 reason, child.stop_reason))
-        scheduled = [c.scheduled_time for c in tracked.children if c.scheduled_time is not None]
-        metrics = RequestMetrics(tracked.children[0].arrival_time,
-                                 min(scheduled) if scheduled else None)
+        metrics = tracked.metrics
+        if metrics is None:  # kept once every choice has been scheduled: it cannot change
+            scheduled = [c.scheduled_time for c in tracked.children
+                         if c.scheduled_time is not None]
+            metrics = RequestMetrics(tracked.children[0].arrival_time,
+                                     min(scheduled) if scheduled else None)
+            if len(scheduled) == len(tracked.children):
+                tracked.metrics = metrics
         # Prompt tokens served from the prefix cache, for the first choice (with n > 1 the
         # other choices usually hit the blocks the first one computed).
         cached = tracked.children[0].num_cached_tokens or 0
@@ -127,4 +133,4 @@ def _catch_up(child: Request, detok: IncrementalDetokenizer) -> None:
     last = new[-1]
     by_token = child.status is RequestStatus.FINISHED_STOPPED and (
         last in child.eos_token_ids or last in child.stop_token_ids)
-    detok.update(new, stop_terminated=by_token, check_stop=False)
+    detok.extend(new, stop_terminated=by_token, check_stop=False)
