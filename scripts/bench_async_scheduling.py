@@ -20,6 +20,7 @@ run.
 from __future__ import annotations
 
 import argparse
+import logging
 import subprocess
 import sys
 import threading
@@ -71,6 +72,9 @@ def _report(engine: LLMEngine, before, steps_per_s: float, device_ms: float):
 
 def server(num_seqs: int, device_ms: float, window: float, async_scheduling: bool):
     import uvicorn
+
+    # Not a line per request: the clients are aborted (disconnected) at the end.
+    logging.getLogger("jaxserve.server").setLevel(logging.WARNING)
 
     from jaxserve.server.app import ServerConfig, create_app
     from jaxserve.server.async_engine import AsyncLLMEngine

@@ -255,7 +255,7 @@ class AsyncLLMEngine:
             while not self._stop.is_set():
                 self._take_inbox()
                 if self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
+                    outputs = self.engine.step(wanted=self._wants_output)
                     now = time.monotonic()
                     wakes: dict = {}  # event loop -> its streams to wake, at once
                     for output in outputs:
@@ -317,6 +317,12 @@ class AsyncLLMEngine:
             elif kind == "reset-prefix-cache":
                 self.engine.reset_prefix_cache()
                 _resolve(payload)
+
+    def _wants_output(self, request_id: str) -> bool:
+        """Engine thread: whether a request's stream has taken its last output (a newer one
+        would only replace an untaken one: the engine skips building it)."""
+        stream = self._streams.get(request_id)  # (a dict read; the lock guards writes)
+        return stream is None or not stream.wake_pending
 
     def _wake_all(self, wakes: dict) -> None:
         """Wake the consumers of a step's outputs: one call into each event loop (not one

@@ -200,3 +200,27 @@ def test_running_outputs_cost_the_same_at_any_length(tiny_checkpoint):
                 assert isinstance(choice.token_ids, list) and len(choice.token_ids) == 400
     assert max(lengths) > 350
     assert max(decoded) <= 16, "a step decoded more than a short window of tokens"
+
+
+def test_outputs_nobody_wants_yet_are_skipped_and_the_next_one_carries_everything(pair):
+    """The server asks only for the outputs of streams whose reader took the last one
+    (step(wanted=...)); a skipped request's next output is cumulative, and its final one
+    always comes."""
+    engine = pair["async"].engine
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine.add_request("slow", None, [5, 6, 7], params)
+    engine.add_request("fast", None, [8, 9, 10], params)
+    seen = {"slow": [], "fast": []}
+    steps = 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        for output in engine.step(wanted=lambda rid: rid == "fast" or steps % 5 == 0):
+            seen[output.request_id].append((len(output.outputs[0].token_ids),
+                                            output.finished, output.outputs[0].text))
+    assert len(seen["slow"]) < len(seen["fast"])
+    assert seen["slow"][-1][:2] == (12, True) and seen["fast"][-1][:2] == (12, True)
+    lengths = [n for n, _, _ in seen["slow"]]
+    assert lengths == sorted(lengths) and all(later - earlier > 1 for earlier, later in
+                                               zip(lengths, lengths[1:]))
+    greedy = pair["sync"].generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
+    assert seen["slow"][-1][2] == greedy.text

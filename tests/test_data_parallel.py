@@ -83,7 +83,7 @@ class FakeReplica:
     def begin_step(self):
         self.launched = getattr(self, "launched", 0) + 1
 
-    def step(self, final_only=False):
+    def step(self, final_only=False, wanted=None):
         self.steps += 1
         for _ in range(len(self.waiting)):
             self.waiting.popleft()

@@ -86,14 +86,14 @@ class DataParallelEngine(EngineInterface):
     def has_unfinished_requests(self) -> bool:
         return bool(self._owner)
 
-    def step(self, final_only: bool = False) -> list[RequestOutput]:
+    def step(self, final_only: bool = False, wanted=None) -> list[RequestOutput]:
         """One step of every replica that has work; their outputs together."""
         busy = [r for r in self.replicas if r.has_unfinished_requests()]
         for replica in busy:  # asynchronous scheduling: every replica's next step starts
             replica.begin_step()  # before any replica's host work on the step it follows
         outputs = []
         for replica in busy:
-            outputs.extend(replica.step(final_only))
+            outputs.extend(replica.step(final_only, wanted))
         for output in outputs:
             if output.finished:
                 self._owner.pop(output.request_id, None)

@@ -43,9 +43,10 @@ class EngineInterface(abc.ABC):
     def has_unfinished_requests(self) -> bool: ...
 
     @abc.abstractmethod
-    def step(self, final_only: bool = False) -> list[RequestOutput]:
+    def step(self, final_only: bool = False, wanted=None) -> list[RequestOutput]:
         """Advance every request by a step; the outputs of those that changed (with
-        final_only, of those that finished)."""
+        final_only, of those that finished; with wanted, a callable of the request id, of
+        those it accepts and those that finished)."""
 
     def begin_step(self) -> None:
         """Start the next step's device work now, before step() collects the one it

@@ -110,6 +110,7 @@ class LLMEngine(EngineInterface):
         self._device_failure: BaseException | None = None  # a culprit's step failed
         self.host_times = HostTimes()  # where the engine thread's time goes, by stage
         self._outputs_start = time.perf_counter()
+        self._final_only = False  # the current step() call's
 
     # ---- the EngineInterface ----------------------------------------------------------
     def close(self) -> None:
@@ -217,7 +218,7 @@ class LLMEngine(EngineInterface):
         return bool(self._tracked)
 
     # ---- one step -----------------------------------------------------------------------
-    def step(self, final_only: bool = False) -> list[RequestOutput]:
+    def step(self, final_only: bool = False, wanted=None) -> list[RequestOutput]:
         """Fold in the results of the step on the device, start the next one, and while it
         runs detokenize and build outputs (JAX dispatch is asynchronous, so that host work
         overlaps the device's). With asynchronous scheduling the next step starts first,
@@ -226,14 +227,18 @@ class LLMEngine(EngineInterface):
 
         Returns the outputs of the requests that got tokens or failed (finished ones are
         then forgotten); with final_only, only of those that finished (offline generation
-        needs no intermediate outputs). Results come one call after the step that made
-        them (two with asynchronous scheduling): call until has_unfinished_requests() is
-        False. Raises EngineDeadError when the device no longer runs even an empty step."""
+        needs no intermediate outputs); with wanted (request id -> bool), only of those it
+        accepts and those that finished (a stream whose reader has not taken the last one
+        needs no newer one yet: outputs are cumulative, the next one carries it all).
+        Results come one call after the step that made them (two with asynchronous
+        scheduling): call until has_unfinished_requests() is False. Raises
+        EngineDeadError when the device no longer runs even an empty step."""
         if self._async and not self._launched_ahead:
             self.begin_step()
         ahead, self._launched_ahead = self._launched_ahead, False
         self.host_times.steps += 1
         self._outputs_start = time.perf_counter()  # until _step() moves it past collecting
+        self._final_only = final_only
         try:
             changed = self._step(ahead)
         except EngineDeadError:
@@ -247,7 +252,8 @@ class LLMEngine(EngineInterface):
         for tracked in changed:
             if tracked.error is not None:
                 continue  # failed after its tokens came: reported with the failures
-            if final_only and not tracked.finished:
+            if (final_only or wanted is not None and not wanted(tracked.request_id)) and \
+                    not tracked.finished:
                 continue
             try:
                 output = self.outputs.make_output(tracked)
@@ -301,15 +307,19 @@ class LLMEngine(EngineInterface):
             self._launch()  # the next step, scheduled with those tokens
         self._outputs_start = time.perf_counter()
         changed: dict[str, TrackedRequest] = {}
+        final_only = self._final_only
         for tracked, req, indices in appended:  # overlaps the device step just launched
             if tracked.error is not None:
+                continue
+            if not req.params.stop:  # (the detokenizer's checks_stop_strings)
+                if not final_only or req.finished:  # else: no output until it finishes
+                    changed[tracked.request_id] = tracked
                 continue
             try:
                 # Stop strings are looked for token by token; other text waits until it is
                 # read (OutputBuilder.make_output).
-                if req.params.stop:  # (the detokenizer's checks_stop_strings)
-                    self._detokenize(tracked, req, req.token_ids[
-                        req.num_tokens - len(indices): req.num_tokens].tolist())
+                self._detokenize(tracked, req, req.token_ids[
+                    req.num_tokens - len(indices): req.num_tokens].tolist())
             except Exception as err:  # noqa: BLE001 - this request only
                 self._fail(tracked, err, "while detokenizing")
                 continue
