@@ -4,6 +4,7 @@ with streaming clients.
 
     python scripts/bench_async_scheduling.py [--seqs 16 64 256] [--device-ms 2 5 10]
                                              [--steps 200] [--window 2] [--no-server]
+                                             [--no-offline]
 
 The model is replaced by benchmarks/standin_runners.py's TimedRunner: the host half of a real
 step (input building and packing) and a device that takes --device-ms per step, steps
@@ -90,7 +91,8 @@ def server(num_seqs: int, device_ms: float, window: float, async_scheduling: boo
     thread.start()
     while not uv.started:
         time.sleep(0.05)
-    max_tokens = int(window * 1e3 / device_ms * 3) + 200
+    # Enough to outlast the window (within max_model_len, less the 4-token prompt).
+    max_tokens = min(int(window * 1e3 / device_ms * 3) + 200, 2040)
     clients = subprocess.Popen([sys.executable, "-m", "jaxserve.benchmarks.stream_clients",
                                 f"http://127.0.0.1:{port}", str(num_seqs), str(max_tokens)],
                                stdout=subprocess.PIPE, text=True)
@@ -122,11 +124,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--window", type=float, default=2.0)
     parser.add_argument("--no-server", action="store_true")
+    parser.add_argument("--no-offline", action="store_true")
     args = parser.parse_args()
     header = (f"{'where':>8}{'async':>7}{'seqs':>6}{'device ms':>10}{'steps/s':>9}"
               f"{'of ideal':>9}  host ms per step: " + " ".join(f"{s:>8}" for s in STAGES))
     print(header)
-    places = ["offline"] + ([] if args.no_server else ["server"])
+    places = ([] if args.no_offline else ["offline"]) + ([] if args.no_server else ["server"])
     for where in places:
         for num_seqs in args.seqs:
             for device_ms in args.device_ms:
