@@ -465,8 +465,10 @@ class LLMEngine(EngineInterface):
                                          out.num_scheduled_tokens):
                 row_start, start = start, start + count
                 tracked = self._by_child.get(req.request_id)
-                if req.finished or tracked.prompt_logprobs is None or \
-                        req is not tracked.children[0]:
+                # (A request no longer running since the step was scheduled has its rows
+                # dropped: it finished, or is recomputed after a step failed.)
+                if req.status is not RequestStatus.RUNNING or \
+                        tracked.prompt_logprobs is None or req is not tracked.children[0]:
                     continue
                 try:
                     self.outputs.record_prompt_logprobs(tracked, req, row_start, first, count,
