@@ -27,11 +27,9 @@ import sys
 import threading
 import time
 
-import numpy as np
-
-from jaxserve import SamplingParams, default_model_path
+from jaxserve import default_model_path
 from jaxserve.benchmarks.local_server import free_port
-from jaxserve.benchmarks.standin_runners import TimedRunner
+from jaxserve.benchmarks.standin_runners import TimedRunner, start_decoding
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.stats import STAGES
@@ -48,13 +46,7 @@ def _engine(num_seqs: int, device_ms: float, async_scheduling: bool) -> LLMEngin
 
 def offline(num_seqs: int, device_ms: float, steps: int, async_scheduling: bool):
     engine = _engine(num_seqs, device_ms, async_scheduling)
-    params = SamplingParams(temperature=0.8, max_tokens=steps + 64, ignore_eos=True)
-    rng = np.random.default_rng(1)
-    for i in range(num_seqs):
-        engine.add_request(str(i), None, rng.integers(5, 4000, 32).tolist(), params)
-    while any(r.num_output_tokens == 0 for r in
-              list(engine.scheduler.running) + list(engine.scheduler.waiting)):
-        engine.step(final_only=True)
+    start_decoding(engine, num_seqs, steps + 64, prompt_len=32)
     before = dict(engine.host_times.seconds), engine.host_times.steps
     start = time.perf_counter()
     for _ in range(steps):

@@ -20,8 +20,8 @@ import time
 
 import numpy as np
 
-from jaxserve import SamplingParams, default_model_path
-from jaxserve.benchmarks.standin_runners import NullRunner
+from jaxserve import default_model_path
+from jaxserve.benchmarks.standin_runners import NullRunner, start_decoding
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 
@@ -32,13 +32,7 @@ def measure(num_seqs: int, steps: int, final_only: bool) -> tuple[float, float]:
                                  max_num_batched_tokens=max(2048, num_seqs),
                                  compilation_cache_dir=None, precompile=False)
     engine = LLMEngine(config, runner=NullRunner(config, config.model.vocab_size))
-    params = SamplingParams(temperature=0.8, max_tokens=steps + 64, ignore_eos=True)
-    rng = np.random.default_rng(1)
-    for i in range(num_seqs):
-        engine.add_request(str(i), None, rng.integers(5, 4000, 64).tolist(), params)
-    while any(r.num_output_tokens == 0 for r in
-              list(engine.scheduler.running) + list(engine.scheduler.waiting)):
-        engine.step()
+    start_decoding(engine, num_seqs, steps + 64, prompt_len=64)
     times = []
     for _ in range(steps):
         start = time.perf_counter()

@@ -214,7 +214,7 @@ def test_outputs_nobody_wants_yet_are_skipped_and_the_next_one_carries_everythin
     steps = 0
     while engine.has_unfinished_requests():
         steps += 1
-        for output in engine.step(wanted=lambda rid: rid == "fast" or steps % 5 == 0):
+        for output in engine.step(wanted=lambda rid, n=steps: rid == "fast" or n % 5 == 0):
             seen[output.request_id].append((len(output.outputs[0].token_ids),
                                             output.finished, output.outputs[0].text))
     assert len(seen["slow"]) < len(seen["fast"])

@@ -88,3 +88,18 @@ class TimedRunner(NullRunner):
         if delay > 0:
             time.sleep(delay)
         return result
+
+
+def start_decoding(engine, num_seqs: int, max_tokens: int, prompt_len: int) -> None:
+    """Admit num_seqs requests of random prompt_len-token prompts (sampled at temperature
+    0.8, EOS ignored) and step until every one has its first token: all of them decode."""
+    from jaxserve import SamplingParams
+
+    params = SamplingParams(temperature=0.8, max_tokens=max_tokens, ignore_eos=True)
+    rng = np.random.default_rng(1)
+    for i in range(num_seqs):
+        engine.add_request(str(i), None, rng.integers(5, 4000, prompt_len).tolist(), params)
+    scheduler = engine.scheduler
+    while any(r.num_output_tokens == 0 for r in
+              list(scheduler.running) + list(scheduler.waiting)):
+        engine.step(final_only=True)

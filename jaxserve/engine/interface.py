@@ -48,7 +48,7 @@ class EngineInterface(abc.ABC):
         final_only, of those that finished; with wanted, a callable of the request id, of
         those it accepts and those that finished)."""
 
-    def begin_step(self) -> None:
+    def begin_step(self) -> None:  # noqa: B027 - optional: engines that schedule ahead
         """Start the next step's device work now, before step() collects the one it
         follows (asynchronous scheduling; a no-op for an engine that does not schedule
         ahead). step() calls it itself when it was not called."""

@@ -13,8 +13,13 @@ import functools
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput,
-                                     Snapshot)
+from jaxserve.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+    Snapshot,
+)
 
 
 @dataclasses.dataclass
