@@ -868,3 +868,85 @@ def test_disable_by_batch_size_stops_proposals_while_many_run(monkeypatch):
     assert all(proposed == 0 for running, proposed in seen if running > 2)
     assert any(proposed > 0 for running, proposed in seen if running <= 2)
     h.check_outputs()
+
+
+# ---- asynchronous scheduling ----------------------------------------------------------------
+def _device_step(out: SchedulerOutput, kv: np.ndarray, last_tokens: dict, block_size: int,
+                 blocks_per_seq: int, config: SchedulerConfig):
+    """The fake device: feeds placeholders from the last token sampled for each state slot,
+    writes the step's tokens into the simulated KV cache and samples next_token(context)
+    for each row that samples, reading the context back through its block table."""
+    total, rows = out.total_num_scheduled_tokens, len(out.requests)
+    num_tokens, num_rows = config.pick_bucket(total, rows)
+    batch, sampling = build_step_inputs(out, num_tokens, num_rows, block_size, blocks_per_seq)
+    feed = batch["feed_slots"][:total]
+    tokens = batch["token_ids"][:total].astype(np.int64)
+    for i in np.flatnonzero(feed):
+        tokens[i] = last_tokens[int(feed[i])]
+    last_tokens["fed"] = last_tokens.get("fed", 0) + int(np.count_nonzero(feed))
+    kv[batch["slot_mapping"][:total]] = tokens
+    sampled = np.full(rows, -1, np.int64)
+    for row, req in enumerate(out.requests):
+        if not out.samples[row]:
+            continue
+        pos = np.arange(batch["kv_lens"][row])
+        context = kv[batch["block_tables"][row][pos // block_size] * block_size +
+                     pos % block_size]
+        sampled[row] = next_token(context)
+        last_tokens[req.state_slot] = int(sampled[row])
+    return types.SimpleNamespace(token_ids=sampled, logprobs=np.zeros(rows))
+
+
+@pytest.mark.parametrize("enable_caching", [False, True])
+def test_asynchronous_steps_give_every_request_its_exact_tokens(enable_caching):
+    """Step N+1 is scheduled before step N is folded in, its decode inputs placeholders the
+    device fills from N's samples. Under preemption (a small pool), prefix caching, aborts
+    and length limits, every request gets exactly the tokens of the fake model, never one
+    past its limit, and everything is freed at the end."""
+    block_size, num_blocks = 4, 28
+    config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, max_model_len=96)
+    kv_manager = KVCacheManager(num_blocks, block_size, enable_caching=enable_caching)
+    scheduler = Scheduler(config, kv_manager)
+    kv = np.full(num_blocks * block_size, -1, np.int64)
+    last_tokens: dict[int, int] = {}
+    blocks_per_seq = cdiv(config.max_model_len, block_size)
+    rng = random.Random(7)
+    requests, aborted = [], []
+    pending = None  # the step on the fake device, not folded in yet
+    steps = 0
+    while len(requests) < 40 or scheduler.num_unfinished or pending is not None:
+        steps += 1
+        assert steps < 5000, "no progress"
+        if len(requests) < 40 and rng.random() < 0.5:
+            shared = 8 if enable_caching and rng.random() < 0.5 else 0
+            req = make_request(f"r{len(requests)}", shared + rng.randint(3, 20),
+                               rng.randint(1, 30), max_model_len=config.max_model_len,
+                               tag=0 if shared else None)
+            requests.append(req)
+            scheduler.add(req)
+        live = list(scheduler.running) + list(scheduler.waiting)
+        if live and rng.random() < 0.02:
+            victim = rng.choice(live)
+            scheduler.finish(victim, RequestStatus.FINISHED_ABORTED)
+            aborted.append(victim)
+        out = scheduler.schedule()
+        for req in out.requests:
+            assert req.num_placeholders <= 2
+            assert req.num_computed_tokens <= req.num_prompt_tokens + req.max_output_tokens
+        step = (out, _device_step(out, kv, last_tokens, block_size, blocks_per_seq, config)) \
+            if not out.empty else None
+        if pending is not None:
+            scheduler.update_from_output(*pending)
+        pending = step
+    assert scheduler.num_preemptions > 0, "the pool was meant to be too small"
+    assert last_tokens["fed"] > 100, "decode inputs were meant to be placeholders"
+    for req in requests:
+        assert req.finished and req.block_ids == [] and req.state_slot == 0
+        assert req.num_output_tokens <= req.max_output_tokens
+        if req.status is RequestStatus.FINISHED_LENGTH:
+            assert req.num_output_tokens == req.max_output_tokens
+        assert req.output_token_ids == expected_outputs(req.prompt_token_ids,
+                                                        req.num_output_tokens), req.request_id
+    assert any(r not in aborted for r in requests)
+    assert kv_manager.pool.num_free == num_blocks - 1
+    assert sorted(scheduler._free_slots) == list(range(1, config.max_num_seqs + 1))
