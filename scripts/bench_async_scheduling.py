@@ -21,6 +21,7 @@ run.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import subprocess
 import sys
@@ -73,6 +74,8 @@ def server(num_seqs: int, device_ms: float, window: float, async_scheduling: boo
     from jaxserve.server.async_engine import AsyncLLMEngine
 
     engine = _engine(num_seqs, device_ms, async_scheduling)
+    gc.collect()
+    gc.freeze()  # as `jaxserve serve` does after start-up
     async_engine = AsyncLLMEngine(engine)
     async_engine.start()
     port = free_port()

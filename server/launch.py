@@ -15,6 +15,7 @@ aborted, its blocks freed), so a stalled reader holds at most a socket buffer of
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import sys
@@ -159,6 +160,11 @@ def serve(engine_config, server_config: ServerConfig, log_level: str = "info",
     from jaxserve.engine.data_parallel import create_engine
 
     engine = create_engine(engine_config)
+    # What start-up made (weights, tokenizer, compiled steps) lives as long as the server:
+    # kept out of the collector's full passes, which would walk it again every few hundred
+    # steps on the engine thread (vLLM freezes its heap after start-up the same way).
+    gc.collect()
+    gc.freeze()
     metrics = EngineMetrics(server_config.served_names[0],
                             warm_up_done=lambda: async_engine.warm_up_done,
                             max_model_len=engine.config.model.max_model_len,

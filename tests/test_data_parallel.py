@@ -80,10 +80,15 @@ class FakeReplica:
             self.waiting.remove(request_id)
         return FakeOutput(request_id, True)
 
+    log: list | None = None  # shared by the replicas of one engine: ("begin"/"step", self)
+
     def begin_step(self):
-        self.launched = getattr(self, "launched", 0) + 1
+        if self.log is not None:
+            self.log.append(("begin", self))
 
     def step(self, final_only=False, wanted=None):
+        if self.log is not None:
+            self.log.append(("step", self))
         self.steps += 1
         for _ in range(len(self.waiting)):
             self.waiting.popleft()
@@ -120,6 +125,20 @@ def test_requests_go_to_the_least_loaded_replica_and_finish_everywhere():
     while engine.has_unfinished_requests():
         finished |= {o.request_id for o in engine.step() if o.finished}
     assert finished == {f"r{i}" for i in range(5)} and fast.steps and slow.steps
+
+
+def test_every_replica_launches_its_next_step_before_any_replica_is_collected():
+    """One replica's host work (collecting its step, outputs) never delays another's launch
+    (asynchronous scheduling: LLMEngine.begin_step)."""
+    engine, replicas = make_engine()
+    log = []
+    for replica in replicas:
+        replica.log = log
+    engine.add_request("a", None, [1], SamplingParams())
+    engine.add_request("b", None, [1], SamplingParams())
+    engine.step()
+    assert [kind for kind, _ in log] == ["begin", "begin", "step", "step"]
+    assert [r for _, r in log[:2]] == replicas == [r for _, r in log[2:]]
 
 
 def test_abort_reaches_the_owner_and_ids_stay_unique():
