@@ -110,6 +110,7 @@ def server(num_seqs: int, device_ms: float, window: float, async_scheduling: boo
         uv.should_exit = True
         thread.join(10)
         async_engine.stop()
+        gc.unfreeze()  # this engine may go now
 
 
 def main() -> None:
