@@ -166,9 +166,11 @@ class Request:
             raise RuntimeError("only a finished request's output tokens can be dropped")
         self.num_tokens = min(self.num_tokens, num_tokens)
 
-    def check_stop_token(self) -> bool:
-        """After appending a token: finish on EOS / stop_token_ids (after min_tokens) or length."""
-        last = int(self.token_ids[self.num_tokens - 1])
+    def check_stop_token(self, last: int | None = None) -> bool:
+        """After appending a token (`last`, when the caller has it): finish on EOS /
+        stop_token_ids (after min_tokens) or length."""
+        if last is None:
+            last = int(self.token_ids[self.num_tokens - 1])
         outputs = self.num_tokens - self.num_prompt_tokens
         if last in self._stops and outputs >= self._min_outputs:
             self.status = RequestStatus.FINISHED_STOPPED

@@ -118,19 +118,20 @@ class Scheduler:
                     num_new = min(remaining, budget)
             else:
                 num_new = remaining if remaining < budget else budget
-            while not kv.allocate_slots(request, num_new):
-                # Victims come from running past index: none of them has been scheduled in
-                # this pass. That matters for prefix caching: allocate_slots registers the
-                # blocks a scheduled request fills this step, and those must be written by
-                # this step; a scheduled request is never preempted before.
-                victim = self._victim(index)
-                self.running.remove(victim)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
+            if not kv.allocate_slots(request, num_new):
+                while True:
+                    # Victims come from running past index: none of them has been scheduled
+                    # in this pass. That matters for prefix caching: allocate_slots registers
+                    # the blocks a scheduled request fills this step, and those must be
+                    # written by this step; a scheduled request is never preempted before.
+                    victim = self._victim(index)
+                    self.running.remove(victim)
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is request or kv.allocate_slots(request, num_new):
+                        break
+                if request.status is not RequestStatus.RUNNING:
                     break
-            if request.status is not RequestStatus.RUNNING:
-                break
             scheduled.append(request)
             counts.append(num_new)
             budget -= num_new
@@ -247,25 +248,26 @@ class Scheduler:
         appended = []
         token_ids = None  # the sampled tokens as a list, converted once when needed
         start = 0  # the row's first slot
-        running = RequestStatus.RUNNING
+        running, samples = RequestStatus.RUNNING, out.samples
         for row, request in enumerate(out.requests):
             first, proposed = start, request.num_proposed
             start += proposed + 1
             request.steps_in_flight -= 1
             if request.status is not running:
                 continue  # stopped (stop string), aborted, failed or preempted meanwhile
-            if not out.samples[row]:
+            if not samples[row]:
                 continue  # a prefill chunk: nothing sampled yet
             request.num_proposed = 0
             request.num_placeholders -= 1
             if token_ids is None:
                 token_ids = sampled.token_ids.tolist()
             if not proposed and num_emitted is None:  # one token: the common case
-                request.token_ids[request.num_tokens] = token_ids[first]
+                token = token_ids[first]
+                request.token_ids[request.num_tokens] = token
                 request.num_tokens += 1
                 if request.params.logprobs is not None:
                     request.cumulative_logprob += float(sampled.logprobs[first])
-                if request.check_stop_token():
+                if request.check_stop_token(token):
                     self.finish(request, request.status)
                 appended.append((request, [first]))
                 continue
