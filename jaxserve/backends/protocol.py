@@ -9,7 +9,7 @@ dispatched (returning at once, so host work overlaps the device's) and fetched l
     result = runner.fetch(handle)                                # waits: a StepResult
 
 Every runner pads the step to a (T, R) bucket of the same policy (SchedulerConfig.step_buckets)
-and takes the same inputs (input_builder.build_step_inputs). Shape letters as in
+and takes the same inputs (input_builder.StepInputBuilder). Shape letters as in
 docs/architecture.md.
 """
 
@@ -90,7 +90,7 @@ class Runner(Protocol):
         """Start one step and return a handle at once. score_targets: i32[total tokens], the
         token whose logprob to score at each position (-1: none), for prompt_logprobs.
         grammar_masks: (sampler row, i32[W] next-token bitmask) of each constrained request
-        that samples in this step (input_builder.samples_this_step), for structured
+        that samples in this step (SchedulerOutput.samples), for structured
         outputs."""
 
     def fetch(self, handle: Any) -> StepResult:

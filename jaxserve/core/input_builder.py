@@ -18,14 +18,6 @@ from jaxserve.core.scheduler_output import SchedulerOutput
 MAX_BANNED_IDS = 32
 
 
-def samples_this_step(req, count: int) -> bool:
-    """Whether a request scheduled for `count` more tokens from its current state samples
-    a token at the end of that step (the rest of a chunked prefill does not; speculative
-    proposals come after its tokens). A formed step records this per row
-    (SchedulerOutput.samples)."""
-    return req.num_computed_tokens + count >= req.num_tokens
-
-
 def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, block_size: int,
                       blocks_per_seq: int) -> tuple[dict, dict]:
     """One step's inputs with a builder of its own (for a step formed by hand, and the
@@ -55,120 +47,115 @@ class StepInputBuilder:
         A placeholder position (at or past the request's known tokens: asynchronous
         scheduling) gets token 0 and `feed_slots` = the request's state slot, whose last
         sampled token the device feeds instead."""
-        return _build(self, out, num_tokens, num_rows, refresh)
+        block_size, blocks_per_seq = self.block_size, self.blocks_per_seq
+        token_ids = np.zeros(num_tokens, np.int32)
+        positions = np.zeros(num_tokens, np.int32)
+        slot_mapping = np.zeros(num_tokens, np.int32)
+        feed_slots = np.zeros(num_tokens, np.int32)
+        cu_q_lens = np.zeros(num_rows + 1, np.int32)
+        kv_lens = np.zeros(num_rows, np.int32)
+        block_tables = np.zeros((num_rows, blocks_per_seq), np.int32)
+        logits_indices = np.zeros(num_rows, np.int32)
 
+        temperature = np.ones(num_rows, np.float32)
+        top_k = np.zeros(num_rows, np.int32)
+        top_p = np.ones(num_rows, np.float32)
+        min_p = np.zeros(num_rows, np.float32)
+        presence = np.zeros(num_rows, np.float32)
+        frequency = np.zeros(num_rows, np.float32)
+        repetition = np.ones(num_rows, np.float32)
+        seeds = np.zeros(num_rows, np.uint32)
+        sample_positions = np.zeros(num_rows, np.int32)
+        state_slots = np.zeros(num_rows, np.int32)
+        reset_state = np.zeros(num_rows, np.bool_)
+        prompt_lens = np.zeros(num_rows, np.int32)
+        wants_logprobs = np.zeros(num_rows, np.bool_)
+        banned_ids = np.full((num_rows, MAX_BANNED_IDS), -1, np.int32)
+        has_bias = np.zeros(num_rows, np.bool_)
+        has_grammar = np.zeros(num_rows, np.bool_)
+        num_proposed = np.zeros(num_rows, np.int32)
 
-def _build(table: StepInputBuilder, out: SchedulerOutput, num_tokens: int, num_rows: int,
-           refresh: bool) -> tuple[dict, dict]:
-    block_size, blocks_per_seq = table.block_size, table.blocks_per_seq
-    token_ids = np.zeros(num_tokens, np.int32)
-    positions = np.zeros(num_tokens, np.int32)
-    slot_mapping = np.zeros(num_tokens, np.int32)
-    feed_slots = np.zeros(num_tokens, np.int32)
-    cu_q_lens = np.zeros(num_rows + 1, np.int32)
-    kv_lens = np.zeros(num_rows, np.int32)
-    block_tables = np.zeros((num_rows, blocks_per_seq), np.int32)
-    logits_indices = np.zeros(num_rows, np.int32)
+        reqs, n = out.requests, len(out.requests)
+        if n:
+            counts = np.asarray(out.num_scheduled_tokens, np.int32)
+            firsts = np.asarray(out.num_computed_tokens, np.int32)
+            ends = np.cumsum(counts, dtype=np.int32)
+            starts = ends - counts
+            cu_q_lens[1: n + 1] = ends
+            cu_q_lens[n + 1:] = ends[-1]
+            kv_lens[:n] = firsts + counts
+            logits_indices[:n] = ends - 1
+            sample_positions[:n] = firsts + counts
 
-    temperature = np.ones(num_rows, np.float32)
-    top_k = np.zeros(num_rows, np.int32)
-    top_p = np.ones(num_rows, np.float32)
-    min_p = np.zeros(num_rows, np.float32)
-    presence = np.zeros(num_rows, np.float32)
-    frequency = np.zeros(num_rows, np.float32)
-    repetition = np.ones(num_rows, np.float32)
-    seeds = np.zeros(num_rows, np.uint32)
-    sample_positions = np.zeros(num_rows, np.int32)
-    state_slots = np.zeros(num_rows, np.int32)
-    reset_state = np.zeros(num_rows, np.bool_)
-    prompt_lens = np.zeros(num_rows, np.int32)
-    wants_logprobs = np.zeros(num_rows, np.bool_)
-    banned_ids = np.full((num_rows, MAX_BANNED_IDS), -1, np.int32)
-    has_bias = np.zeros(num_rows, np.bool_)
-    has_grammar = np.zeros(num_rows, np.bool_)
-    num_proposed = np.zeros(num_rows, np.int32)
+            # The one pass over the requests: what changes per step, and their block ids.
+            ints = np.array([(r.state_slot, r.num_tokens, r.num_proposed, r.needs_state_reset,
+                              len(r.block_ids)) for r in reqs], np.int64)
+            flat_blocks = np.fromiter(itertools.chain.from_iterable(r.block_ids for r in reqs),
+                                      np.int32)
+            slots, known, num_blocks = ints[:, 0], ints[:, 1], ints[:, 4]
+            for row in (range(n) if refresh else np.flatnonzero(ints[:, 3]).tolist()):
+                r = reqs[row]  # a new slot: its sampling settings go into the table
+                self._floats[r.state_slot] = r.sampling_floats
+                self._ints[r.state_slot] = (r.sampling_top_k, r.seed, r.num_prompt_tokens,
+                                             r.step_extras)
+            floats, static = self._floats[slots], self._ints[slots]
+            state_slots[:n], reset_state[:n], num_proposed[:n] = slots, ints[:, 3], ints[:, 2]
+            top_k[:n] = static[:, 0]  # SamplingParams keeps top_k within int32
+            seeds[:n], prompt_lens[:n] = static[:, 1], static[:, 2]
+            temperature[:n], top_p[:n], min_p[:n] = floats[:, 0], floats[:, 1], floats[:, 2]
+            presence[:n], frequency[:n], repetition[:n] = floats[:, 3], floats[:, 4], floats[:, 5]
+            wants_logprobs[:n], has_bias[:n] = floats[:, 6] != 0, floats[:, 7] != 0
+            block_tables[:n][np.arange(blocks_per_seq) < num_blocks[:, None]] = flat_blocks
+            block_offsets = np.cumsum(num_blocks) - num_blocks
 
-    reqs, n = out.requests, len(out.requests)
-    if n:
-        counts = np.asarray(out.num_scheduled_tokens, np.int32)
-        firsts = np.asarray(out.num_computed_tokens, np.int32)
-        ends = np.cumsum(counts, dtype=np.int32)
-        starts = ends - counts
-        cu_q_lens[1: n + 1] = ends
-        cu_q_lens[n + 1:] = ends[-1]
-        kv_lens[:n] = firsts + counts
-        logits_indices[:n] = ends - 1
-        sample_positions[:n] = firsts + counts
+            # Token positions of the whole step, and the row of each.
+            rows = np.repeat(np.arange(n), counts)
+            pos = np.arange(ends[-1], dtype=np.int32) - starts[rows] + firsts[rows]
+            total = len(pos)
+            positions[:total] = pos
+            slot_mapping[:total] = flat_blocks[block_offsets[rows] + pos // block_size] * \
+                block_size + pos % block_size
+            # Proposals too are written past the known tokens; a step holds placeholders (as
+            # its inputs) or proposals, never both: asynchronous steps do not speculate.
+            placeholder = (pos >= known[rows]) & (ints[rows, 2] == 0)
+            feed_slots[:total] = np.where(placeholder, slots[rows], 0)
+            single = counts == 1
+            firsts_list = out.num_computed_tokens
+            decode = np.flatnonzero(single & (firsts < known))  # decode rows with a known token
+            token_ids[starts[decode]] = [reqs[row].token_ids[firsts_list[row]]
+                                         for row in decode.tolist()]
+            for row in np.flatnonzero(~single).tolist():  # chunks, proposals: known tokens
+                req, first, start, count = reqs[row], firsts[row], starts[row], counts[row]
+                token_ids[start: start + count] = req.token_ids[first: first + count]
+            token_ids[:total][placeholder] = 0
 
-        # The one pass over the requests: what changes per step, and their block ids.
-        ints = np.array([(r.state_slot, r.num_tokens, r.num_proposed, r.needs_state_reset,
-                          len(r.block_ids)) for r in reqs], np.int64)
-        flat_blocks = np.fromiter(itertools.chain.from_iterable(r.block_ids for r in reqs),
-                                  np.int32)
-        slots, known, num_blocks = ints[:, 0], ints[:, 1], ints[:, 4]
-        for row in (range(n) if refresh else np.flatnonzero(ints[:, 3]).tolist()):
-            r = reqs[row]  # a new slot: its sampling settings go into the table
-            table._floats[r.state_slot] = r.sampling_floats
-            table._ints[r.state_slot] = (r.sampling_top_k, r.seed, r.num_prompt_tokens,
-                                         r.step_extras)
-        floats, static = table._floats[slots], table._ints[slots]
-        state_slots[:n], reset_state[:n], num_proposed[:n] = slots, ints[:, 3], ints[:, 2]
-        top_k[:n] = static[:, 0]  # SamplingParams keeps top_k within int32
-        seeds[:n], prompt_lens[:n] = static[:, 1], static[:, 2]
-        temperature[:n], top_p[:n], min_p[:n] = floats[:, 0], floats[:, 1], floats[:, 2]
-        presence[:n], frequency[:n], repetition[:n] = floats[:, 3], floats[:, 4], floats[:, 5]
-        wants_logprobs[:n], has_bias[:n] = floats[:, 6] != 0, floats[:, 7] != 0
-        block_tables[:n][np.arange(blocks_per_seq) < num_blocks[:, None]] = flat_blocks
-        block_offsets = np.cumsum(num_blocks) - num_blocks
+            for row in np.flatnonzero(static[:, 3]).tolist():  # grammar, min_tokens, bad words
+                req = reqs[row]
+                if req.grammar_active and out.samples[row]:
+                    has_grammar[row] = True  # its mask comes with the step (see the engine)
+                banned = []
+                # The output index of the token this row samples.
+                if firsts[row] + counts[row] - req.num_proposed - req.num_prompt_tokens < \
+                        req.params.min_tokens:
+                    banned = sorted(req.eos_token_ids | req.stop_token_ids)
+                if req.constraints is not None and req.constraints.bad_sequences:
+                    banned += req.constraints.banned_next(
+                        req.token_ids[req.num_prompt_tokens: req.num_tokens])
+                if banned:  # the engine refuses requests that could need more
+                    banned_ids[row, : len(banned)] = banned
 
-        # Token positions of the whole step, and the row of each.
-        rows = np.repeat(np.arange(n), counts)
-        pos = np.arange(ends[-1], dtype=np.int32) - starts[rows] + firsts[rows]
-        total = len(pos)
-        positions[:total] = pos
-        slot_mapping[:total] = flat_blocks[block_offsets[rows] + pos // block_size] * \
-            block_size + pos % block_size
-        # Proposals too are written past the known tokens; a step holds placeholders (as
-        # its inputs) or proposals, never both: asynchronous steps do not speculate.
-        placeholder = (pos >= known[rows]) & (ints[rows, 2] == 0)
-        feed_slots[:total] = np.where(placeholder, slots[rows], 0)
-        single = counts == 1
-        firsts_list = out.num_computed_tokens
-        decode = np.flatnonzero(single & (firsts < known))  # decode rows with a known token
-        token_ids[starts[decode]] = [reqs[row].token_ids[firsts_list[row]]
-                                     for row in decode.tolist()]
-        for row in np.flatnonzero(~single).tolist():  # chunks, proposals: known tokens
-            req, first, start, count = reqs[row], firsts[row], starts[row], counts[row]
-            token_ids[start: start + count] = req.token_ids[first: first + count]
-        token_ids[:total][placeholder] = 0
-
-        for row in np.flatnonzero(static[:, 3]).tolist():  # grammar, min_tokens, bad words
-            req = reqs[row]
-            if req.grammar_active and out.samples[row]:
-                has_grammar[row] = True  # its mask comes with the step (see the engine)
-            banned = []
-            # The output index of the token this row samples.
-            if firsts[row] + counts[row] - req.num_proposed - req.num_prompt_tokens < \
-                    req.params.min_tokens:
-                banned = sorted(req.eos_token_ids | req.stop_token_ids)
-            if req.constraints is not None and req.constraints.bad_sequences:
-                banned += req.constraints.banned_next(
-                    req.token_ids[req.num_prompt_tokens: req.num_tokens])
-            if banned:  # the engine refuses requests that could need more
-                banned_ids[row, : len(banned)] = banned
-
-    batch = dict(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
-                 feed_slots=feed_slots, cu_q_lens=cu_q_lens, kv_lens=kv_lens,
-                 block_tables=block_tables, num_seqs=np.array([len(out.requests)], np.int32),
-                 logits_indices=logits_indices)
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                    presence_penalty=presence, frequency_penalty=frequency,
-                    repetition_penalty=repetition, seeds=seeds,
-                    sample_positions=sample_positions, state_slots=state_slots,
-                    reset_state=reset_state, prompt_lens=prompt_lens,
-                    wants_logprobs=wants_logprobs, banned_ids=banned_ids,
-                    has_bias=has_bias, has_grammar=has_grammar, num_proposed=num_proposed)
-    return batch, sampling
+        batch = dict(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
+                     feed_slots=feed_slots, cu_q_lens=cu_q_lens, kv_lens=kv_lens,
+                     block_tables=block_tables, num_seqs=np.array([len(out.requests)], np.int32),
+                     logits_indices=logits_indices)
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                        presence_penalty=presence, frequency_penalty=frequency,
+                        repetition_penalty=repetition, seeds=seeds,
+                        sample_positions=sample_positions, state_slots=state_slots,
+                        reset_state=reset_state, prompt_lens=prompt_lens,
+                        wants_logprobs=wants_logprobs, banned_ids=banned_ids,
+                        has_bias=has_bias, has_grammar=has_grammar, num_proposed=num_proposed)
+        return batch, sampling
 
 
 def prompt_score_targets(out: SchedulerOutput, wanted: list[bool]) -> np.ndarray | None:

@@ -4,7 +4,7 @@ For NVIDIA and AMD users whose stack is PyTorch: the host side (scheduler, KV bl
 input builder, detokenizer, server) is the JAX backend's, unchanged; this runner holds the
 torch model (models/torch/llama.py), the paged KV cache (per layer [P, S, K, H], written in
 place) and the torch sampler (backends/torch/sampler.py), and runs each step on the same (T, R)
-bucket and the same inputs (input_builder.build_step_inputs) as the JAX runner:
+bucket and the same inputs (input_builder.StepInputBuilder) as the JAX runner:
 
     dispatch: inputs -> device, bias / grammar rows written, forward(batch) -> hidden [T, D],
               logits of each row's last token, penalty state updated, sample; prompt scores
