@@ -51,12 +51,9 @@ def _kv_utilisation(engine) -> tuple[int, float]:
     if distinct == 0:
         return 0, 0.0
     running = engine.scheduler.running
-    # Tokens of the step on the device hold KV by the time anyone reads it: live too.
+    # A request's computed tokens include those of the steps still on the device (the
+    # scheduler counts them when it schedules): their KV is there by the time anyone reads it.
     computed = sum(r.num_computed_tokens for r in running)
-    if engine.in_flight is not None:
-        computed += sum(n for r, n in zip(engine.in_flight.requests,
-                                          engine.in_flight.num_scheduled_tokens)
-                        if not r.finished)
     held = sum(len(r.block_ids) for r in running)
     live = computed - (held - distinct) * size
     return distinct, live / (distinct * size)
