@@ -73,13 +73,11 @@ class TimedRunner(NullRunner):
         super().__init__(config, vocab)
         self.device_seconds = device_seconds
         self._free_at = 0.0  # when the device finishes the last step dispatched
-        self.busy = 0.0  # device seconds of the steps dispatched so far
 
     def dispatch(self, out: SchedulerOutput, score_targets=None, grammar_masks=None):
         result = super().dispatch(out, score_targets, grammar_masks)
         start = max(time.perf_counter(), self._free_at)  # queued behind the last step
         self._free_at = start + self.device_seconds
-        self.busy += self.device_seconds
         return result, self._free_at
 
     def fetch(self, handle) -> StepResult:

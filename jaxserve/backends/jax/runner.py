@@ -408,7 +408,6 @@ class ModelRunner:
                            token_padding=padding.token_padding,
                            row_padding=padding.row_padding)
 
-
     # ---- one step -----------------------------------------------------------------------
     def dispatch(self, out: SchedulerOutput, score_targets: np.ndarray | None = None,
                  grammar_masks: list[tuple[int, np.ndarray]] | None = None) -> InFlightStep:
