@@ -72,6 +72,7 @@ def server(num_seqs: int, device_ms: float, window: float, async_scheduling: boo
 
     from jaxserve.server.app import ServerConfig, create_app
     from jaxserve.server.async_engine import AsyncLLMEngine
+    from jaxserve.server.launch import uvicorn_config
 
     engine = _engine(num_seqs, device_ms, async_scheduling)
     gc.collect()
@@ -79,9 +80,9 @@ def server(num_seqs: int, device_ms: float, window: float, async_scheduling: boo
     async_engine = AsyncLLMEngine(engine)
     async_engine.start()
     port = free_port()
-    app = create_app(async_engine, ServerConfig(served_model_name="standin"))
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                       access_log=False))
+    server_config = ServerConfig(served_model_name="standin", host="127.0.0.1", port=port)
+    app = create_app(async_engine, server_config)
+    uv = uvicorn.Server(uvicorn_config(app, server_config, "warning"))  # as `serve` runs it
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     while not uv.started:

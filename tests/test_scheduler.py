@@ -23,7 +23,7 @@ import pytest
 
 from jaxserve.config.engine_config import SchedulerConfig
 from jaxserve.config.speculative import SpeculativeConfig
-from jaxserve.core.input_builder import build_step_inputs
+from jaxserve.core.input_builder import StepInputBuilder, build_step_inputs
 from jaxserve.core.kv_cache_manager import BlockPool, KVCacheManager
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sampling_params import SamplingParams
@@ -81,6 +81,7 @@ class Harness:
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
         self.blocks_per_seq = cdiv(max_model_len, block_size)
+        self.inputs = StepInputBuilder(max_num_seqs, block_size, self.blocks_per_seq)
         self.kv = np.full(num_blocks * block_size, -1, np.int64)  # the simulated KV cache
         self.requests: list[Request] = []  # everything added, in order
         self.finished: list[Request] = []  # in finishing order
@@ -314,7 +315,7 @@ class Harness:
         bs, total, rows = self.block_size, out.total_num_scheduled_tokens, len(out.requests)
         num_tokens, num_rows = self.config.pick_bucket(total, rows)
         resets = [r.needs_state_reset for r in out.requests]
-        batch, sampling = build_step_inputs(out, num_tokens, num_rows, bs, self.blocks_per_seq)
+        batch, sampling = _build_inputs(self.inputs, out, num_tokens, num_rows)
         assert sampling["reset_state"][:rows].tolist() == resets
         assert not sampling["reset_state"][rows:].any()
         assert sampling["state_slots"][:rows].tolist() == [r.state_slot for r in out.requests]
@@ -871,14 +872,36 @@ def test_disable_by_batch_size_stops_proposals_while_many_run(monkeypatch):
 
 
 # ---- asynchronous scheduling ----------------------------------------------------------------
-def _device_step(out: SchedulerOutput, kv: np.ndarray, last_tokens: dict, block_size: int,
-                 blocks_per_seq: int, config: SchedulerConfig):
+def _build_inputs(builder: StepInputBuilder, out: SchedulerOutput, num_tokens: int,
+                  num_rows: int) -> tuple[dict, dict]:
+    """A step's inputs from the runner's builder, which keeps its tables across steps (by
+    state slot), checked against a fresh build: the same arrays, except that a block table
+    row may hold more of the request's own blocks than the step reads."""
+    batch, sampling = builder.build(out, num_tokens, num_rows)
+    fresh_batch, fresh_sampling = build_step_inputs(out, num_tokens, num_rows,
+                                                    builder.block_size, builder.blocks_per_seq)
+    for name, fresh in {**fresh_batch, **fresh_sampling}.items():
+        kept = batch[name] if name in batch else sampling[name]
+        if name != "block_tables":
+            assert np.array_equal(kept, fresh), name
+            continue
+        for row, kv_len in enumerate(batch["kv_lens"]):
+            needed = cdiv(int(kv_len), builder.block_size)
+            assert np.array_equal(kept[row, :needed], fresh[row, :needed]), row
+            rest = kept[row, needed:]
+            assert ((rest == 0) | (rest == fresh[row, needed:])).all(), row
+    return batch, sampling
+
+
+def _device_step(out: SchedulerOutput, kv: np.ndarray, last_tokens: dict,
+                 builder: StepInputBuilder, config: SchedulerConfig):
     """The fake device: feeds placeholders from the last token sampled for each state slot,
     writes the step's tokens into the simulated KV cache and samples next_token(context)
     for each row that samples, reading the context back through its block table."""
     total, rows = out.total_num_scheduled_tokens, len(out.requests)
     num_tokens, num_rows = config.pick_bucket(total, rows)
-    batch, sampling = build_step_inputs(out, num_tokens, num_rows, block_size, blocks_per_seq)
+    batch, sampling = _build_inputs(builder, out, num_tokens, num_rows)
+    block_size = builder.block_size
     feed = batch["feed_slots"][:total]
     tokens = batch["token_ids"][:total].astype(np.int64)
     for i in np.flatnonzero(feed):
@@ -909,7 +932,8 @@ def test_asynchronous_steps_give_every_request_its_exact_tokens(enable_caching):
     scheduler = Scheduler(config, kv_manager)
     kv = np.full(num_blocks * block_size, -1, np.int64)
     last_tokens: dict[int, int] = {}
-    blocks_per_seq = cdiv(config.max_model_len, block_size)
+    builder = StepInputBuilder(config.max_num_seqs, block_size,
+                               cdiv(config.max_model_len, block_size))
     rng = random.Random(7)
     requests, aborted = [], []
     pending = None  # the step on the fake device, not folded in yet
@@ -933,7 +957,7 @@ def test_asynchronous_steps_give_every_request_its_exact_tokens(enable_caching):
         for req in out.requests:
             assert req.num_placeholders <= 2
             assert req.num_computed_tokens <= req.num_prompt_tokens + req.max_output_tokens
-        step = (out, _device_step(out, kv, last_tokens, block_size, blocks_per_seq, config)) \
+        step = (out, _device_step(out, kv, last_tokens, builder, config)) \
             if not out.empty else None
         if pending is not None:
             scheduler.update_from_output(*pending)
@@ -950,3 +974,51 @@ def test_asynchronous_steps_give_every_request_its_exact_tokens(enable_caching):
     assert any(r not in aborted for r in requests)
     assert kv_manager.pool.num_free == num_blocks - 1
     assert sorted(scheduler._free_slots) == list(range(1, config.max_num_seqs + 1))
+
+
+class _CountedBlocks(list):
+    """A request's block ids, counting the ids read (by index, slice or iteration)."""
+
+    read = 0
+
+    def __getitem__(self, index):
+        items = super().__getitem__(index)
+        _CountedBlocks.read += len(items) if isinstance(index, slice) else 1
+        return items
+
+    def __iter__(self):
+        _CountedBlocks.read += len(self)
+        return super().__iter__()
+
+
+def test_input_building_reads_only_the_blocks_each_step_adds():
+    """Work per step follows the new tokens, not the sequences' lengths: the runner's input
+    builder keeps each request's block table by state slot and reads only the block ids
+    added since its previous step (here fewer than one decode step's worth of whole
+    tables over the whole run)."""
+    block_size, max_len = 4, 256
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=max_len)
+    scheduler = Scheduler(config, KVCacheManager(300, block_size))
+    builder = StepInputBuilder(4, block_size, cdiv(max_len, block_size))
+    requests = [make_request(f"r{i}", 60 + 5 * i, 120) for i in range(4)]
+    for req in requests:
+        scheduler.add(req)
+    built_read = 0  # block ids the builder read
+    tables_read = 0  # what rebuilding every table at every step would read
+    while scheduler.num_unfinished:
+        out = scheduler.schedule()
+        for req in out.requests:
+            if not isinstance(req.block_ids, _CountedBlocks):
+                req.block_ids = _CountedBlocks(req.block_ids)
+        tables_read += sum(len(req.block_ids) for req in out.requests)
+        num_tokens, num_rows = config.pick_bucket(out.total_num_scheduled_tokens,
+                                                  len(out.requests))
+        _CountedBlocks.read = 0
+        builder.build(out, num_tokens, num_rows)
+        built_read += _CountedBlocks.read
+        sampled = np.full(len(out.requests), 7, np.int64)
+        scheduler.update_from_output(out, types.SimpleNamespace(
+            token_ids=sampled, logprobs=np.zeros(len(sampled))))
+    blocks = sum(cdiv(req.num_tokens, block_size) for req in requests)
+    assert 0 < built_read <= blocks  # each block id read once
+    assert tables_read > 30 * blocks

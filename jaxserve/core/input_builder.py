@@ -7,8 +7,6 @@ the (T, R) bucket the runner picked.
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 
 from jaxserve.core.scheduler_output import SchedulerOutput
@@ -28,16 +26,24 @@ def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, bloc
 
 
 class StepInputBuilder:
-    """Builds each step's padded numpy inputs. Per request, one pass reads the few scalars
-    that change from step to step; what a request's sampling settings are is kept in a
-    table by state slot, written when the slot is handed out (needs_state_reset), so the
-    cost per decode row stays a few attribute reads at any batch size."""
+    """Builds each step's padded numpy inputs. Per request, a few scalars that change from
+    step to step are read; its sampling settings and its block table are kept in tables by
+    state slot (settings written when the slot is handed out, needs_state_reset; blocks
+    as they are added), so the cost per decode row stays a few attribute reads at any batch
+    size and sequence length. A block table row may hold more of the request's own blocks
+    than the step reads (never another request's)."""
 
     def __init__(self, max_num_seqs: int, block_size: int, blocks_per_seq: int) -> None:
         self.block_size, self.blocks_per_seq = block_size, blocks_per_seq
         # Per state slot: sampling_floats, and (top_k, seed, prompt length, step_extras).
         self._floats = np.zeros((max_num_seqs + 1, 8), np.float32)
         self._ints = np.zeros((max_num_seqs + 1, 4), np.int64)
+        # Per state slot: the block table of the request holding it, and how many of its
+        # blocks are written there. A request's blocks only grow while it holds its slot
+        # (freeing them releases the slot), so a step writes only the blocks added since the
+        # last one: the cost per step does not grow with the sequences' lengths.
+        self._tables = np.zeros((max_num_seqs + 1, blocks_per_seq), np.int32)
+        self._written = np.zeros(max_num_seqs + 1, np.int64)
 
     def build(self, out: SchedulerOutput, num_tokens: int, num_rows: int,
               refresh: bool = False) -> tuple[dict, dict]:
@@ -87,42 +93,51 @@ class StepInputBuilder:
             logits_indices[:n] = ends - 1
             sample_positions[:n] = firsts + counts
 
-            # The one pass over the requests: what changes per step, and their block ids.
-            ints = np.array([(r.state_slot, r.num_tokens, r.num_proposed, r.needs_state_reset,
-                              len(r.block_ids)) for r in reqs], np.int64)
-            flat_blocks = np.fromiter(itertools.chain.from_iterable(r.block_ids for r in reqs),
-                                      np.int32)
-            slots, known, num_blocks = ints[:, 0], ints[:, 1], ints[:, 4]
-            for row in (range(n) if refresh else np.flatnonzero(ints[:, 3]).tolist()):
-                r = reqs[row]  # a new slot: its sampling settings go into the table
-                self._floats[r.state_slot] = r.sampling_floats
-                self._ints[r.state_slot] = (r.sampling_top_k, r.seed, r.num_prompt_tokens,
-                                             r.step_extras)
+            # Per request, the few scalars that change from step to step.
+            slots = np.array([r.state_slot for r in reqs])
+            known = np.array([r.num_tokens for r in reqs])
+            resets = [r.needs_state_reset for r in reqs]
+            reset_state[:n] = resets
+            num_proposed[:n] = [r.num_proposed for r in reqs]
+            tables, written = self._tables, self._written
+            for row in (range(n) if refresh else np.flatnonzero(resets).tolist()):
+                r = reqs[row]  # a new slot: its sampling settings and blocks into the tables
+                slot = r.state_slot
+                self._floats[slot] = r.sampling_floats
+                self._ints[slot] = (r.sampling_top_k, r.seed, r.num_prompt_tokens,
+                                    r.step_extras)
+                tables[slot, : written[slot]] = 0
+                written[slot] = 0
+            # The blocks this step reads that are not in the table yet.
+            needed = (kv_lens[:n] + block_size - 1) // block_size
+            for row in np.flatnonzero(needed > written[slots]).tolist():
+                ids, slot = reqs[row].block_ids, int(slots[row])
+                tables[slot, written[slot]: len(ids)] = ids[written[slot]:]
+                written[slot] = len(ids)
             floats, static = self._floats[slots], self._ints[slots]
-            state_slots[:n], reset_state[:n], num_proposed[:n] = slots, ints[:, 3], ints[:, 2]
+            state_slots[:n] = slots
             top_k[:n] = static[:, 0]  # SamplingParams keeps top_k within int32
             seeds[:n], prompt_lens[:n] = static[:, 1], static[:, 2]
             temperature[:n], top_p[:n], min_p[:n] = floats[:, 0], floats[:, 1], floats[:, 2]
             presence[:n], frequency[:n], repetition[:n] = floats[:, 3], floats[:, 4], floats[:, 5]
             wants_logprobs[:n], has_bias[:n] = floats[:, 6] != 0, floats[:, 7] != 0
-            block_tables[:n][np.arange(blocks_per_seq) < num_blocks[:, None]] = flat_blocks
-            block_offsets = np.cumsum(num_blocks) - num_blocks
+            step_tables = block_tables[:n] = tables[slots]
 
             # Token positions of the whole step, and the row of each.
             rows = np.repeat(np.arange(n), counts)
             pos = np.arange(ends[-1], dtype=np.int32) - starts[rows] + firsts[rows]
             total = len(pos)
             positions[:total] = pos
-            slot_mapping[:total] = flat_blocks[block_offsets[rows] + pos // block_size] * \
-                block_size + pos % block_size
+            slot_mapping[:total] = step_tables[rows, pos // block_size] * block_size + \
+                pos % block_size
             # Proposals too are written past the known tokens; a step holds placeholders (as
             # its inputs) or proposals, never both: asynchronous steps do not speculate.
-            placeholder = (pos >= known[rows]) & (ints[rows, 2] == 0)
+            placeholder = (pos >= known[rows]) & (num_proposed[rows] == 0)
             feed_slots[:total] = np.where(placeholder, slots[rows], 0)
             single = counts == 1
             firsts_list = out.num_computed_tokens
             decode = np.flatnonzero(single & (firsts < known))  # decode rows with a known token
-            token_ids[starts[decode]] = [reqs[row].token_ids[firsts_list[row]]
+            token_ids[starts[decode]] = [reqs[row].token_ids.item(firsts_list[row])
                                          for row in decode.tolist()]
             for row in np.flatnonzero(~single).tolist():  # chunks, proposals: known tokens
                 req, first, start, count = reqs[row], firsts[row], starts[row], counts[row]

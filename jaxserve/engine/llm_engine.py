@@ -3,19 +3,8 @@
 A request with n > 1 becomes n sequences (children) that share the prompt; each child has
 its own seed (seed + i when a seed is given), detokenizer and finish reason.
 
-One request never stops the engine. When preparing, running or reading a step raises, the
-engine finds the request(s) that caused it and fails only those (finish_reason "error",
-RequestOutput.error says why), freeing their blocks:
-- a step that cannot be dispatched is dispatched again one request at a time, at once
-  (nothing ran on the device); a request that fails alone is the culprit;
-- a step that fails on the device has unknown effects on the device state of its requests:
-  they are recomputed from scratch, each in a step of its own (suspects), and a suspect
-  whose own step fails is the culprit;
-- a failure while reading one request's results, detokenizing it or building its output
-  fails that request.
-After a culprit's step failed, an empty step checks the device; only when that fails too (an
-error that persists with no request in it: the device is lost) does step() raise
-EngineDeadError.
+One request never stops the engine: failures.py finds the request(s) that caused a failure
+and fails only those.
 """
 
 from __future__ import annotations
@@ -37,6 +26,7 @@ from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.core.structured_output import GrammarCompiler, describe_error
 from jaxserve.engine.admission import EngineRequest, InputProcessor
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.failures import EngineDeadError, FailureIsolation, describe
 from jaxserve.engine.interface import EngineInterface
 from jaxserve.engine.output_processor import OutputBuilder, TrackedRequest
 from jaxserve.engine.outputs import RequestOutput
@@ -46,11 +36,7 @@ from jaxserve.inputs.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine can no longer run steps: a step with no request in it failed too."""
-
-
-class LLMEngine(EngineInterface):
+class LLMEngine(FailureIsolation, EngineInterface):
     def __init__(self, config: EngineConfig, runner: Runner | None = None,
                  rank: int = 0) -> None:
         """runner: the device side; built from config on data-parallel replica `rank`'s
@@ -286,15 +272,6 @@ class LLMEngine(EngineInterface):
         except Exception as err:  # noqa: BLE001 - outside any one request: fail them all
             self._fail_all(err)
 
-    def _fail_all(self, err: Exception) -> None:
-        logger.error("The engine failed outside any one request (%s): failing all %d "
-                     "requests", _describe(err), len(self._tracked), exc_info=err)
-        self._in_flight, self._older = [], []
-        self._drop_cached_blocks()
-        for tracked in list(self._tracked.values()):
-            self._fail(tracked, err, "in the engine", log=False)
-        self._device_failure = err
-
     def _step(self, ahead: bool) -> list[TrackedRequest]:
         """Collect, launch (ahead: begin_step launched it already, before collecting),
         detokenize; the requests that got tokens."""
@@ -377,22 +354,13 @@ class LLMEngine(EngineInterface):
                            "while its step was prepared", device=True)
                 return
             logger.warning("A step of %d requests could not start (%s); starting them one at "
-                           "a time", len(out.requests), _describe(err))
+                           "a time", len(out.requests), describe(err))
             for row, req in enumerate(out.requests):
                 if not req.finished:
                     self._dispatch(out.rows([row]))
             return
         self._in_flight.append((out, handle, time.perf_counter()))
         self._fail_masks(broken)
-
-    def _fail_masks(self, broken: list[Request]) -> None:
-        for req in broken:
-            logger.info("Request %s failed: its structured output's next-token mask could not "
-                        "be computed within the per-step budget", req.request_id[:64])
-            self._fail(self._by_child[req.request_id], RuntimeError(
-                f"the grammar's next-token mask ran past its per-step budget: "
-                f"{describe_error(req.grammar.get_error())}"), "while computing its "
-                "structured output's next-token mask", log=False, param="structured_outputs")
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (vLLM's reset_prefix_cache): later prompts hit nothing
@@ -432,28 +400,6 @@ class LLMEngine(EngineInterface):
                         self._suspects.pop(req.request_id, None)
             self.host_times.add("fold", time.perf_counter() - fetched)
         return appended
-
-    def _step_failed(self, out: SchedulerOutput, err: Exception) -> None:
-        """A step failed on the device. What it did to its requests' KV and penalty state is
-        unknown, so they are recomputed from scratch, each alone; one that was alone already
-        is the culprit."""
-        self.scheduler.drop_step(out)
-        # Rows of requests that are no longer running (finished, or sent back to be
-        # recomputed: the step was launched behind one that had failed already) say nothing.
-        live = [(req, first + count) for req, first, count in zip(
-            out.requests, out.num_computed_tokens, out.num_scheduled_tokens)
-            if req.status is RequestStatus.RUNNING]
-        if not live:
-            return
-        if len(out.requests) == 1:
-            self._fail(self._by_child[out.requests[0].request_id], err, "while its step ran",
-                       device=True)
-            return
-        logger.warning("A step of %d requests failed on the device (%s); recomputing each "
-                       "alone", len(out.requests), _describe(err))
-        for req, end in live:
-            self._suspects[req.request_id] = end
-            self.scheduler.recompute(req)
 
     def _fold(self, out: SchedulerOutput,
               result) -> list[tuple[TrackedRequest, Request, list[int]]]:
@@ -551,38 +497,6 @@ class LLMEngine(EngineInterface):
                     del entries[-later:]
             return
 
-    def _fail(self, tracked: TrackedRequest, err: BaseException, stage: str, *,
-              device: bool = False, log: bool = True, param: str | None = None) -> None:
-        """End a request with finish_reason "error" and free what it holds. device: the
-        error came from its own step on the runner, so the device is checked next. param:
-        the request field whose value caused it (the error then says what, and the server
-        answers as to a bad request)."""
-        if tracked.error is not None:
-            return
-        if param is not None:
-            tracked.error, tracked.error_param = f"{param}: {str(err)[:300]}", param
-        else:
-            tracked.error = f"the engine failed on this request {stage} ({type(err).__name__})"
-        if log:
-            logger.error("Request %s failed %s: %s", tracked.request_id, stage,
-                         _describe(err), exc_info=err)
-        for child in tracked.children:
-            self._suspects.pop(child.request_id, None)
-            if not child.finished:
-                self.scheduler.finish(child, RequestStatus.FINISHED_ERROR)
-        self._failed.append(tracked)
-        if device:
-            self._device_failure = err
-
-    def _check_device(self) -> None:
-        """After a culprit's step failed: does the device still run an empty step?"""
-        cause, self._device_failure = self._device_failure, None
-        try:
-            self.runner.fetch(self.runner.dispatch(SchedulerOutput([], [], [])))
-        except Exception as err:  # noqa: BLE001 - reported as the reason the engine died
-            raise EngineDeadError(f"the device fails even an empty step: {_describe(err)} "
-                                  f"(first failure: {_describe(cause)})") from err
-
     def _prompt_score_targets(self, out: SchedulerOutput) -> np.ndarray | None:
         """The prompt tokens whose logprobs this step scores (input_builder's targets), for
         the first child of each request that asked for prompt logprobs."""
@@ -593,10 +507,3 @@ class LLMEngine(EngineInterface):
             tracked = self._by_child[req.request_id]
             wanted.append(tracked.prompt_logprobs is not None and req is tracked.children[0])
         return prompt_score_targets(out, wanted)
-
-
-def _describe(err: BaseException) -> str:
-    """A one-line, bounded description of an exception (no traceback)."""
-    text = str(err).splitlines()[0] if str(err) else ""
-    text = text if len(text) <= 200 else text[:197] + "..."
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__

@@ -1,0 +1,120 @@
+"""How the engine keeps one request from stopping it (LLMEngine's failure isolation).
+
+When preparing, running or reading a step raises, the engine finds the request(s) that
+caused it and fails only those (finish_reason "error", RequestOutput.error says why),
+freeing their blocks:
+- a step that cannot be dispatched is dispatched again one request at a time, at once
+  (nothing ran on the device); a request that fails alone is the culprit;
+- a step that fails on the device has unknown effects on the device state of its requests:
+  they are recomputed from scratch, each in a step of its own (suspects), and a suspect
+  whose own step fails is the culprit;
+- a failure while reading one request's results, detokenizing it or building its output
+  fails that request.
+After a culprit's step failed, an empty step checks the device; only when that fails too (an
+error that persists with no request in it: the device is lost) does step() raise
+EngineDeadError.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.scheduler_output import SchedulerOutput
+from jaxserve.core.structured_output import describe_error
+
+if TYPE_CHECKING:
+    from jaxserve.engine.output_processor import TrackedRequest
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine can no longer run steps: a step with no request in it failed too."""
+
+
+class FailureIsolation:
+    """LLMEngine's failure handling, on the engine's own state: its scheduler, runner and
+    tracked requests; the children that run alone (_suspects: child id -> the computed
+    length up to which it does), the requests failed since step() last returned (_failed),
+    and the failure that makes the next step() check the device (_device_failure)."""
+
+    def _fail_all(self, err: Exception) -> None:
+        logger.error("The engine failed outside any one request (%s): failing all %d "
+                     "requests", describe(err), len(self._tracked), exc_info=err)
+        self._in_flight, self._older = [], []
+        self._drop_cached_blocks()
+        for tracked in list(self._tracked.values()):
+            self._fail(tracked, err, "in the engine", log=False)
+        self._device_failure = err
+
+    def _fail_masks(self, broken: list[Request]) -> None:
+        for req in broken:
+            logger.info("Request %s failed: its structured output's next-token mask could not "
+                        "be computed within the per-step budget", req.request_id[:64])
+            self._fail(self._by_child[req.request_id], RuntimeError(
+                f"the grammar's next-token mask ran past its per-step budget: "
+                f"{describe_error(req.grammar.get_error())}"), "while computing its "
+                "structured output's next-token mask", log=False, param="structured_outputs")
+
+    def _step_failed(self, out: SchedulerOutput, err: Exception) -> None:
+        """A step failed on the device. What it did to its requests' KV and penalty state is
+        unknown, so they are recomputed from scratch, each alone; one that was alone already
+        is the culprit."""
+        self.scheduler.drop_step(out)
+        # Rows of requests that are no longer running (finished, or sent back to be
+        # recomputed: the step was launched behind one that had failed already) say nothing.
+        live = [(req, first + count) for req, first, count in zip(
+            out.requests, out.num_computed_tokens, out.num_scheduled_tokens)
+            if req.status is RequestStatus.RUNNING]
+        if not live:
+            return
+        if len(out.requests) == 1:
+            self._fail(self._by_child[out.requests[0].request_id], err, "while its step ran",
+                       device=True)
+            return
+        logger.warning("A step of %d requests failed on the device (%s); recomputing each "
+                       "alone", len(out.requests), describe(err))
+        for req, end in live:
+            self._suspects[req.request_id] = end
+            self.scheduler.recompute(req)
+
+    def _fail(self, tracked: TrackedRequest, err: BaseException, stage: str, *,
+              device: bool = False, log: bool = True, param: str | None = None) -> None:
+        """End a request with finish_reason "error" and free what it holds. device: the
+        error came from its own step on the runner, so the device is checked next. param:
+        the request field whose value caused it (the error then says what, and the server
+        answers as to a bad request)."""
+        if tracked.error is not None:
+            return
+        if param is not None:
+            tracked.error, tracked.error_param = f"{param}: {str(err)[:300]}", param
+        else:
+            tracked.error = f"the engine failed on this request {stage} ({type(err).__name__})"
+        if log:
+            logger.error("Request %s failed %s: %s", tracked.request_id, stage,
+                         describe(err), exc_info=err)
+        for child in tracked.children:
+            self._suspects.pop(child.request_id, None)
+            if not child.finished:
+                self.scheduler.finish(child, RequestStatus.FINISHED_ERROR)
+        self._failed.append(tracked)
+        if device:
+            self._device_failure = err
+
+    def _check_device(self) -> None:
+        """After a culprit's step failed: does the device still run an empty step?"""
+        cause, self._device_failure = self._device_failure, None
+        try:
+            self.runner.fetch(self.runner.dispatch(SchedulerOutput([], [], [])))
+        except Exception as err:  # noqa: BLE001 - reported as the reason the engine died
+            raise EngineDeadError(f"the device fails even an empty step: {describe(err)} "
+                                  f"(first failure: {describe(cause)})") from err
+
+
+def describe(err: BaseException) -> str:
+    """A one-line, bounded description of an exception (no traceback)."""
+    text = str(err).splitlines()[0] if str(err) else ""
+    text = text if len(text) <= 200 else text[:197] + "..."
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
