@@ -110,8 +110,8 @@ def uvicorn_config(app, server_config: ServerConfig, log_level: str = "info") ->
     is installed, as orbax's dependencies install it): the HTTP side and the engine thread
     share the GIL, and under uvloop the event loop keeps it from the engine thread far
     longer. Measured with scripts/bench_async_scheduling.py's server case (a 5 ms stand-in
-    device step, 256 streaming clients): 0.27 of the ideal steps/s under uvloop, 0.72 under
-    asyncio (64 clients: 0.64 and 0.84)."""
+    device step, 256 streaming clients): about 0.25 of the ideal steps/s under uvloop, 0.7
+    under asyncio (64 clients: 0.7 and 0.9)."""
     return uvicorn.Config(app, host=server_config.host, port=server_config.port,
                           log_level=log_level.lower(), access_log=False, loop="asyncio",
                           http=_timed_protocol(server_config.request_read_timeout,
