@@ -118,6 +118,20 @@ def test_every_request_gets_the_same_tokens_as_with_synchronous_scheduling(pair)
     assert len(got["async"][-1].outputs[0].token_ids) == 1
 
 
+def test_bfloat16_gives_the_same_tokens_as_synchronous_scheduling(tiny_checkpoint):
+    """Real checkpoints are bfloat16: the placeholders fed on the device are the same tokens
+    there, through the same mixed workload (preemption included)."""
+    llm = LLM(str(tiny_checkpoint), **{**SMALL, "dtype": "bfloat16"})  # one compile of each
+    prompts, params = _workload("\n\n")
+    got = {}
+    for mode in ("sync", "async"):
+        llm.engine.async_scheduling = mode == "async"
+        llm.engine.reset_prefix_cache()  # both runs compute the same prefixes
+        got[mode] = llm.generate(prompts, params, use_tqdm=False)
+    _check_same(got["async"], got["sync"])
+    assert llm.engine.stats().preemptions > 0, "the workload was meant to preempt"
+
+
 def test_the_next_step_is_launched_before_the_previous_one_is_fetched(pair):
     engine = pair["async"].engine
     calls = []

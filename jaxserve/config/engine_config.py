@@ -223,8 +223,10 @@ class EngineConfig:
             raise ValueError("quantization: an Orbax checkpoint (jaxserve convert) is restored "
                              "as saved; quantize from the Hugging Face folder instead.")
         if self.scheduler.async_scheduling and self.speculative is not None:
-            raise ValueError("async_scheduling does not work with speculative_config; drop one "
-                             "of them.")
+            raise ValueError("async_scheduling=True does not work with speculative_config: a "
+                             "speculative step's next inputs depend on how many proposals it "
+                             "accepts. Drop one of them (speculative decoding steps "
+                             "synchronously when async_scheduling is left unset).")
         if self.backend == "torch" and self.speculative is not None:
             raise ValueError("speculative_config: speculative decoding runs on the JAX backend "
                              "only; drop speculative_config or use backend='jax'.")
@@ -287,11 +289,6 @@ class EngineConfig:
         if async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling must be True, False or None (auto), got "
                              f"{async_scheduling!r}.")
-        if async_scheduling and speculative is not None:
-            raise ValueError("async_scheduling=True does not work with speculative_config: a "
-                             "speculative step's next inputs depend on how many proposals it "
-                             "accepts. Drop one of them (speculative decoding steps "
-                             "synchronously when async_scheduling is left unset).")
         if async_scheduling is None:
             async_scheduling = speculative is None
         if compilation_cache_dir == "default":

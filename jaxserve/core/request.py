@@ -166,6 +166,11 @@ class Request:
             raise RuntimeError("only a finished request's output tokens can be dropped")
         self.num_tokens = min(self.num_tokens, num_tokens)
 
+    def ended_by_token(self, token: int) -> bool:
+        """Whether `token`, its last one, ended it: EOS or a stop token id (whose text is
+        not part of the output)."""
+        return self._status is RequestStatus.FINISHED_STOPPED and token in self._stops
+
     def check_stop_token(self, last: int | None = None) -> bool:
         """After appending a token (`last`, when the caller has it): finish on EOS /
         stop_token_ids (after min_tokens) or length."""

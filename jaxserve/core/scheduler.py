@@ -263,8 +263,7 @@ class Scheduler:
                 token_ids = sampled.token_ids.tolist()
             if not proposed and num_emitted is None:  # one token: the common case
                 token = token_ids[first]
-                request.token_ids[request.num_tokens] = token
-                request.num_tokens += 1
+                request.append_token(token)
                 if request.params.logprobs is not None:
                     request.cumulative_logprob += float(sampled.logprobs[first])
                 if request.check_stop_token(token):

@@ -28,7 +28,7 @@ from jaxserve.engine.admission import EngineRequest, InputProcessor
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.failures import EngineDeadError, FailureIsolation, describe
 from jaxserve.engine.interface import EngineInterface
-from jaxserve.engine.output_processor import OutputBuilder, TrackedRequest
+from jaxserve.engine.output_processor import OutputBuilder, TrackedRequest, match_stop_strings
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.stats import EngineStats, HostTimes
 from jaxserve.inputs.tokenizer import load_tokenizer
@@ -295,11 +295,15 @@ class LLMEngine(FailureIsolation, EngineInterface):
             try:
                 # Stop strings are looked for token by token; other text waits until it is
                 # read (OutputBuilder.make_output).
-                self._detokenize(tracked, req, req.token_ids[
+                match = match_stop_strings(tracked, req, req.token_ids[
                     req.num_tokens - len(indices): req.num_tokens].tolist())
             except Exception as err:  # noqa: BLE001 - this request only
                 self._fail(tracked, err, "while detokenizing")
                 continue
+            if match is not None:  # it ends at that token; its row in the step already
+                stop_str, later = match  # running is dropped when that step is collected
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED,
+                                      stop_reason=stop_str, num_tokens=req.num_tokens - later)
             changed[tracked.request_id] = tracked
         return list(changed.values())
 
@@ -467,35 +471,6 @@ class LLMEngine(FailureIsolation, EngineInterface):
         if req.grammar.is_stopped() and not req.finished:
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
         return True
-
-    def _detokenize(self, tracked: TrackedRequest, req: Request, tokens: list[int]) -> None:
-        """Text for the new tokens (one, or a speculative step's several), and stop
-        strings, token by token: a request that matches one finishes at that token (later
-        tokens of the same step are dropped, as if they had never been sampled), and its row
-        in the step already running is dropped when that step is collected."""
-        child = tracked.children.index(req)
-        detok = tracked.detokenizers[child]
-        for i, token in enumerate(tokens):
-            later = len(tokens) - 1 - i
-            # The token itself ended the request (EOS, a stop token id): its text is not
-            # shown. A grammar that reached its end also stops the request, after a token
-            # that is.
-            by_token = not later and req.status is RequestStatus.FINISHED_STOPPED and (
-                token in req.eos_token_ids or token in req.stop_token_ids)
-            stop_str = detok.update(
-                [token], stop_terminated=by_token,
-                check_stop=req.num_output_tokens - later > req.params.min_tokens)
-            if stop_str is None:
-                continue
-            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop_reason=stop_str,
-                                  num_tokens=req.num_tokens - later)
-            if later:
-                if req.params.logprobs is not None:
-                    entries = tracked.logprobs[child]
-                    for token_id, entry in zip(tokens[i + 1:], entries[-later:]):
-                        req.cumulative_logprob -= entry[token_id].logprob
-                    del entries[-later:]
-            return
 
     def _prompt_score_targets(self, out: SchedulerOutput) -> np.ndarray | None:
         """The prompt tokens whose logprobs this step scores (input_builder's targets), for

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.request import Request
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.outputs import (
@@ -135,7 +135,30 @@ def _catch_up(child: Request, detok: IncrementalDetokenizer) -> None:
         return
     new = child.token_ids[child.num_prompt_tokens + have: child.num_tokens].tolist()
     # A stop token id or EOS that ended the sequence is not part of its text.
-    last = new[-1]
-    by_token = child.status is RequestStatus.FINISHED_STOPPED and (
-        last in child.eos_token_ids or last in child.stop_token_ids)
-    detok.extend(new, stop_terminated=by_token, check_stop=False)
+    detok.extend(new, stop_terminated=child.ended_by_token(new[-1]), check_stop=False)
+
+
+def match_stop_strings(tracked: TrackedRequest, req: Request,
+                       tokens: list[int]) -> tuple[str, int] | None:
+    """Feed a sequence's new tokens (one, or a speculative step's several) to its
+    detokenizer one by one, looking for its stop strings. The first match, as (the stop
+    string, how many of the tokens come after the one that completed it; the engine drops
+    those, as if never sampled, and their logprob entries are dropped here), or None."""
+    child = tracked.children.index(req)
+    detok = tracked.detokenizers[child]
+    for i, token in enumerate(tokens):
+        later = len(tokens) - 1 - i
+        # The token itself ended the request (EOS, a stop token id): its text is not shown.
+        # A grammar that reached its end also stops the request, after a token that is.
+        stop_str = detok.update(
+            [token], stop_terminated=not later and req.ended_by_token(token),
+            check_stop=req.num_output_tokens - later > req.params.min_tokens)
+        if stop_str is None:
+            continue
+        if later and req.params.logprobs is not None:
+            entries = tracked.logprobs[child]
+            for token_id, entry in zip(tokens[i + 1:], entries[-later:]):
+                req.cumulative_logprob -= entry[token_id].logprob
+            del entries[-later:]
+        return stop_str, later
+    return None

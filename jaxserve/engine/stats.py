@@ -74,7 +74,3 @@ class HostTimes:
 
     def add(self, stage: str, seconds: float) -> None:
         self.seconds[stage] += seconds
-
-    def per_step(self) -> dict[str, float]:
-        """Seconds per step() call, by stage."""
-        return {s: t / max(self.steps, 1) for s, t in self.seconds.items()}
