@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 
 from jaxserve.config.engine_args import EngineArgs
@@ -217,6 +218,12 @@ def _serve_parser(sub) -> None:
                    "(a body not received in time gets 408 and the connection closes)")
     p.add_argument("--keep-alive-timeout", type=float, default=5.0,
                    help="seconds an idle keep-alive connection stays open")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="step the engine in a process of its own (as vLLM's engine core), so "
+                   "that HTTP work never delays the device's next step; --no-engine-process "
+                   "steps it on a thread of the server's process (multi-host runs always "
+                   "do). Default: a process when this one may use 4 or more CPUs (the core "
+                   "then has one to itself; on fewer it competes with the HTTP side)")
     p.add_argument("--grpc-port", type=int, default=None,
                    help="also serve vLLM's gRPC engine service (vllm.grpc.engine.VllmEngine, "
                    "for routers such as the SMG gateway) on this port, beside HTTP")
@@ -273,8 +280,39 @@ def _run_serve(args: argparse.Namespace) -> int:
     grpc_config = _grpc_config(args, server_config)
     if _join_hosts(args, args.model, "background"):
         return 0  # a worker host: it ran host 0's steps until host 0 stopped
-    return serve(engine_config(args, model, "background"), server_config, args.log_level,
-                 grpc_config)
+    multi_host = args.multi_host or (args.coordinator, args.num_hosts, args.host_id) != (
+        None, None, None)
+    engine_process = args.engine_process
+    if engine_process is None:
+        engine_process = len(os.sched_getaffinity(0)) >= ENGINE_PROCESS_MIN_CPUS
+    if engine_process and not multi_host:
+        from jaxserve.engine.core_client import EngineCoreClient
+
+        engine = EngineCoreClient(core_engine, (EngineArgs.from_cli(args), model, "background"),
+                                  log_level=args.log_level)
+    else:
+        from jaxserve.engine.data_parallel import create_engine
+
+        engine = create_engine(engine_config(args, model, "background"))
+    return serve(engine, server_config, args.log_level, grpc_config)
+
+
+# The fewest CPUs with which `serve` steps the engine in a process of its own by default.
+# Measured (scripts/bench_async_scheduling.py, 256 streams, a 5 ms stand-in device step, the
+# clients on the same 2-CPU machine): with a CPU to itself the core kept the device 0.99
+# busy, against 0.64-0.70 on a thread; sharing the two CPUs with the HTTP side and the
+# clients, it got 0.42-0.59.
+ENGINE_PROCESS_MIN_CPUS = 4
+
+
+def core_engine(engine_args: EngineArgs, model: str, precompile: bool | str):
+    """`serve`'s engine, built in the engine core process (engine/core_process.py): the
+    accelerator is looked at only there, so only that process ever holds it."""
+    from jaxserve.backends.selection import on_accelerator
+    from jaxserve.engine.data_parallel import create_engine
+
+    return create_engine(engine_args.engine_config(
+        model, on_accelerator=on_accelerator(engine_args.backend), default_precompile=precompile))
 
 
 def _grpc_config(args: argparse.Namespace, server_config):

@@ -4,7 +4,7 @@ with streaming clients.
 
     python scripts/bench_async_scheduling.py [--seqs 16 64 256] [--device-ms 2 5 10]
                                              [--steps 200] [--window 2] [--no-server]
-                                             [--no-offline]
+                                             [--no-offline] [--pin-core]
 
 The model is replaced by benchmarks/standin_runners.py's TimedRunner: the host half of a real
 step (input building and packing) and a device that takes --device-ms per step, steps
@@ -15,7 +15,10 @@ time per step by stage (HostTimes: schedule, prepare, wait, fold, outputs; all b
 host work). Offline: --steps steps of LLMEngine.step(final_only=True) after the prefill.
 Server: `jaxserve serve`'s app (uvicorn in a thread of this process) with N streaming
 /v1/completions clients in another process; steps counted over --window seconds once all N
-run.
+run. "server" steps the engine in an engine core process, as `jaxserve serve` does (its
+host times are the core's); "thread" steps it on a thread of the server's process
+(`--no-engine-process`). --pin-core gives the core a CPU of its own (the HTTP side and the
+clients share the others), as on a host with CPUs to spare.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -32,6 +36,7 @@ from jaxserve import default_model_path
 from jaxserve.benchmarks.local_server import free_port
 from jaxserve.benchmarks.standin_runners import TimedRunner, start_decoding
 from jaxserve.config.engine_config import EngineConfig
+from jaxserve.engine.core_client import EngineCoreClient
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.stats import STAGES
 
@@ -64,7 +69,8 @@ def _report(engine: LLMEngine, before, steps_per_s: float, device_ms: float):
     return steps_per_s, steps_per_s * device_ms / 1e3, stages
 
 
-def server(num_seqs: int, device_ms: float, window: float, async_scheduling: bool):
+def server(num_seqs: int, device_ms: float, window: float, async_scheduling: bool,
+           engine_process: bool, pin_core: bool = False):
     import uvicorn
 
     # Not a line per request: the clients are aborted (disconnected) at the end.
@@ -74,9 +80,19 @@ def server(num_seqs: int, device_ms: float, window: float, async_scheduling: boo
     from jaxserve.server.async_engine import AsyncLLMEngine
     from jaxserve.server.launch import uvicorn_config
 
-    engine = _engine(num_seqs, device_ms, async_scheduling)
+    if engine_process:  # as `jaxserve serve` runs it; the client mirrors the core's HostTimes
+        engine = EngineCoreClient(_engine, (num_seqs, device_ms, async_scheduling),
+                                  log_level="WARNING")
+    else:
+        engine = _engine(num_seqs, device_ms, async_scheduling)
     gc.collect()
     gc.freeze()  # as `jaxserve serve` does after start-up
+    cpus = os.sched_getaffinity(0)
+    if pin_core:  # the core gets the last CPU; the HTTP side and the clients the others
+        last = max(cpus)
+        if engine_process:
+            os.sched_setaffinity(engine.pid, {last})
+        os.sched_setaffinity(0, cpus - {last})
     async_engine = AsyncLLMEngine(engine)
     async_engine.start()
     port = free_port()
@@ -111,6 +127,8 @@ def server(num_seqs: int, device_ms: float, window: float, async_scheduling: boo
         uv.should_exit = True
         thread.join(10)
         async_engine.stop()
+        engine.close()
+        os.sched_setaffinity(0, cpus)
         gc.unfreeze()  # this engine may go now
 
 
@@ -122,11 +140,16 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=2.0)
     parser.add_argument("--no-server", action="store_true")
     parser.add_argument("--no-offline", action="store_true")
+    parser.add_argument("--pin-core", action="store_true",
+                        help="server: run the engine core on a CPU of its own (the last one), "
+                        "the HTTP side and the clients on the others, as on a host with CPUs "
+                        "to spare; the thread rows then get one CPU fewer")
     args = parser.parse_args()
     header = (f"{'where':>8}{'async':>7}{'seqs':>6}{'device ms':>10}{'steps/s':>9}"
               f"{'of ideal':>9}  host ms per step: " + " ".join(f"{s:>8}" for s in STAGES))
     print(header)
-    places = ([] if args.no_offline else ["offline"]) + ([] if args.no_server else ["server"])
+    places = ([] if args.no_offline else ["offline"]) + (
+        [] if args.no_server else ["server", "thread"])
     for where in places:
         for num_seqs in args.seqs:
             for device_ms in args.device_ms:
@@ -134,7 +157,8 @@ def main() -> None:
                     if where == "offline":
                         rate, ratio, stages = offline(num_seqs, device_ms, args.steps, on)
                     else:
-                        rate, ratio, stages = server(num_seqs, device_ms, args.window, on)
+                        rate, ratio, stages = server(num_seqs, device_ms, args.window, on,
+                                                     where == "server", args.pin_core)
                     print(f"{where:>8}{'on' if on else 'off':>7}{num_seqs:6d}{device_ms:10.1f}"
                           f"{rate:9.1f}{ratio:9.2f}  {'':17}"
                           + " ".join(f"{stages[s]:8.3f}" for s in STAGES), flush=True)

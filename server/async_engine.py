@@ -125,7 +125,7 @@ class AsyncLLMEngine:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        self._wake.set()
+        self._notify()
         self._thread.join(timeout)
 
     @property
@@ -154,6 +154,11 @@ class AsyncLLMEngine:
     def num_in_flight(self) -> int:
         with self._lock:
             return len(self._streams)
+
+    def _notify(self) -> None:
+        """Wake the engine thread: idle, or in a step() that waits for an engine core."""
+        self._wake.set()
+        self.engine.wake()
 
     # ---- the HTTP side ------------------------------------------------------------------
     def submit(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
@@ -190,7 +195,7 @@ class AsyncLLMEngine:
             self._pending += sequences
         for request in requests:
             self._inbox.put(("add", request))
-        self._wake.set()
+        self._notify()
         return [self._outputs(request_id, stream) for request_id, stream in zip(ids, streams)]
 
     async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
@@ -210,7 +215,7 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
-        self._wake.set()
+        self._notify()
 
     def stop_request(self, request_id: str) -> None:
         """End a request now and hand its consumer the final output (finish_reason
@@ -225,7 +230,7 @@ class AsyncLLMEngine:
             known = [i for i in dict.fromkeys(request_ids) if i in self._streams]
         if known:
             self._inbox.put(("abort-report", known))
-            self._wake.set()
+            self._notify()
         return len(known)
 
     def abort_all(self) -> None:
@@ -240,7 +245,7 @@ class AsyncLLMEngine:
             raise EngineDeadError(self.dead_reason or "the engine loop has stopped")
         done = asyncio.get_running_loop().create_future()
         self._inbox.put(("reset-prefix-cache", done))
-        self._wake.set()
+        self._notify()
         while not done.done():  # bounded by the loop's life: a dead loop never answers
             await asyncio.wait([done], timeout=0.1)
             if not done.done() and not self.is_running:

@@ -172,12 +172,11 @@ class _DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(engine_config, server_config: ServerConfig, log_level: str = "info",
+def serve(engine, server_config: ServerConfig, log_level: str = "info",
           grpc_config=None) -> int:
-    """grpc_config: a grpc_server.GrpcConfig to serve gRPC beside HTTP, or None."""
-    from jaxserve.engine.data_parallel import create_engine
-
-    engine = create_engine(engine_config)
+    """Serve `engine` (an engine.interface.EngineInterface: an engine_core_client's
+    EngineCoreClient, or an engine in this process) until a signal stops the server, then
+    close it. grpc_config: a grpc_server.GrpcConfig to serve gRPC beside HTTP, or None."""
     # What start-up made (weights, tokenizer, compiled steps) lives as long as the server:
     # kept out of the collector's full passes, which would walk it again every few hundred
     # steps on the engine thread (vLLM freezes its heap after start-up the same way).
@@ -188,7 +187,8 @@ def serve(engine_config, server_config: ServerConfig, log_level: str = "info",
                             max_model_len=engine.config.model.max_model_len,
                             num_speculative_tokens=(
                                 engine.config.speculative.num_speculative_tokens
-                                if engine.config.speculative else 0))
+                                if engine.config.speculative else 0),
+                            compile_records=engine.compile_records)
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=server_config.max_waiting_requests,
                                   metrics=metrics)
     async_engine.start()

@@ -20,7 +20,7 @@
 | vllm:spec_decode_num_accepted_tokens_total | counter |
 | vllm:spec_decode_num_accepted_tokens_per_pos_total{position} | counter |
 | jaxserve:compile_seconds{kind=step|score} (trace, lower and compile of one bucket) | histogram |
-| jaxserve:xla_compilations_total (every XLA compile in the process) | counter |
+| jaxserve:xla_compilations_total (every XLA compile in the engine's process) | counter |
 | jaxserve:executable_cache_loads_total (buckets loaded from disk, not compiled) | counter |
 | jaxserve:warm_up_done (1 once every bucket is compiled) | gauge |
 
@@ -39,9 +39,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from jaxserve.backends.jax.compile_stats import (
     COMPILE_BUCKETS,
-    compilation_count,
-    compile_times,
-    executable_loads,
+    CompileRecords,
+    compile_records,
 )
 
 # vLLM's buckets (vllm/v1/metrics): whole requests, time to first token, between tokens.
@@ -66,27 +65,31 @@ def one_two_five_buckets(limit: int) -> tuple[int, ...]:
 
 
 class CompileCollector:
-    """The jaxserve: series, read at each scrape from the process-wide compile records."""
+    """The jaxserve: series, read at each scrape from the compile records of the process
+    where the engine compiles (records: a callable returning compile_stats.CompileRecords)."""
 
-    def __init__(self, model_name: str, warm_up_done: Callable[[], bool]) -> None:
+    def __init__(self, model_name: str, warm_up_done: Callable[[], bool],
+                 records: Callable[[], CompileRecords]) -> None:
         self.model_name = model_name
         self.warm_up_done = warm_up_done
+        self.records = records
 
     def collect(self):
+        records = self.records()
         seconds = HistogramMetricFamily(
             "jaxserve:compile_seconds", "Seconds to trace, lower and compile one function.",
             labels=["model_name", "kind"])
-        for kind, times in sorted(compile_times().items()):
+        for kind, times in sorted(records.times.items()):
             buckets = [(str(b), n) for b, n in zip(COMPILE_BUCKETS, times.buckets)]
             seconds.add_metric([self.model_name, kind], buckets + [("+Inf", times.count)],
                                times.total)
         yield seconds
         yield CounterMetricFamily("jaxserve:xla_compilations",
-                                  "XLA compilations in this process.",
-                                  value=compilation_count(), labels=None)
+                                  "XLA compilations in the engine's process.",
+                                  value=records.compilations, labels=None)
         yield CounterMetricFamily("jaxserve:executable_cache_loads",
                                   "Functions loaded from the executable cache.",
-                                  value=executable_loads(), labels=None)
+                                  value=records.executable_loads, labels=None)
         yield GaugeMetricFamily("jaxserve:warm_up_done", "1 once every bucket is compiled.",
                                 value=float(self.warm_up_done()))
 
@@ -94,12 +97,14 @@ class CompileCollector:
 class EngineMetrics:
     def __init__(self, model_name: str, *,
                  warm_up_done: Callable[[], bool] = lambda: True,
-                 max_model_len: int = 8192, num_speculative_tokens: int = 0) -> None:
+                 max_model_len: int = 8192, num_speculative_tokens: int = 0,
+                 compile_records: Callable[[], CompileRecords] = compile_records) -> None:
         """warm_up_done: whether the engine has compiled every bucket (for the gauge);
         max_model_len: the top of the token-count buckets; num_speculative_tokens: K of
-        speculative decoding (0: off, and no vllm:spec_decode_* series)."""
+        speculative decoding (0: off, and no vllm:spec_decode_* series); compile_records:
+        the compile records of the engine's process (default: this one's)."""
         self.registry = CollectorRegistry()
-        self.registry.register(CompileCollector(model_name, warm_up_done))
+        self.registry.register(CompileCollector(model_name, warm_up_done, compile_records))
         labels = {"model_name": model_name}
         r = self.registry
 

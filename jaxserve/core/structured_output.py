@@ -172,6 +172,23 @@ class GrammarCompiler:
             raise ValueError(f"the {params.kind} constraint cannot be used: {_short(why)}")
         return template
 
+    def compile_checked(self, params: StructuredOutputsParams):
+        """compile() for a constraint that another process's compile() has accepted (the
+        engine core process, core_process.py, takes grammars the server's admission path
+        compiled in its sandbox): compiled here at once, without the sandbox; cached."""
+        text = self.grammar(params)
+        with self._lock:
+            template = self._grammars.get(text)
+        if template is not None:
+            return template
+        template, why = self._compile_here(text)
+        if why is not None:
+            raise ValueError(f"the {params.kind} constraint cannot be used: {_short(why)}")
+        with self._lock:
+            self._grammars[text] = template
+            _trim(self._grammars)
+        return template
+
     def _compile_here(self, text: str):
         """(matcher, None), or (None, why): compiled in this process, its first mask filled
         so that the lexer is built here rather than at the request's first step."""

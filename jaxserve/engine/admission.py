@@ -25,13 +25,19 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.config.generation_config import eos_token_ids
 from jaxserve.config.request_limits import RequestLimits, limit_error
 from jaxserve.core import grammar_checks
 from jaxserve.core.input_builder import MAX_BANNED_IDS
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.structured_output import GrammarCompiler
 from jaxserve.core.token_constraints import TokenConstraints
-from jaxserve.inputs.tokenizer import apply_chat_template, encode_prompt, with_special_tokens
+from jaxserve.inputs.tokenizer import (
+    apply_chat_template,
+    encode_prompt,
+    load_tokenizer,
+    with_special_tokens,
+)
 
 # What one token of a response can cost in bytes, for the worst-case size: its text and id,
 # and each logprob entry ({"token", "logprob", "bytes", ...} in JSON).
@@ -70,6 +76,17 @@ class InputProcessor:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.grammars = grammars
         self.limits = limits
+
+    @classmethod
+    def for_config(cls, config) -> InputProcessor:
+        """The admission path of an engine's config (config.engine_config.EngineConfig): its
+        tokenizer, EOS ids and grammar compiler made here."""
+        tokenizer = load_tokenizer(config.model.tokenizer)
+        eos = frozenset(eos_token_ids(config.model.model, config.model.hf_config,
+                                      tokenizer.eos_token_id))
+        grammars = GrammarCompiler(tokenizer, config.model.vocab_size, eos)
+        return cls(config.model, config.scheduler.policy, tokenizer, eos, grammars,
+                   config.limits)
 
     # ---- 1. the limits table: cheap, before anything else -----------------------------------
     def check_params(self, params: SamplingParams) -> SamplingParams:

@@ -79,25 +79,40 @@ class DataParallelEngine(EngineInterface):
         self._owner[request.request_id] = self.replicas[rank]
         self.routed[rank] += 1
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str, report: bool = True) -> RequestOutput | None:
         replica = self._owner.pop(request_id, None)
-        return replica.abort_request(request_id) if replica is not None else None
+        return replica.abort_request(request_id, report) if replica is not None else None
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._owner)
 
     def step(self, final_only: bool = False, wanted=None) -> list[RequestOutput]:
         """One step of every replica that has work; their outputs together."""
-        busy = [r for r in self.replicas if r.has_unfinished_requests()]
-        for replica in busy:  # asynchronous scheduling: every replica's next step starts
-            replica.begin_step()  # before any replica's host work on the step it follows
         outputs = []
-        for replica in busy:
+        for replica in self._begin_steps():
             outputs.extend(replica.step(final_only, wanted))
         for output in outputs:
             if output.finished:
                 self._owner.pop(output.request_id, None)
         return outputs
+
+    def advance(self) -> list:
+        """One step of every replica that has work, without outputs (see EngineInterface)."""
+        changed = []
+        for replica in self._begin_steps():
+            changed.extend(replica.advance())
+        for tracked in changed:
+            if tracked.finished:  # (a failed request's choices are finished too)
+                self._owner.pop(tracked.request_id, None)
+        return changed
+
+    def _begin_steps(self) -> list[LLMEngine]:
+        """The replicas that have work, each one's next step launched (asynchronous
+        scheduling) before any replica's host work on the step it follows."""
+        busy = [r for r in self.replicas if r.has_unfinished_requests()]
+        for replica in busy:
+            replica.begin_step()
+        return busy
 
     def load(self) -> list[int]:
         """Unfinished requests per replica."""

@@ -35,9 +35,10 @@ class EngineInterface(abc.ABC):
         its id is already in use."""
 
     @abc.abstractmethod
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str, report: bool = True) -> RequestOutput | None:
         """Stop a request and free its blocks. Returns its last output (unfinished choices
-        end with finish_reason 'abort'), or None if it is not (or no longer) known."""
+        end with finish_reason 'abort'), or None if it is not (or no longer) known, or
+        report is False (nobody reads it)."""
 
     @abc.abstractmethod
     def has_unfinished_requests(self) -> bool: ...
@@ -47,6 +48,24 @@ class EngineInterface(abc.ABC):
         """Advance every request by a step; the outputs of those that changed (with
         final_only, of those that finished; with wanted, a callable of the request id, of
         those it accepts and those that finished)."""
+
+    def advance(self) -> list:
+        """step() without building outputs, for an engine run by the engine core process
+        (core_process.py), which sends what changed instead: the output_processor
+        TrackedRequests that got tokens, finished or failed; finished and failed ones are
+        forgotten."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run in an engine core process")
+
+    def compile_records(self):
+        """The compile records of the process where the engine compiles
+        (compile_stats.CompileRecords, for /metrics): this one's."""
+        from jaxserve.backends.jax.compile_stats import compile_records
+
+        return compile_records()
+
+    def wake(self) -> None:  # noqa: B027 - optional: engines whose step() waits
+        """A front end has new work for the engine (a request, an abort): a step() waiting
+        for results returns now, so the front end can hand it over."""
 
     def begin_step(self) -> None:  # noqa: B027 - optional: engines that schedule ahead
         """Start the next step's device work now, before step() collects the one it

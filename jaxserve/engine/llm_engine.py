@@ -17,21 +17,23 @@ import numpy as np
 from jaxserve.backends.protocol import Runner
 from jaxserve.backends.selection import create_runner
 from jaxserve.config.engine_config import EngineConfig
-from jaxserve.config.generation_config import eos_token_ids
 from jaxserve.core.input_builder import grammar_masks, prompt_score_targets
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import SchedulerOutput
-from jaxserve.core.structured_output import GrammarCompiler, describe_error
+from jaxserve.core.structured_output import describe_error
 from jaxserve.engine.admission import EngineRequest, InputProcessor
-from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.failures import EngineDeadError, FailureIsolation, describe
 from jaxserve.engine.interface import EngineInterface
-from jaxserve.engine.output_processor import OutputBuilder, TrackedRequest, match_stop_strings
+from jaxserve.engine.output_processor import (
+    OutputBuilder,
+    TrackedRequest,
+    match_stop_strings,
+    track,
+)
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.stats import EngineStats, HostTimes
-from jaxserve.inputs.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -42,20 +44,16 @@ class LLMEngine(FailureIsolation, EngineInterface):
         """runner: the device side; built from config on data-parallel replica `rank`'s
         devices when not given (benchmarks pass a null runner to measure the host side)."""
         self.config = config
-        self.tokenizer = load_tokenizer(config.model.tokenizer)
+        # The admission path (checks, templates, tokenization, grammars): every front end
+        # hands the engine what it made.
+        self.processor = InputProcessor.for_config(config)
+        self.tokenizer, self.grammars = self.processor.tokenizer, self.processor.grammars
+        self.eos_token_ids = self.processor.eos_token_ids
         self.runner = runner if runner is not None else create_runner(config, rank)
-        self.eos_token_ids = frozenset(eos_token_ids(config.model.model, config.model.hf_config,
-                                                   self.tokenizer.eos_token_id))
         blocks, size = self.runner.num_blocks, config.cache.block_size
         self.kv_manager = KVCacheManager(blocks, size,
                                          enable_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.speculative)
-        self.grammars = GrammarCompiler(self.tokenizer, config.model.vocab_size,
-                                        self.eos_token_ids)
-        # The admission path (checks, templates, tokenization, grammars): every front end
-        # hands the engine what it made.
-        self.processor = InputProcessor(config.model, config.scheduler.policy, self.tokenizer,
-                                        self.eos_token_ids, self.grammars, config.limits)
         max_len = config.model.max_model_len
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at "
                     "max_model_len=%d: %.2f; prefix caching %s", blocks - 1, size,
@@ -153,7 +151,7 @@ class LLMEngine(FailureIsolation, EngineInterface):
             "a structured output's grammar is compiled before the request is added"
         if request.request_id in self._tracked:
             raise ValueError(f"request_id {request.request_id!r} is already in use.")
-        children, detoks = [], []
+        children = []
         for i in range(params.n):
             seed = (params.seed + i if params.seed is not None
                     else int(self._rng.integers(0, 2**32)))
@@ -167,13 +165,7 @@ class LLMEngine(FailureIsolation, EngineInterface):
             if request.cache_salt is not None:
                 child.extra_keys = ("cache_salt", str(request.cache_salt))
             children.append(child)
-            detoks.append(IncrementalDetokenizer(
-                self.tokenizer, ids, stop=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output,
-                skip_special_tokens=params.skip_special_tokens,
-                spaces_between_special_tokens=params.spaces_between_special_tokens))
-        tracked = TrackedRequest(request.request_id, request.prompt, ids, params, children,
-                                 detoks, [None] if params.prompt_logprobs is not None else None)
+        tracked = track(request, children, self.tokenizer)
         self._tracked[request.request_id] = tracked
         if tracked.prompt_logprobs is not None:
             self._scoring[request.request_id] = tracked
@@ -185,9 +177,10 @@ class LLMEngine(FailureIsolation, EngineInterface):
             self._by_child[child.request_id] = tracked
             self.scheduler.add(child)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str, report: bool = True) -> RequestOutput | None:
         """Stop a request and free its blocks. Returns its last output (unfinished choices
-        end with finish_reason 'abort'), or None if it is not (or no longer) known."""
+        end with finish_reason 'abort'), or None if it is not (or no longer) known, or
+        report is False (nobody reads it)."""
         tracked = self._tracked.get(request_id)
         if tracked is None:
             return None
@@ -195,6 +188,10 @@ class LLMEngine(FailureIsolation, EngineInterface):
             if not child.finished:
                 self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
         self._forget(request_id)
+        if not report:
+            if tracked.error is not None:
+                self._failed.remove(tracked)
+            return None
         if tracked.error is not None:  # failed, not reported yet: report it now instead
             self._failed.remove(tracked)
             return self.outputs.error_output(tracked)
@@ -219,21 +216,7 @@ class LLMEngine(FailureIsolation, EngineInterface):
         Results come one call after the step that made them (two with asynchronous
         scheduling): call until has_unfinished_requests() is False. Raises
         EngineDeadError when the device no longer runs even an empty step."""
-        if self._async and not self._launched_ahead:
-            self.begin_step()
-        ahead, self._launched_ahead = self._launched_ahead, False
-        self.host_times.steps += 1
-        self._outputs_start = time.perf_counter()  # until _step() moves it past collecting
-        self._final_only = final_only
-        try:
-            changed = self._step(ahead)
-        except EngineDeadError:
-            raise
-        except Exception as err:  # noqa: BLE001 - outside any one request: fail them all
-            self._fail_all(err)
-            changed = []
-        if self._device_failure is not None:
-            self._check_device()
+        changed = self._advance(final_only)
         outputs = []
         for tracked in changed:
             if tracked.error is not None:
@@ -255,6 +238,39 @@ class LLMEngine(FailureIsolation, EngineInterface):
                 self._forget(output.request_id)
         self.host_times.add("outputs", time.perf_counter() - self._outputs_start)
         return outputs
+
+    def advance(self) -> list[TrackedRequest]:
+        """step() without building outputs (the engine core process sends what changed
+        instead: core_process.py): the requests that got tokens, then those that failed;
+        finished and failed ones are forgotten."""
+        changed = [t for t in self._advance(False) if t.error is None]
+        failed, self._failed = self._failed, []
+        for tracked in changed:
+            if tracked.finished:
+                self._forget(tracked.request_id)
+        for tracked in failed:
+            self._forget(tracked.request_id)
+        self.host_times.add("outputs", time.perf_counter() - self._outputs_start)
+        return changed + failed
+
+    def _advance(self, final_only: bool) -> list[TrackedRequest]:
+        """Collect, launch, match stop strings: the requests that changed (see _step)."""
+        if self._async and not self._launched_ahead:
+            self.begin_step()
+        ahead, self._launched_ahead = self._launched_ahead, False
+        self.host_times.steps += 1
+        self._outputs_start = time.perf_counter()  # until _step() moves it past collecting
+        self._final_only = final_only
+        try:
+            changed = self._step(ahead)
+        except EngineDeadError:
+            raise
+        except Exception as err:  # noqa: BLE001 - outside any one request: fail them all
+            self._fail_all(err)
+            changed = []
+        if self._device_failure is not None:
+            self._check_device()
+        return changed
 
     def begin_step(self) -> None:
         """Asynchronous scheduling: schedule and launch the next step now, before the step

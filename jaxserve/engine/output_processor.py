@@ -49,6 +49,21 @@ class TrackedRequest:
             c.finished for c in children)
 
 
+def track(request, children: list[Request], tokenizer) -> TrackedRequest:
+    """A TrackedRequest for an admitted request (admission.EngineRequest) and its children,
+    each with a detokenizer of its own."""
+    params = request.params
+    detoks = [IncrementalDetokenizer(
+        tokenizer, request.prompt_token_ids, stop=params.stop,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        skip_special_tokens=params.skip_special_tokens,
+        spaces_between_special_tokens=params.spaces_between_special_tokens)
+        for _ in children]
+    return TrackedRequest(request.request_id, request.prompt, request.prompt_token_ids,
+                          params, children, detoks,
+                          [None] if params.prompt_logprobs is not None else None)
+
+
 class OutputBuilder:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer

@@ -93,6 +93,21 @@ def compile_times() -> dict[str, CompileTimes]:
     return times
 
 
+@dataclasses.dataclass(frozen=True)
+class CompileRecords:
+    """This process's compile records at one time (what /metrics shows): XLA compilations,
+    executable-cache loads, and compile times by kind."""
+
+    compilations: int = 0
+    executable_loads: int = 0
+    times: dict = dataclasses.field(default_factory=dict)  # kind -> CompileTimes
+
+
+def compile_records() -> CompileRecords:
+    """A snapshot of this process's records."""
+    return CompileRecords(compilation_count(), executable_loads(), compile_times())
+
+
 def enable_persistent_cache(directory: str | None) -> None:
     """JAX's persistent compilation cache in `directory`, for multi-host runs (one process
     uses the runner's executable cache instead, which skips tracing too). None leaves JAX's

@@ -1,0 +1,332 @@
+"""EngineCoreClient: the front end's engine when the engine runs in a process of its own.
+
+It implements interface.EngineInterface, so the server's AsyncLLMEngine (and gRPC) drive it
+as they drive an LLMEngine, while the scheduler, the runner and the grammars step in the
+engine core process (core_process.py) without sharing this process's interpreter lock.
+Here stay the admission path (InputProcessor: limits, templates, tokenization, grammars
+checked in the sandbox) and the outputs: each request is mirrored by an output_processor
+TrackedRequest whose choices are core.request.Request objects that receive the core's
+tokens and finishes, so detokenization, stop-string text, logprob entries and
+RequestOutputs are made by the same code as in one process, and match it token for token.
+Stop strings are matched by the core too (it stops the request there); the front end's
+detokenizer finds the same match, since both see the same tokens.
+
+A reader thread drains the core's messages as they come (so the core never blocks on a
+full pipe); step() folds in everything that came since the last call and builds outputs
+once per request, however many steps the core ran meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+from jaxserve.backends.jax.compile_stats import CompileRecords
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.engine.admission import EngineRequest, InputProcessor
+from jaxserve.engine.core_process import run_engine_core
+from jaxserve.engine.failures import EngineDeadError, describe
+from jaxserve.engine.interface import EngineInterface
+from jaxserve.engine.output_processor import (
+    OutputBuilder,
+    TrackedRequest,
+    match_stop_strings,
+    track,
+)
+from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.stats import EngineStats, HostTimes
+
+logger = logging.getLogger(__name__)
+
+_STEP_WAIT_S = 0.05  # the longest step() waits for the core's news (wake() cuts it short)
+
+
+class EngineCoreClient(EngineInterface):
+    def __init__(self, factory, args: tuple = (), *, log_level: str | None = None) -> None:
+        """Start the engine core process, which builds its engine with factory(*args) (a
+        module-level function: the process is spawned, not forked, so that only it ever
+        initializes the accelerator), and wait until it is ready. Raises what the factory
+        raised (a ValueError for a bad setting), or RuntimeError if the process died."""
+        context = multiprocessing.get_context("spawn")
+        commands, self._commands = context.Pipe(duplex=False)
+        self._results, results = context.Pipe(duplex=False)
+        level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        self._process = context.Process(
+            target=run_engine_core, args=(commands, results, factory, args, level),
+            name="jaxserve-engine-core")
+        self._process.start()
+        commands.close()
+        results.close()
+        try:
+            kind, payload = self._results.recv()
+        except (EOFError, OSError):
+            self._process.join(5)
+            raise RuntimeError(f"the engine core process exited during start-up (exit code "
+                               f"{self._process.exitcode}); its log says why") from None
+        if kind == "failed":
+            self._process.join(5)
+            raise payload
+        self.config = payload
+        self.processor = InputProcessor.for_config(self.config)
+        self.tokenizer, self.eos_token_ids = self.processor.tokenizer, \
+            self.processor.eos_token_ids
+        self.runner = None  # on the core's side
+        self.outputs = OutputBuilder(self.tokenizer)
+        self.host_times = HostTimes()  # the core's, as of its last message
+        self._tracked: dict[str, TrackedRequest] = {}
+        self._failed: list[TrackedRequest] = []  # failed here (while building outputs)
+        self._stats = EngineStats()
+        self._compile_records = CompileRecords()  # the core's, as of its last message
+        self._sent = 0  # sequences sent to the core (its stats count those it took)
+        self._taken = 0
+        self._send_lock = threading.Lock()  # one message at a time into the pipe
+        self._process_lock = threading.Lock()  # one thread at a time waits for the process
+        self._news: list = []  # the core's messages not folded in yet
+        self._news_ready = threading.Condition()
+        self._dead: str | None = None
+        self._closed = False
+        self._reader = threading.Thread(target=self._read, name="jaxserve-core-reader",
+                                        daemon=True)
+        self._reader.start()
+
+    # ---- the EngineInterface ----------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """The core's latest snapshot; the sequences sent to it and not yet taken count as
+        waiting, and unfinished requests are those this front end still follows."""
+        stats = self._stats
+        return dataclasses.replace(stats, waiting=stats.waiting + self._sent - self._taken,
+                                   unfinished_requests=len(self._tracked))
+
+    def add_processed(self, request: EngineRequest) -> None:
+        assert isinstance(request, EngineRequest), type(request)
+        if request.request_id in self._tracked:
+            raise ValueError(f"request_id {request.request_id!r} is already in use.")
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        params = request.params
+        max_len = self.config.model.max_model_len
+        children = [Request(f"{request.request_id}#{i}", request.prompt_token_ids, params,
+                            seed=0, max_model_len=max_len, eos_token_ids=self.eos_token_ids,
+                            priority=request.priority) for i in range(params.n)]
+        tracked = track(request, children, self.tokenizer)
+        # The compiled grammar (an llguidance matcher) does not cross processes: the core
+        # compiles it again.
+        self._send(("add", request.with_grammar(None)))
+        self._tracked[request.request_id] = tracked
+        self._sent += params.n
+
+    def abort_request(self, request_id: str, report: bool = True) -> RequestOutput | None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return None
+        self._send(("abort", request_id))
+        if tracked in self._failed:
+            self._failed.remove(tracked)
+        if not report:
+            return None
+        if tracked.error is not None:
+            return self.outputs.error_output(tracked)
+        for child in tracked.children:
+            if not child.finished:
+                child.status = RequestStatus.FINISHED_ABORTED
+        try:
+            return self.outputs.make_output(tracked)
+        except Exception as err:  # noqa: BLE001 - this request's output only
+            self._fail_here(tracked, err)
+            return self.outputs.error_output(tracked)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._tracked)
+
+    def step(self, final_only: bool = False, wanted=None) -> list[RequestOutput]:
+        """Fold in what the core sent since the last call (waiting a little for its next
+        message when nothing came) and build the outputs of the requests it changed, as
+        LLMEngine.step. Raises EngineDeadError once the core has died."""
+        with self._news_ready:
+            if not self._news and self._dead is None:
+                self._news_ready.wait(_STEP_WAIT_S)
+            news, self._news = self._news, []
+        if not news and self._dead is not None:
+            raise EngineDeadError(self._dead)
+        changed: dict[str, TrackedRequest] = {}
+        tracked_by_id = self._tracked
+        for ids, tokens, records in news:
+            for request_id, token in zip(ids, tokens):  # one token, nothing else
+                tracked = tracked_by_id.get(request_id)
+                if tracked is not None:  # (else aborted here meanwhile)
+                    tracked.children[0].append_token(token)
+                    changed[request_id] = tracked
+            for record in records:
+                tracked = self._apply(record)
+                if tracked is not None:
+                    changed[tracked.request_id] = tracked
+        outputs = []
+        for tracked in changed.values():
+            if tracked.error is not None:
+                continue  # reported with the failures
+            if (final_only or wanted is not None and not wanted(tracked.request_id)) and \
+                    not tracked.finished:
+                continue
+            try:
+                output = self.outputs.make_output(tracked)
+            except Exception as err:  # noqa: BLE001 - this request's output only
+                self._fail_here(tracked, err)
+                continue
+            if not final_only or output.finished:
+                outputs.append(output)
+        outputs += [self.outputs.error_output(t) for t in self._failed]
+        self._failed = []
+        for output in outputs:
+            if output.finished:
+                self._tracked.pop(output.request_id, None)
+        return outputs
+
+    def compile_records(self) -> CompileRecords:
+        """The core's compile records, as of its last message."""
+        return self._compile_records
+
+    def wake(self) -> None:
+        with self._news_ready:
+            self._news_ready.notify_all()
+
+    def reset_prefix_cache(self) -> None:
+        """Sent to the core, which handles it before any request sent after it."""
+        self._send(("reset-prefix-cache",))
+
+    def close(self) -> None:
+        """Stop the core (it closes its engine) and wait for it to exit."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._send(("close",))
+        except EngineDeadError:
+            pass
+        with self._process_lock:
+            self._process.join(30)
+        if self._process.is_alive():
+            logger.warning("The engine core process did not stop within 30 s: killing it "
+                           "(its threads' stacks follow)")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._process.pid, signal.SIGUSR1)
+                time.sleep(1.0)
+            self._process.kill()
+            self._process.join(5)
+        # Nothing compiles in a process that has exited (it left without waiting).
+        self._stats = dataclasses.replace(self._stats, compiling=0)
+        self.processor.grammars.close()
+
+    @property
+    def pid(self) -> int | None:
+        """The engine core process's id."""
+        return self._process.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """The engine core process's exit code; None while it runs."""
+        return self._process.exitcode
+
+    # ---- the core's news ----------------------------------------------------------------
+    def _read(self) -> None:
+        """The reader thread: takes every message as it comes (the core never waits for a
+        full pipe)."""
+        while True:
+            try:
+                message = self._results.recv()
+            except (EOFError, OSError):
+                with self._process_lock:  # (two threads must not wait for it at once)
+                    self._process.join(5)
+                reason = (f"the engine core process exited (exit code "
+                          f"{self._process.exitcode})")
+                break
+            if message[0] == "dead":
+                reason = f"the engine core stopped: {message[1]}"
+                break
+            _, ids, tokens, records, stats = message
+            # The load and counters at once (stats() reads them while no step runs too);
+            # the requests' news when step() folds it in.
+            self._stats, self._taken, steps, seconds, compiled = stats
+            self.host_times.steps, self.host_times.seconds = steps, seconds
+            if compiled is not None:
+                self._compile_records = compiled
+            if ids or records:
+                with self._news_ready:
+                    self._news.append((ids, tokens, records))
+                    self._news_ready.notify_all()
+        if not self._closed:
+            logger.error("%s", reason)
+        with self._news_ready:
+            self._dead = self._dead or reason
+            self._news_ready.notify_all()
+
+    def _apply(self, record) -> TrackedRequest | None:
+        """One request's news into its mirror, as LLMEngine folds a step in: each token
+        appended and checked for a stop token, stop strings matched, then the core's
+        finish (which is the truth: aborts, errors, grammars that ended)."""
+        request_id, choices, extra = record
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return None  # aborted here meanwhile
+        if extra is not None:
+            self._apply_extra(tracked, extra)
+        for i, tokens, finish, stop_reason, cumulative, logprobs in choices:
+            child = tracked.children[i]
+            for token in tokens:
+                child.append_token(token)
+                child.check_stop_token(token)
+            if logprobs is not None:
+                tracked.logprobs[i].extend(logprobs)
+                child.cumulative_logprob = cumulative
+            if tokens and child.params.stop and tracked.error is None:
+                try:
+                    match_stop_strings(tracked, child, tokens)
+                except Exception as err:  # noqa: BLE001 - this request only
+                    self._fail_here(tracked, err)
+            if finish is not None:
+                child.status = RequestStatus(finish)
+                child.stop_reason = stop_reason
+            elif child.finished:  # only the core ends a choice; it has not
+                child.status = RequestStatus.RUNNING
+        return tracked
+
+    def _apply_extra(self, tracked: TrackedRequest, extra: dict) -> None:
+        for child, scheduled in zip(tracked.children, extra["scheduled"]):
+            child.scheduled_time = scheduled
+        tracked.children[0].num_cached_tokens = extra["num_cached_tokens"]
+        if extra["prompt_logprobs"] is not None:
+            tracked.prompt_logprobs = extra["prompt_logprobs"]
+        if "error" in extra and tracked.error is None:
+            tracked.error, tracked.error_param = extra["error"], extra["error_param"]
+            self._failed.append(tracked)
+
+    def _fail_here(self, tracked: TrackedRequest, err: Exception) -> None:
+        """A request whose output this front end cannot build (its detokenizer failed):
+        reported failed, and stopped in the core."""
+        if tracked.error is not None:
+            return
+        logger.error("Request %s failed while building its output: %s", tracked.request_id,
+                     describe(err), exc_info=err)
+        tracked.error = f"the engine failed on this request while building its output " \
+            f"({type(err).__name__})"
+        for child in tracked.children:
+            if not child.finished:
+                child.status = RequestStatus.FINISHED_ERROR
+        self._failed.append(tracked)
+        self._send(("abort", tracked.request_id))
+
+    def _send(self, message) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        try:
+            with self._send_lock:
+                self._commands.send(message)
+        except (BrokenPipeError, OSError) as err:
+            raise EngineDeadError(f"the engine core process is gone ({describe(err)})") \
+                from None
+
