@@ -267,6 +267,7 @@ class AsyncLLMEngine:
                         self._deliver(output, now, wakes)
                     self._wake_all(wakes)
                 else:
+                    self.engine.check_health()  # (an engine core may die while idle)
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
                 self._update_gauges()
@@ -295,6 +296,8 @@ class AsyncLLMEngine:
                     stream = self._streams.get(request_id)
                 try:
                     self.engine.add_processed(payload)
+                except EngineDeadError:
+                    raise  # not this request's failure: the loop stops
                 except ValueError as err:
                     self._close(request_id, err)
                     continue

@@ -74,7 +74,7 @@ class FakeReplica:
         self.requests[request.request_id] = 0
         self.waiting.append(request.request_id)
 
-    def abort_request(self, request_id):
+    def abort_request(self, request_id, report=True):
         self.requests.pop(request_id)
         if request_id in self.waiting:
             self.waiting.remove(request_id)

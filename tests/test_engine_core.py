@@ -20,6 +20,7 @@ from jaxserve.engine.core_client import EngineCoreClient
 from jaxserve.engine.data_parallel import create_engine
 from jaxserve.engine.failures import EngineDeadError
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.server.async_engine import AsyncLLMEngine
 
 
 def _config(model, dtype: str = "float32") -> EngineConfig:
@@ -177,6 +178,19 @@ def test_a_core_that_dies_fails_its_requests_and_close_stops_the_process(tiny_ch
         client.add_request("y", None, [5], SamplingParams(max_tokens=1))
     client.close()
 
+    # Idle, with nothing to step: the server's loop finds out all the same (/health: 503).
+    client = EngineCoreClient(create_engine, (config,))
+    async_engine = AsyncLLMEngine(client)
+    async_engine.start()
+    os.kill(client.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while async_engine.is_running:
+        assert time.monotonic() < deadline, "the server's loop did not see the core die"
+        time.sleep(0.05)
+    assert "exited" in async_engine.dead_reason
+    async_engine.stop()
+    client.close()
+
     client = EngineCoreClient(create_engine, (config,))
     pid = client.pid
     _finals(client, [("z", [5, 6], SamplingParams(max_tokens=2))])
@@ -184,3 +198,29 @@ def test_a_core_that_dies_fails_its_requests_and_close_stops_the_process(tiny_ch
     assert client.exitcode == 0
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_speculative_steps_through_the_core(tiny_checkpoints):
+    """n-gram speculation: several tokens per step and stop strings within them reach the
+    front end as in one process."""
+    config = EngineConfig.create(
+        str(tiny_checkpoints["llama"]), max_model_len=128, max_num_seqs=4,
+        max_num_batched_tokens=64, dtype="float32", precompile=False,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                            "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    motif = [11, 57, 203, 88, 9]
+    prompt = [5, 6] + motif * 4
+    requests = [("plain", prompt, SamplingParams(temperature=0.0, max_tokens=30)),
+                ("stop", prompt, SamplingParams(temperature=0.0, max_tokens=30, stop=["a"]))]
+    client = EngineCoreClient(create_engine, (config,))
+    try:
+        got = {}
+        for request in requests:  # one at a time: the same batches as below
+            got.update(_finals(client, [request]))
+        assert client.stats().spec_drafts > 0
+    finally:
+        client.close()
+    local = LLMEngine(config)
+    for request in requests:
+        want = _finals(local, [request])
+        assert _choices(got[request[0]]) == _choices(want[request[0]])

@@ -88,16 +88,35 @@ class TimedRunner(NullRunner):
         return result
 
 
-def start_decoding(engine, num_seqs: int, max_tokens: int, prompt_len: int) -> None:
+def start_decoding(engine, num_seqs: int, max_tokens: int, prompt_len: int,
+                   core=None) -> None:
     """Admit num_seqs requests of random prompt_len-token prompts (sampled at temperature
-    0.8, EOS ignored) and step until every one has its first token: all of them decode."""
+    0.8, EOS ignored) and step until every one has its first token: all of them decode.
+    core: an engine.core_process.EngineCore of the engine, to add and step through."""
     from jaxserve import SamplingParams
 
     params = SamplingParams(temperature=0.8, max_tokens=max_tokens, ignore_eos=True)
     rng = np.random.default_rng(1)
     for i in range(num_seqs):
-        engine.add_request(str(i), None, rng.integers(5, 4000, prompt_len).tolist(), params)
+        ids = rng.integers(5, 4000, prompt_len).tolist()
+        if core is None:
+            engine.add_request(str(i), None, ids, params)
+        else:
+            core.add(engine.processor.process(str(i), None, ids, params))
     scheduler = engine.scheduler
     while any(r.num_output_tokens == 0 for r in
               list(scheduler.running) + list(scheduler.waiting)):
-        engine.step(final_only=True)
+        if core is None:
+            engine.step(final_only=True)
+        else:
+            core.step()
+
+
+class PickleSink:
+    """Where an EngineCore's messages go in a benchmark: pickled as a pipe would, and
+    dropped."""
+
+    def send(self, message) -> None:
+        from multiprocessing.reduction import ForkingPickler
+
+        ForkingPickler.dumps(message)

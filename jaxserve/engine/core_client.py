@@ -52,11 +52,13 @@ class EngineCoreClient(EngineInterface):
         """Start the engine core process, which builds its engine with factory(*args) (a
         module-level function: the process is spawned, not forked, so that only it ever
         initializes the accelerator), and wait until it is ready. Raises what the factory
-        raised (a ValueError for a bad setting), or RuntimeError if the process died."""
+        raised (a ValueError for a bad setting), or RuntimeError if the process died.
+        log_level: the core's logging level (default: the "jaxserve" logger's here)."""
         context = multiprocessing.get_context("spawn")
         commands, self._commands = context.Pipe(duplex=False)
         self._results, results = context.Pipe(duplex=False)
-        level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        level = log_level or logging.getLevelName(
+            logging.getLogger("jaxserve").getEffectiveLevel())
         self._process = context.Process(
             target=run_engine_core, args=(commands, results, factory, args, level),
             name="jaxserve-engine-core")
@@ -186,6 +188,10 @@ class EngineCoreClient(EngineInterface):
             if output.finished:
                 self._tracked.pop(output.request_id, None)
         return outputs
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
 
     def compile_records(self) -> CompileRecords:
         """The core's compile records, as of its last message."""

@@ -55,6 +55,7 @@ def run_engine_core(commands, results, factory, args: tuple, log_level: str) -> 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stuck core's stacks, on demand
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))
+    logging.getLogger("jaxserve").setLevel(log_level)  # as the front end's (cli.main)
     # Progress bars (weight loading) lock their output with a thread lock here: tqdm's
     # default is a multiprocessing lock, a semaphore the exit below would leak.
     from tqdm import tqdm
@@ -105,12 +106,11 @@ class EngineCore:
         self._compiling: dict[str, tuple] = {}
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-core-grammar")
         self._added = 0  # sequences added to the engine so far (the front end's acks)
-        self._compilations = -1  # as of the last compile records sent
+        self._compile_records = None  # the last compile records sent
         self._idle_key = None  # what the last stats sent while idle said about compiles
 
     def run(self) -> None:
         engine = self.engine
-        times = getattr(engine, "host_times", None)  # (an LLMEngine's)
         while True:
             busy = engine.has_unfinished_requests()
             took = self._take_commands(0 if busy or self._compiling else _IDLE_WAIT_S)
@@ -119,7 +119,7 @@ class EngineCore:
             took += self._add_compiled()
             if engine.has_unfinished_requests():
                 try:
-                    changed = engine.advance()
+                    self.step()
                 except EngineDeadError as err:
                     self._send(("dead", str(err)))
                     return
@@ -127,16 +127,28 @@ class EngineCore:
                     logger.exception("The engine core failed")
                     self._send(("dead", f"the engine core failed: {describe(err)}"))
                     return
-                start = time.perf_counter()
-                self._send(("step", *self._news(changed), self._stats()))
-                if times is not None:  # sending is part of the outputs' cost
-                    times.add("outputs", time.perf_counter() - start)
             else:  # idle: the front end hears of commands taken and of warm-up progress
                 stats = self.engine.stats()
                 key = (stats.compilations, stats.compiling, stats.warm_up_done)
-                if took or key != self._idle_key:
+                if took or key != self._idle_key or \
+                        self.engine.compile_records() != self._compile_records:
                     self._idle_key = key
                     self._send(("stats", [], [], [], self._stats()))
+
+    def step(self) -> None:
+        """One engine step, and its news sent (the time that takes counts in the engine's
+        HostTimes as outputs: it is what the core does instead of building them)."""
+        changed = self.engine.advance()
+        start = time.perf_counter()
+        self._send(("step", *self._news(changed), self._stats()))
+        times = getattr(self.engine, "host_times", None)  # (an LLMEngine's)
+        if times is not None:
+            times.add("outputs", time.perf_counter() - start)
+
+    def add(self, request) -> None:
+        """Take an admitted request (as the "add" command does)."""
+        self._handle(("add", request))
+        self._add_compiled()
 
     # ---- commands -----------------------------------------------------------------------
     def _take_commands(self, wait: float) -> int | None:
@@ -296,11 +308,11 @@ class EngineCore:
     def _stats(self) -> tuple:
         times = getattr(self.engine, "host_times", None)
         stats = self.engine.stats()
-        records = None  # this process's compile records, when they changed
-        if stats.compilations != self._compilations or stats.compiling or \
-                not stats.warm_up_done:
-            self._compilations = stats.compilations
-            records = self.engine.compile_records()
+        records = self.engine.compile_records()  # this process's, sent when they change
+        if records == self._compile_records:
+            records = None
+        else:
+            self._compile_records = records
         return (stats, self._added, times.steps if times else 0,
                 dict(times.seconds) if times else {}, records)
 

@@ -63,6 +63,10 @@ class EngineInterface(abc.ABC):
 
         return compile_records()
 
+    def check_health(self) -> None:  # noqa: B027 - optional: engines that can die apart
+        """Raise EngineDeadError if the engine can no longer step (vLLM's check_health): its
+        core process has died. An engine in this process reports that from step()."""
+
     def wake(self) -> None:  # noqa: B027 - optional: engines whose step() waits
         """A front end has new work for the engine (a request, an abort): a step() waiting
         for results returns now, so the front end can hand it over."""
