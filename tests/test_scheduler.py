@@ -350,14 +350,14 @@ class Harness:
             completing.append(req)
         result = types.SimpleNamespace(token_ids=sampled, logprobs=np.zeros(len(sampled)))
         got = self.scheduler.update_from_output(out, result, emitted if self.k else None)
-        assert [req for req, _ in got] == completing
+        assert [req for req, _, _ in got] == completing
         for req in out.requests:
             assert req.num_proposed == 0
-        for req, indices in got:
+        for req, first, count in got:
             row = out.requests.index(req)
-            assert indices[0] == firsts[id(req)] and len(indices) <= emitted[row]
-            assert len(indices) == emitted[row] or req.finished
-            assert req.output_token_ids[-len(indices):] == sampled[indices].tolist()
+            assert first == firsts[id(req)] and count <= emitted[row]
+            assert count == emitted[row] or req.finished
+            assert req.output_token_ids[-count:] == sampled[first: first + count].tolist()
             produced.append(req)
             if req.finished:
                 assert req not in self.scheduler.running and req.block_ids == []

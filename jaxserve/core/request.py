@@ -133,8 +133,9 @@ class Request:
     @status.setter
     def status(self, value: RequestStatus) -> None:
         self._status = value
-        # A plain attribute: read for every request at every step.
+        # Plain attributes: read for every request at every step.
         self.finished = value.finished
+        self.running = value is RequestStatus.RUNNING
 
     @property
     def may_speculate(self) -> bool:
@@ -159,6 +160,22 @@ class Request:
         self.token_ids[self.num_tokens] = token_id
         self.num_tokens += 1
 
+    def take_token(self, token: int) -> bool:
+        """Append a sampled token and finish on it if it ends the sequence: EOS or a stop
+        token id (once min_tokens are out), or the length limit. Whether it finished."""
+        count = self.num_tokens
+        self.token_ids[count] = token
+        self.num_tokens = count + 1
+        outputs = count + 1 - self.num_prompt_tokens
+        if token in self._stops and outputs >= self._min_outputs:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = None if token in self.eos_token_ids else token
+            return True
+        if outputs >= self.max_output_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
     def drop_tokens_after(self, num_tokens: int) -> None:
         """Forget the tokens past the first num_tokens (of a finished request: a stop string
         ended it within the tokens one speculative step appended)."""
@@ -170,18 +187,3 @@ class Request:
         """Whether `token`, its last one, ended it: EOS or a stop token id (whose text is
         not part of the output)."""
         return self._status is RequestStatus.FINISHED_STOPPED and token in self._stops
-
-    def check_stop_token(self, last: int | None = None) -> bool:
-        """After appending a token (`last`, when the caller has it): finish on EOS /
-        stop_token_ids (after min_tokens) or length."""
-        if last is None:
-            last = int(self.token_ids[self.num_tokens - 1])
-        outputs = self.num_tokens - self.num_prompt_tokens
-        if last in self._stops and outputs >= self._min_outputs:
-            self.status = RequestStatus.FINISHED_STOPPED
-            self.stop_reason = None if last in self.eos_token_ids else last
-            return True
-        if outputs >= self.max_output_tokens:
-            self.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False

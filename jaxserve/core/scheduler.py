@@ -98,6 +98,23 @@ class Scheduler:
             reserved = sum(r.num_tokens + r.num_placeholders - r.num_computed_tokens
                            for r in self.running[:max_seqs])
         kv, running, speculating = self.kv_manager, self.running, self._speculating
+        # Each row's first position, and whether it samples (then the request has one more
+        # placeholder until the step is folded in), as its request advances past the step.
+        firsts: list[int] = []
+        samples: list[bool] = []
+
+        def advance(request: Request, count: int) -> None:
+            first = request.num_computed_tokens
+            firsts.append(first)
+            end = request.num_computed_tokens = first + count
+            request.steps_in_flight += 1
+            # Proposals are written after the known tokens (and count in `count`).
+            sampling = end - request.num_proposed >= request.num_tokens + \
+                request.num_placeholders
+            samples.append(sampling)
+            if sampling:
+                request.num_placeholders += 1
+
         index = 0
         while index < len(running) and budget > 0 and len(scheduled) < max_seqs:
             request = running[index]
@@ -136,6 +153,8 @@ class Scheduler:
             counts.append(num_new)
             budget -= num_new
             index += 1
+            if not speculating:  # its count is final: it advances past the step now
+                advance(request, num_new)
 
         # Waiting requests' prompt tokens come before proposals too: proposals keep only the
         # budget admission leaves (a prompt token is always used, a proposal only if kept).
@@ -145,20 +164,11 @@ class Scheduler:
             budget -= self._choose_proposals(scheduled, counts, budget)
             # The head of the queue may have been refused blocks for a bigger chunk.
             self._admit(budget, max_seqs, scheduled, counts, preempted)
-        # Each row's first position, and whether it samples (then the request has one more
-        # placeholder until the step is folded in); the requests advance past the step.
-        firsts, samples = [], []
-        for request, count in zip(scheduled, counts):
-            first = request.num_computed_tokens
-            firsts.append(first)
-            end = request.num_computed_tokens = first + count
-            request.steps_in_flight += 1
-            # Proposals are written after the known tokens (and count in `count`).
-            sampling = end - request.num_proposed >= request.num_tokens + \
-                request.num_placeholders
-            samples.append(sampling)
-            if sampling:
-                request.num_placeholders += 1
+        # The rows not advanced yet (admitted ones; with proposals, all: their counts were
+        # chosen last).
+        done = len(firsts)
+        for request, count in zip(scheduled[done:], counts[done:]):
+            advance(request, count)
         return SchedulerOutput(scheduled, counts, preempted, firsts, samples)
 
     def _admit(self, budget: int, max_seqs: int, scheduled: list[Request], counts: list[int],
@@ -243,33 +253,31 @@ class Scheduler:
         runner's slots), of which row r emitted num_emitted[r] (i32[R]; None: one each,
         sampled is i32[R]): its accepted proposals and one more. sampled.logprobs (same
         layout) adds to cumulative_logprob when the request asked for logprobs. Rejected
-        proposals are uncomputed again. Returns (request, indices into sampled of its new
-        tokens) for each request that got tokens, in batch order."""
+        proposals are uncomputed again. Returns (request, index into sampled of its first new
+        token, how many) for each request that got tokens, in batch order."""
         appended = []
         token_ids = None  # the sampled tokens as a list, converted once when needed
         start = 0  # the row's first slot
-        running, samples = RequestStatus.RUNNING, out.samples
+        samples = out.samples
         for row, request in enumerate(out.requests):
             first, proposed = start, request.num_proposed
             start += proposed + 1
             request.steps_in_flight -= 1
-            if request.status is not running:
+            if not request.running:
                 continue  # stopped (stop string), aborted, failed or preempted meanwhile
             if not samples[row]:
                 continue  # a prefill chunk: nothing sampled yet
-            request.num_proposed = 0
             request.num_placeholders -= 1
             if token_ids is None:
                 token_ids = sampled.token_ids.tolist()
             if not proposed and num_emitted is None:  # one token: the common case
-                token = token_ids[first]
-                request.append_token(token)
                 if request.params.logprobs is not None:
                     request.cumulative_logprob += float(sampled.logprobs[first])
-                if request.check_stop_token(token):
+                if request.take_token(token_ids[first]):
                     self.finish(request, request.status)
-                appended.append((request, [first]))
+                appended.append((request, first, 1))
                 continue
+            request.num_proposed = 0
             emitted = 1 if num_emitted is None else int(num_emitted[row])
             if not 1 <= emitted <= proposed + 1:
                 raise RuntimeError(f"row {row} emitted {emitted} tokens for {proposed} "
@@ -279,16 +287,15 @@ class Scheduler:
                 self.spec_stats.record(proposed, emitted - 1)
                 request.spec_drafts += 1
                 request.spec_first_kept += emitted > 1
-            taken = []
+            taken = 0
             for index in range(first, first + emitted):
-                request.append_token(token_ids[index])
                 if request.params.logprobs is not None:
                     request.cumulative_logprob += float(sampled.logprobs[index])
-                taken.append(index)
-                if request.check_stop_token():
+                taken += 1
+                if request.take_token(token_ids[index]):
                     self.finish(request, request.status)
                     break
-            appended.append((request, taken))
+            appended.append((request, first, taken))
         return appended
 
     def drop_step(self, out: SchedulerOutput) -> None:

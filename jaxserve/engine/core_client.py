@@ -273,8 +273,8 @@ class EngineCoreClient(EngineInterface):
 
     def _apply(self, record) -> TrackedRequest | None:
         """One request's news into its mirror, as LLMEngine folds a step in: each token
-        appended and checked for a stop token, stop strings matched, then the core's
-        finish (which is the truth: aborts, errors, grammars that ended)."""
+        taken (a stop token or the length ends the choice), stop strings matched, then the
+        core's finish (which is the truth: aborts, errors, grammars that ended)."""
         request_id, choices, extra = record
         tracked = self._tracked.get(request_id)
         if tracked is None:
@@ -284,8 +284,7 @@ class EngineCoreClient(EngineInterface):
         for i, tokens, finish, stop_reason, cumulative, logprobs in choices:
             child = tracked.children[i]
             for token in tokens:
-                child.append_token(token)
-                child.check_stop_token(token)
+                child.take_token(token)
             if logprobs is not None:
                 tracked.logprobs[i].extend(logprobs)
                 child.cumulative_logprob = cumulative

@@ -301,18 +301,22 @@ class LLMEngine(FailureIsolation, EngineInterface):
         self._outputs_start = time.perf_counter()
         changed: dict[str, TrackedRequest] = {}
         final_only = self._final_only
-        for tracked, req, indices in appended:  # overlaps the device step just launched
+        by_child = self._by_child
+        for req, count in appended:  # overlaps the device step just launched
+            stops = req.params.stop  # (the detokenizer's checks_stop_strings)
+            if final_only and not stops and not req.finished:
+                continue  # no output until it finishes
+            tracked = by_child[req.request_id]
             if tracked.error is not None:
                 continue
-            if not req.params.stop:  # (the detokenizer's checks_stop_strings)
-                if not final_only or req.finished:  # else: no output until it finishes
-                    changed[tracked.request_id] = tracked
+            if not stops:
+                changed[tracked.request_id] = tracked
                 continue
             try:
                 # Stop strings are looked for token by token; other text waits until it is
                 # read (OutputBuilder.make_output).
                 match = match_stop_strings(tracked, req, req.token_ids[
-                    req.num_tokens - len(indices): req.num_tokens].tolist())
+                    req.num_tokens - count: req.num_tokens].tolist())
             except Exception as err:  # noqa: BLE001 - this request only
                 self._fail(tracked, err, "while detokenizing")
                 continue
@@ -392,11 +396,10 @@ class LLMEngine(FailureIsolation, EngineInterface):
         # Ctrl-C), their KV may be missing, so no later request may hit them.
         self.kv_manager.reset_prefix_cache()
 
-    def _collect(self, parts) -> list[tuple[TrackedRequest, Request, list[int]]]:
+    def _collect(self, parts) -> list[tuple[Request, int]]:
         """Wait for a step's parts and fold their results in: prompt logprobs, sampled
         tokens, and the finishes that need no text (stop token ids, EOS, length). Returns
-        (request, indices of its new tokens in the step's samples) for each that got
-        tokens."""
+        (sequence, how many new tokens) for each that got tokens."""
         appended = []
         for out, handle, started in parts:
             waiting = time.perf_counter()
@@ -421,8 +424,7 @@ class LLMEngine(FailureIsolation, EngineInterface):
             self.host_times.add("fold", time.perf_counter() - fetched)
         return appended
 
-    def _fold(self, out: SchedulerOutput,
-              result) -> list[tuple[TrackedRequest, Request, list[int]]]:
+    def _fold(self, out: SchedulerOutput, result) -> list[tuple[Request, int]]:
         """A step's results: prompt logprobs recorded, then the scheduler's update (computed
         tokens, sampled tokens, finishes), then the sampled tokens' logprob entries."""
         if result.prompt_scores is not None:
@@ -443,13 +445,13 @@ class LLMEngine(FailureIsolation, EngineInterface):
                     self._fail(tracked, err, "while its results were read")
         appended = []
         sampled = result.sampled
-        for req, indices in self.scheduler.update_from_output(out, sampled,
-                                                               result.num_emitted):
-            tracked = self._by_child[req.request_id]
+        for req, first, count in self.scheduler.update_from_output(out, sampled,
+                                                                   result.num_emitted):
             if req.grammar is None and req.params.logprobs is None:
-                appended.append((tracked, req, indices))
+                appended.append((req, count))
                 continue
-            tokens = req.token_ids[req.num_tokens - len(indices): req.num_tokens].tolist()
+            tracked = self._by_child[req.request_id]
+            tokens = req.token_ids[req.num_tokens - count: req.num_tokens].tolist()
             if req.grammar is not None and not all(
                     self._advance_grammar(tracked, req, token) for token in tokens):
                 continue
@@ -460,11 +462,11 @@ class LLMEngine(FailureIsolation, EngineInterface):
                         self.outputs.logprob_dict(token, float(sampled.logprobs[i]),
                                                   int(sampled.ranks[i]), sampled.top_ids[i][:k],
                                                   sampled.top_logprobs[i][:k])
-                        for token, i in zip(tokens, indices))
+                        for i, token in enumerate(tokens, first))
                 except Exception as err:  # noqa: BLE001 - this request only
                     self._fail(tracked, err, "while its results were read")
                     continue
-            appended.append((tracked, req, indices))
+            appended.append((req, count))
         return appended
 
     def _advance_grammar(self, tracked: TrackedRequest, req: Request, token: int) -> bool:
