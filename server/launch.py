@@ -174,7 +174,7 @@ class _DrainingServer(uvicorn.Server):
 
 def serve(engine, server_config: ServerConfig, log_level: str = "info",
           grpc_config=None) -> int:
-    """Serve `engine` (an engine.interface.EngineInterface: an engine_core_client's
+    """Serve `engine` (an engine.interface.EngineInterface: engine/core_client.py's
     EngineCoreClient, or an engine in this process) until a signal stops the server, then
     close it. grpc_config: a grpc_server.GrpcConfig to serve gRPC beside HTTP, or None."""
     # What start-up made (weights, tokenizer, compiled steps) lives as long as the server:

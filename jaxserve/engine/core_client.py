@@ -75,7 +75,12 @@ class EngineCoreClient(EngineInterface):
             self._process.join(5)
             raise payload
         self.config = payload
-        self.processor = InputProcessor.for_config(self.config)
+        try:
+            self.processor = InputProcessor.for_config(self.config)
+        except BaseException:
+            self._commands.send(("close",))
+            self._process.join(30)
+            raise
         self.tokenizer, self.eos_token_ids = self.processor.tokenizer, \
             self.processor.eos_token_ids
         self.runner = None  # on the core's side
@@ -85,8 +90,8 @@ class EngineCoreClient(EngineInterface):
         self._failed: list[TrackedRequest] = []  # failed here (while building outputs)
         self._stats = EngineStats()
         self._compile_records = CompileRecords()  # the core's, as of its last message
-        self._sent = 0  # sequences sent to the core (its stats count those it took)
-        self._taken = 0
+        self._seqs_sent = 0  # sequences sent to the core (its stats count those it took)
+        self._seqs_taken = 0
         self._send_lock = threading.Lock()  # one message at a time into the pipe
         self._process_lock = threading.Lock()  # one thread at a time waits for the process
         self._news: list = []  # the core's messages not folded in yet
@@ -102,8 +107,9 @@ class EngineCoreClient(EngineInterface):
         """The core's latest snapshot; the sequences sent to it and not yet taken count as
         waiting, and unfinished requests are those this front end still follows."""
         stats = self._stats
-        return dataclasses.replace(stats, waiting=stats.waiting + self._sent - self._taken,
-                                   unfinished_requests=len(self._tracked))
+        return dataclasses.replace(
+            stats, waiting=stats.waiting + self._seqs_sent - self._seqs_taken,
+            unfinished_requests=len(self._tracked))
 
     def add_processed(self, request: EngineRequest) -> None:
         assert isinstance(request, EngineRequest), type(request)
@@ -121,7 +127,7 @@ class EngineCoreClient(EngineInterface):
         # compiles it again.
         self._send(("add", request.with_grammar(None)))
         self._tracked[request.request_id] = tracked
-        self._sent += params.n
+        self._seqs_sent += params.n
 
     def abort_request(self, request_id: str, report: bool = True) -> RequestOutput | None:
         tracked = self._tracked.pop(request_id, None)
@@ -141,6 +147,7 @@ class EngineCoreClient(EngineInterface):
             return self.outputs.make_output(tracked)
         except Exception as err:  # noqa: BLE001 - this request's output only
             self._fail_here(tracked, err)
+            self._failed.remove(tracked)  # reported here, not by a later step
             return self.outputs.error_output(tracked)
 
     def has_unfinished_requests(self) -> bool:
@@ -168,21 +175,8 @@ class EngineCoreClient(EngineInterface):
                 tracked = self._apply(record)
                 if tracked is not None:
                     changed[tracked.request_id] = tracked
-        outputs = []
-        for tracked in changed.values():
-            if tracked.error is not None:
-                continue  # reported with the failures
-            if (final_only or wanted is not None and not wanted(tracked.request_id)) and \
-                    not tracked.finished:
-                continue
-            try:
-                output = self.outputs.make_output(tracked)
-            except Exception as err:  # noqa: BLE001 - this request's output only
-                self._fail_here(tracked, err)
-                continue
-            if not final_only or output.finished:
-                outputs.append(output)
-        outputs += [self.outputs.error_output(t) for t in self._failed]
+        outputs = self.outputs.step_outputs(changed.values(), self._failed, self._fail_here,
+                                            final_only, wanted)
         self._failed = []
         for output in outputs:
             if output.finished:
@@ -257,7 +251,7 @@ class EngineCoreClient(EngineInterface):
             _, ids, tokens, records, stats = message
             # The load and counters at once (stats() reads them while no step runs too);
             # the requests' news when step() folds it in.
-            self._stats, self._taken, steps, seconds, compiled = stats
+            self._stats, self._seqs_taken, steps, seconds, compiled = stats
             self.host_times.steps, self.host_times.seconds = steps, seconds
             if compiled is not None:
                 self._compile_records = compiled

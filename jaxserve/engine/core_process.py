@@ -14,8 +14,8 @@ The protocol, two one-way pipes (multiprocessing.Connection, pickled tuples):
   pipe (the front end is gone) stops the core too.
 - core -> front end: ("ready", EngineConfig) or ("failed", exception) once at start-up;
   then ("step", ids, tokens, records, stats) after each step and ("stats", [], [], [],
-  stats) when idle and commands or compiles changed something; ("dead", reason) before it exits on an
-  engine failure. stats is (EngineStats, sequences added so far, HostTimes steps, HostTimes
+  stats) when idle and commands or compiles changed something; ("dead", reason) before it
+  exits on an engine failure. stats is (EngineStats, sequences added so far, HostTimes steps, HostTimes
   seconds, compile_stats.CompileRecords or None when they have not changed).
 
 ids[k], tokens[k]: request ids[k] (of one choice) got the one token tokens[k] and goes on,
@@ -36,7 +36,6 @@ import os
 import signal
 import threading
 import time
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 from jaxserve.engine.failures import EngineDeadError, describe
@@ -44,6 +43,7 @@ from jaxserve.engine.failures import EngineDeadError, describe
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05  # how long an idle core waits for a command before it looks again
+_COMPILE_POLL_S = 0.005  # how often one with only grammars compiling looks at them
 
 
 def run_engine_core(commands, results, factory, args: tuple, log_level: str) -> None:
@@ -64,10 +64,15 @@ def run_engine_core(commands, results, factory, args: tuple, log_level: str) -> 
     try:
         engine = factory(*args)
     except BaseException as err:  # noqa: BLE001 - reported to the front end, which raises it
-        try:
-            results.send(("failed", err))
-        except Exception:  # noqa: BLE001 - an exception that does not pickle
-            results.send(("failed", RuntimeError(traceback.format_exc(limit=-3))))
+        # A bad setting is a ValueError the front end raises as its own (the CLI prints it);
+        # anything else is logged here and raised there as a RuntimeError. Plain built-in
+        # exceptions, so that they always cross the pipe.
+        if isinstance(err, ValueError):
+            failure = ValueError(str(err))
+        else:
+            logger.error("The engine could not start", exc_info=err)
+            failure = RuntimeError(f"the engine could not start: {describe(err)}")
+        results.send(("failed", failure))
         return
     gc.collect()
     gc.freeze()  # start-up's objects (weights, compiled steps) live as long as the process
@@ -112,8 +117,9 @@ class EngineCore:
     def run(self) -> None:
         engine = self.engine
         while True:
-            busy = engine.has_unfinished_requests()
-            took = self._take_commands(0 if busy or self._compiling else _IDLE_WAIT_S)
+            wait = 0.0 if engine.has_unfinished_requests() else (
+                _COMPILE_POLL_S if self._compiling else _IDLE_WAIT_S)
+            took = self._take_commands(wait)
             if took is None:
                 return  # the front end closed
             took += self._add_compiled()

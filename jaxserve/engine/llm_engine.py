@@ -217,21 +217,9 @@ class LLMEngine(FailureIsolation, EngineInterface):
         scheduling): call until has_unfinished_requests() is False. Raises
         EngineDeadError when the device no longer runs even an empty step."""
         changed = self._advance(final_only)
-        outputs = []
-        for tracked in changed:
-            if tracked.error is not None:
-                continue  # failed after its tokens came: reported with the failures
-            if (final_only or wanted is not None and not wanted(tracked.request_id)) and \
-                    not tracked.finished:
-                continue
-            try:
-                output = self.outputs.make_output(tracked)
-            except Exception as err:  # noqa: BLE001 - this request's output only
-                self._fail(tracked, err, "while building its output")
-                continue
-            if not final_only or output.finished:
-                outputs.append(output)
-        outputs += [self.outputs.error_output(t) for t in self._failed]
+        outputs = self.outputs.step_outputs(
+            changed, self._failed, lambda tracked, err: self._fail(
+                tracked, err, "while building its output"), final_only, wanted)
         self._failed = []
         for output in outputs:
             if output.finished:

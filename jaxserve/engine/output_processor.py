@@ -131,6 +131,29 @@ class OutputBuilder:
                              tracked.prompt_logprobs, completions, tracked.finished,
                              num_cached_tokens=cached, metrics=metrics)
 
+    def step_outputs(self, changed, failed: list[TrackedRequest], fail, final_only: bool,
+                     wanted) -> list[RequestOutput]:
+        """What a step reports (LLMEngine.step, EngineCoreClient.step): the outputs of the
+        changed requests (with final_only, of those that finished; with wanted, of those it
+        accepts and those that finished), then an error output for each failed one.
+        fail(tracked, err): a request whose output could not be built fails (it joins
+        `failed`)."""
+        outputs = []
+        for tracked in changed:
+            if tracked.error is not None:
+                continue  # failed after its tokens came: reported with the failures
+            if (final_only or wanted is not None and not wanted(tracked.request_id)) and \
+                    not tracked.finished:
+                continue
+            try:
+                output = self.make_output(tracked)
+            except Exception as err:  # noqa: BLE001 - this request's output only
+                fail(tracked, err)
+                continue
+            if not final_only or output.finished:
+                outputs.append(output)
+        return outputs + [self.error_output(t) for t in failed]
+
     def error_output(self, tracked: TrackedRequest) -> RequestOutput:
         """The last output of a failed request: every choice ends with "error", with the
         tokens it had (no text: the detokenizer may be what failed)."""
