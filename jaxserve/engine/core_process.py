@@ -101,9 +101,10 @@ class EngineCore:
         # Per request: output tokens already sent, per choice (None: its finish was sent).
         self._sent: dict[str, list[int | None]] = {}
         self._timed: set[str] = set()  # requests whose choices' scheduled times were sent
-        # Requests of one choice without stop strings or logprobs: their usual news is a
-        # token (see _news).
-        self._plain: set[str] = set()
+        # Of those, the ones of one choice without stop strings or logprobs, as in _sent:
+        # their usual news is a token (see _news).
+        self._plain: dict[str, list[int | None]] = {}
+        self._may_be_plain: set[str] = set()  # such requests, until they are timed
         # Requests waiting for their grammars, compiled on a thread of their own (llguidance
         # releases the GIL while it compiles), and the requests behind them, in arrival
         # order, as (EngineRequest, Future of the grammar or None). A request leaves when it
@@ -229,7 +230,7 @@ class EngineCore:
         params = request.params
         self._sent[request.request_id] = [0] * params.n
         if params.n == 1 and not params.stop and params.logprobs is None:
-            self._plain.add(request.request_id)
+            self._may_be_plain.add(request.request_id)
         self._added += request.params.n
 
     def _send_failure(self, request, err: Exception) -> None:
@@ -248,7 +249,8 @@ class EngineCore:
     def _forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
         self._timed.discard(request_id)
-        self._plain.discard(request_id)
+        self._plain.pop(request_id, None)
+        self._may_be_plain.discard(request_id)
 
     # ---- news -------------------------------------------------------------------------
     def _news(self, changed) -> tuple[list[str], list[int], list]:
@@ -257,13 +259,11 @@ class EngineCore:
         pair ids[k], tokens[k]; every other change is a record (see the module's
         docstring)."""
         ids, tokens, records = [], [], []
-        sent_by_id, plain, timed = self._sent, self._plain, self._timed
+        sent_by_id, plain = self._sent, self._plain
         for tracked in changed:
             request_id = tracked.request_id
-            sent = sent_by_id.get(request_id)
-            if sent is None:
-                continue  # (aborted meanwhile)
-            if request_id in plain and request_id in timed:
+            sent = plain.get(request_id)
+            if sent is not None:
                 child = tracked.children[0]
                 have = sent[0]
                 if not child.finished and child.num_tokens - child.num_prompt_tokens == have + 1:
@@ -271,6 +271,10 @@ class EngineCore:
                     tokens.append(child.output_view.item(have))
                     sent[0] = have + 1
                     continue
+            else:
+                sent = sent_by_id.get(request_id)
+                if sent is None:
+                    continue  # (aborted meanwhile)
             records.append(self._record(tracked, sent))
             if tracked.finished:
                 self._forget(request_id)
@@ -303,7 +307,10 @@ class EngineCore:
         """What a front end learns once (kept until every choice has been scheduled)."""
         times = [c.scheduled_time for c in tracked.children]
         if all(t is not None for t in times):
-            self._timed.add(tracked.request_id)
+            request_id = tracked.request_id
+            self._timed.add(request_id)
+            if request_id in self._may_be_plain:
+                self._plain[request_id] = self._sent[request_id]
         extra = {"scheduled": times,
                  "num_cached_tokens": tracked.children[0].num_cached_tokens,
                  "prompt_logprobs": tracked.prompt_logprobs}

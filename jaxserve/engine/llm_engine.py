@@ -231,11 +231,14 @@ class LLMEngine(FailureIsolation, EngineInterface):
         """step() without building outputs (the engine core process sends what changed
         instead: core_process.py): the requests that got tokens, then those that failed;
         finished and failed ones are forgotten."""
-        changed = [t for t in self._advance(False) if t.error is None]
+        changed = []
+        for tracked in self._advance(False):
+            if tracked.error is None:
+                changed.append(tracked)
+                # (the last choice first: a plain attribute, read for every request)
+                if tracked.children[-1].finished and tracked.finished:
+                    self._forget(tracked.request_id)
         failed, self._failed = self._failed, []
-        for tracked in changed:
-            if tracked.finished:
-                self._forget(tracked.request_id)
         for tracked in failed:
             self._forget(tracked.request_id)
         self.host_times.add("outputs", time.perf_counter() - self._outputs_start)
