@@ -224,3 +224,26 @@ def test_speculative_steps_through_the_core(tiny_checkpoints):
     for request in requests:
         want = _finals(local, [request])
         assert _choices(got[request[0]]) == _choices(want[request[0]])
+
+
+def test_an_output_the_front_end_cannot_build_fails_that_request_alone(engines, monkeypatch):
+    client, _ = engines
+    make_output = client.outputs.make_output
+
+    def broken(tracked):
+        if tracked.request_id == "bad":
+            raise RuntimeError("the detokenizer broke")
+        return make_output(tracked)
+
+    monkeypatch.setattr(client.outputs, "make_output", broken)
+    got = _finals(client, [
+        ("bad", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)),
+        ("good", [5, 6, 8], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))])
+    assert got["bad"].outputs[0].finish_reason == "error"
+    assert "while building its output" in got["bad"].error
+    assert got["good"].outputs[0].finish_reason == "length"
+    assert len(got["good"].outputs[0].token_ids) == 5
+    deadline = time.monotonic() + 30  # the core was told to stop it
+    while client.stats().running:
+        assert time.monotonic() < deadline
+        client.step()

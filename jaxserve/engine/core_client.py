@@ -275,6 +275,8 @@ class EngineCoreClient(EngineInterface):
             return None  # aborted here meanwhile
         if extra is not None:
             self._apply_extra(tracked, extra)
+        elif tracked.error is not None:
+            return None  # failed here: already reported, the core is told to stop it
         for i, tokens, finish, stop_reason, cumulative, logprobs in choices:
             child = tracked.children[i]
             for token in tokens:
@@ -290,8 +292,6 @@ class EngineCoreClient(EngineInterface):
             if finish is not None:
                 child.status = RequestStatus(finish)
                 child.stop_reason = stop_reason
-            elif child.finished:  # only the core ends a choice; it has not
-                child.status = RequestStatus.RUNNING
         return tracked
 
     def _apply_extra(self, tracked: TrackedRequest, extra: dict) -> None:
