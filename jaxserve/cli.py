@@ -8,7 +8,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import sys
 
 from jaxserve.config.engine_args import EngineArgs
@@ -40,11 +39,16 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
                         "JAX_PROCESS_ID)")
 
 
+def _multi_host(args: argparse.Namespace) -> bool:
+    """Whether the multi-host flags are given."""
+    return args.multi_host or (args.coordinator, args.num_hosts, args.host_id) != (
+        None, None, None)
+
+
 def _join_hosts(args: argparse.Namespace, model: str | None, precompile: bool | str) -> bool:
     """Multi-host: join the other hosts; on a host other than 0, run host 0's steps until it
     stops. True when this process was such a worker (its work is done)."""
-    named = (args.coordinator, args.num_hosts, args.host_id)
-    if not args.multi_host and named == (None, None, None):
+    if not _multi_host(args):
         return False
     if args.backend == "torch":
         raise ValueError("Multi-host serving runs the JAX backend; the torch backend runs on "
@@ -280,39 +284,19 @@ def _run_serve(args: argparse.Namespace) -> int:
     grpc_config = _grpc_config(args, server_config)
     if _join_hosts(args, args.model, "background"):
         return 0  # a worker host: it ran host 0's steps until host 0 stopped
-    multi_host = args.multi_host or (args.coordinator, args.num_hosts, args.host_id) != (
-        None, None, None)
-    engine_process = args.engine_process
-    if engine_process is None:
-        engine_process = len(os.sched_getaffinity(0)) >= ENGINE_PROCESS_MIN_CPUS
-    if engine_process and not multi_host:
-        from jaxserve.engine.core_client import EngineCoreClient
+    from jaxserve.engine.core_client import EngineCoreClient, engine_process_by_default
 
-        engine = EngineCoreClient(core_engine, (EngineArgs.from_cli(args), model, "background"),
-                                  log_level=args.log_level)
+    if not _multi_host(args) and (args.engine_process if args.engine_process is not None
+                                  else engine_process_by_default()):
+        from jaxserve.engine.core_process import engine_from_args
+
+        engine = EngineCoreClient(engine_from_args, (EngineArgs.from_cli(args), model,
+                                                     "background"), log_level=args.log_level)
     else:
         from jaxserve.engine.data_parallel import create_engine
 
         engine = create_engine(engine_config(args, model, "background"))
     return serve(engine, server_config, args.log_level, grpc_config)
-
-
-# The fewest CPUs with which `serve` steps the engine in a process of its own by default.
-# Measured (scripts/bench_async_scheduling.py, 256 streams, a 5 ms stand-in device step, the
-# clients on the same 2-CPU machine): with a CPU to itself the core kept the device 0.99
-# busy, against 0.64-0.70 on a thread; sharing the two CPUs with the HTTP side and the
-# clients, it got 0.42-0.59.
-ENGINE_PROCESS_MIN_CPUS = 4
-
-
-def core_engine(engine_args: EngineArgs, model: str, precompile: bool | str):
-    """`serve`'s engine, built in the engine core process (engine/core_process.py): the
-    accelerator is looked at only there, so only that process ever holds it."""
-    from jaxserve.backends.selection import on_accelerator
-    from jaxserve.engine.data_parallel import create_engine
-
-    return create_engine(engine_args.engine_config(
-        model, on_accelerator=on_accelerator(engine_args.backend), default_precompile=precompile))
 
 
 def _grpc_config(args: argparse.Namespace, server_config):

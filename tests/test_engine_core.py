@@ -13,10 +13,10 @@ import time
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.cli import core_engine
 from jaxserve.config.engine_args import EngineArgs
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.engine.core_client import EngineCoreClient
+from jaxserve.engine.core_process import engine_from_args
 from jaxserve.engine.data_parallel import create_engine
 from jaxserve.engine.failures import EngineDeadError
 from jaxserve.engine.llm_engine import LLMEngine
@@ -161,8 +161,8 @@ def test_bfloat16_through_the_core(tiny_checkpoints, dtype):
 
 def test_a_bad_setting_raises_in_the_front_end(tiny_checkpoints):
     with pytest.raises(ValueError, match="trust_remote_code"):
-        EngineCoreClient(core_engine, (EngineArgs(trust_remote_code=True),
-                                       str(tiny_checkpoints["llama"]), False))
+        EngineCoreClient(engine_from_args, (EngineArgs(trust_remote_code=True),
+                                            str(tiny_checkpoints["llama"]), False))
 
 
 def test_a_core_that_dies_fails_its_requests_and_close_stops_the_process(tiny_checkpoints):

@@ -46,6 +46,19 @@ logger = logging.getLogger(__name__)
 
 _STEP_WAIT_S = 0.05  # the longest step() waits for the core's news (wake() cuts it short)
 
+# The fewest CPUs with which `serve` steps the engine in a process of its own by default.
+# Measured (scripts/bench_async_scheduling.py, 256 streams, a 5 ms stand-in device step, the
+# clients on the same 2-CPU machine): with a CPU to itself the core kept the device 0.99
+# busy, against 0.64-0.70 on a thread; sharing the two CPUs with the HTTP side and the
+# clients, it got 0.42-0.74.
+ENGINE_PROCESS_MIN_CPUS = 4
+
+
+def engine_process_by_default() -> bool:
+    """Whether `serve` runs the engine core process when neither --engine-process nor
+    --no-engine-process is given: when this process may use ENGINE_PROCESS_MIN_CPUS CPUs."""
+    return len(os.sched_getaffinity(0)) >= ENGINE_PROCESS_MIN_CPUS
+
 
 class EngineCoreClient(EngineInterface):
     def __init__(self, factory, args: tuple = (), *, log_level: str | None = None) -> None:
