@@ -14,7 +14,6 @@ import time
 
 import numpy as np
 
-from jaxserve.backends.jax.packing import pack
 from jaxserve.backends.jax.sampler import SampleResult
 from jaxserve.backends.protocol import RunnerStats, StepResult
 from jaxserve.config.engine_config import EngineConfig
@@ -57,8 +56,7 @@ class NullRunner:
         sched = self.config.scheduler
         num_tokens, num_rows = sched.pick_bucket(out.total_num_scheduled_tokens,
                                                  len(out.requests))
-        batch, sampling = self.inputs.build(out, num_tokens, num_rows)
-        pack({**batch, **sampling})
+        self.inputs.build_packed(out, num_tokens, num_rows)
         tokens = self.rng.integers(5, self.vocab, num_rows).astype(np.int32)
         zeros = np.zeros(num_rows, np.float32)
         top = np.zeros((num_rows, 20), np.int32)

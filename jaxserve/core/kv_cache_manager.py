@@ -90,12 +90,15 @@ class BlockPool:
         are not enough (nothing changes then)."""
         if count > len(self._free):
             return None
-        blocks = [self._free.popitem(last=False)[0] for _ in range(count)]
-        for block in blocks:
-            digest = self.block_hash.pop(block, None)
+        free, block_hash, ref_counts = self._free, self.block_hash, self.ref_counts
+        blocks = []
+        for _ in range(count):  # (one at a time: mostly one, as a decoding request grows)
+            block = free.popitem(last=False)[0]
+            digest = block_hash.pop(block, None)
             if digest is not None:
                 del self.cached[digest]
-        self.ref_counts[blocks] = 1
+            ref_counts[block] = 1
+            blocks.append(block)
         return blocks
 
     def touch(self, blocks: Sequence[int]) -> None:
@@ -209,6 +212,14 @@ class KVCacheManager:
             if total <= len(request.block_ids) * size and (not self.enable_caching or min(
                     total, request.num_tokens) // size <= request.num_registered_blocks):
                 return True
+        if not self._allocate(request, num_new_tokens, computed_blocks):
+            return False
+        self._set_room(request)
+        return True
+
+    def _allocate(self, request: Request, num_new_tokens: int,
+                  computed_blocks: Sequence[int]) -> bool:
+        size = self.block_size
         num_hit = len(computed_blocks) * size
         total = request.num_computed_tokens + num_hit + num_new_tokens
         missing = self.blocks_needed(total) - len(request.block_ids) - len(computed_blocks)
@@ -239,6 +250,15 @@ class KVCacheManager:
             self.pool.register(request.block_ids[i], hashes[i])
         request.num_registered_blocks = num_full
 
+    def _set_room(self, request: Request) -> None:
+        # request.kv_room: the computed-token count up to which allocate_slots has nothing to
+        # do for it (its blocks hold them and no block fills): the scheduler's check before
+        # it calls. Kept with every change to its blocks and registered count.
+        room = len(request.block_ids) * self.block_size
+        if self.enable_caching:
+            room = min(room, (request.num_registered_blocks + 1) * self.block_size - 1)
+        request.kv_room = room
+
     def free(self, request: Request) -> None:
         # Tail first: the blocks at the end of a prefix are the least likely to be shared,
         # so they should be evicted first. (Without caching the order does not matter; it
@@ -246,6 +266,7 @@ class KVCacheManager:
         self.pool.release(request.block_ids[::-1] if self.enable_caching else request.block_ids)
         request.block_ids = []
         request.num_registered_blocks = 0
+        request.kv_room = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash (blocks and reference counts stay): for when a step that may

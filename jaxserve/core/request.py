@@ -77,6 +77,9 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.extra_keys: tuple = ()  # hashed into every block (a LoRA id, later)
         self.num_registered_blocks = 0
+        # The computed-token count its blocks hold with nothing for the KV cache manager to
+        # do (no new block, no block to name): kept by the manager, read by the scheduler.
+        self.kv_room = 0
         # Prompt scoring needs every prompt position computed, and the device-side penalty
         # state counts only the tokens fed to the model: both must compute everything.
         self.reads_prefix_cache = params.prompt_logprobs is None and (

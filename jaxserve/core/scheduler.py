@@ -135,7 +135,9 @@ class Scheduler:
                     num_new = min(remaining, budget)
             else:
                 num_new = remaining if remaining < budget else budget
-            if not kv.allocate_slots(request, num_new):
+            # (kv_room: whether its blocks already hold the step, without a call)
+            if request.num_computed_tokens + num_new > request.kv_room and \
+                    not kv.allocate_slots(request, num_new):
                 while True:
                     # Victims come from running past index: none of them has been scheduled
                     # in this pass. That matters for prefix caching: allocate_slots registers
@@ -154,27 +156,39 @@ class Scheduler:
             budget -= num_new
             index += 1
             if not speculating:  # its count is final: it advances past the step now
-                advance(request, num_new)
+                # (advance() inlined: the loop every decode row goes through)
+                first = request.num_computed_tokens
+                firsts.append(first)
+                request.num_computed_tokens = first + num_new
+                request.steps_in_flight += 1
+                if num_new - request.num_proposed >= remaining:  # it samples
+                    samples.append(True)
+                    request.num_placeholders += 1
+                else:
+                    samples.append(False)
 
         # Waiting requests' prompt tokens come before proposals too: proposals keep only the
         # budget admission leaves (a prompt token is always used, a proposal only if kept).
         proposed = sum(r.num_proposed for r in scheduled) if self._speculating else 0
-        budget = self._admit(budget + proposed, max_seqs, scheduled, counts, preempted)
+        new_rows: list[int] = []
+        budget = self._admit(budget + proposed, max_seqs, scheduled, counts, preempted,
+                             new_rows)
         if proposed:
             budget -= self._choose_proposals(scheduled, counts, budget)
             # The head of the queue may have been refused blocks for a bigger chunk.
-            self._admit(budget, max_seqs, scheduled, counts, preempted)
+            self._admit(budget, max_seqs, scheduled, counts, preempted, new_rows)
         # The rows not advanced yet (admitted ones; with proposals, all: their counts were
         # chosen last).
         done = len(firsts)
         for request, count in zip(scheduled[done:], counts[done:]):
             advance(request, count)
-        return SchedulerOutput(scheduled, counts, preempted, firsts, samples)
+        return SchedulerOutput(scheduled, counts, preempted, firsts, samples, new_rows)
 
     def _admit(self, budget: int, max_seqs: int, scheduled: list[Request], counts: list[int],
-               preempted: list[Request]) -> int:
+               preempted: list[Request], new_rows: list[int]) -> int:
         """Admit waiting requests in order while the budget, the sequence limit and the KV
-        pool allow, and only when nothing had to give way this step; the budget left."""
+        pool allow, and only when nothing had to give way this step (their rows into
+        new_rows); the budget left."""
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < max_seqs and len(scheduled) < max_seqs):
             request = self.waiting[0]
@@ -198,6 +212,7 @@ class Scheduler:
             request.needs_state_reset = True
             self._admitted.append(request)
             self.running.append(request)
+            new_rows.append(len(scheduled))
             scheduled.append(request)
             counts.append(num_new)
             budget -= num_new
@@ -243,7 +258,7 @@ class Scheduler:
             self._step_times.observe(bucket[0], seconds)
 
     def update_from_output(self, out: SchedulerOutput, sampled,
-                           num_emitted=None) -> list[tuple[Request, list[int]]]:
+                           num_emitted=None) -> list[tuple[Request, int, int]]:
         """Fold a finished step into its requests: each row that sampled replaces its
         request's placeholder with the token sampled for it, and the request finishes on a
         stop token, EOS or length, freeing its blocks. Rows of requests that finished or
@@ -255,6 +270,8 @@ class Scheduler:
         layout) adds to cumulative_logprob when the request asked for logprobs. Rejected
         proposals are uncomputed again. Returns (request, index into sampled of its first new
         token, how many) for each request that got tokens, in batch order."""
+        if num_emitted is None:
+            return self._take_one_each(out, sampled)
         appended = []
         token_ids = None  # the sampled tokens as a list, converted once when needed
         start = 0  # the row's first slot
@@ -270,15 +287,8 @@ class Scheduler:
             request.num_placeholders -= 1
             if token_ids is None:
                 token_ids = sampled.token_ids.tolist()
-            if not proposed and num_emitted is None:  # one token: the common case
-                if request.params.logprobs is not None:
-                    request.cumulative_logprob += float(sampled.logprobs[first])
-                if request.take_token(token_ids[first]):
-                    self.finish(request, request.status)
-                appended.append((request, first, 1))
-                continue
             request.num_proposed = 0
-            emitted = 1 if num_emitted is None else int(num_emitted[row])
+            emitted = int(num_emitted[row])
             if not 1 <= emitted <= proposed + 1:
                 raise RuntimeError(f"row {row} emitted {emitted} tokens for {proposed} "
                                    "proposals")
@@ -296,6 +306,23 @@ class Scheduler:
                     self.finish(request, request.status)
                     break
             appended.append((request, first, taken))
+        return appended
+
+    def _take_one_each(self, out: SchedulerOutput, sampled) -> list[tuple[Request, int, int]]:
+        """update_from_output of a step without proposals: row r's token is sampled's r-th
+        (every decode step of an engine that does not speculate: the loop to keep short)."""
+        appended = []
+        token_ids = sampled.token_ids.tolist()
+        for row, (request, samples) in enumerate(zip(out.requests, out.samples)):
+            request.steps_in_flight -= 1
+            if not samples or not request.running:
+                continue  # a prefill chunk, or stopped, aborted, failed or preempted meanwhile
+            request.num_placeholders -= 1
+            if request.params.logprobs is not None:
+                request.cumulative_logprob += float(sampled.logprobs[row])
+            if request.take_token(token_ids[row]):
+                self.finish(request, request.status)
+            appended.append((request, row, 1))
         return appended
 
     def drop_step(self, out: SchedulerOutput) -> None:

@@ -12,7 +12,7 @@ formed the step. A backend reads, for each one in batch order (row r):
   step's output on the device, by the request's `state_slot`;
 - `block_ids`: its KV blocks, enough for first + count slots;
 - `state_slot`: its row of the device-side penalty, bias, grammar and last-token state, and
-  `needs_state_reset`: the row was just handed out and starts from nothing;
+  whether the row was just handed out and starts from nothing (`new_rows`);
 - `seed`, `sampling_floats`, `sampling_top_k`, `params`: how to sample its next token;
 - `samples[r]`: whether the row samples a token (a prompt chunk short of the prompt's end
   does not), and `num_prompt_tokens`: whether it still reads its prompt (prompt logprobs).
@@ -44,6 +44,9 @@ class SchedulerOutput:
     num_computed_tokens: list[int] | None = None
     # Whether each row samples a token at its end (None: from the requests' state now).
     samples: list[bool] | None = None
+    # The rows whose request was given its state slot by this step (needs_state_reset: its
+    # device-side state starts from nothing), ascending (None: from the requests' state).
+    new_rows: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.num_computed_tokens is None:
@@ -51,6 +54,8 @@ class SchedulerOutput:
         if self.samples is None:
             self.samples = [first + count >= r.num_tokens for r, first, count in zip(
                 self.requests, self.num_computed_tokens, self.num_scheduled_tokens)]
+        if self.new_rows is None:
+            self.new_rows = [i for i, r in enumerate(self.requests) if r.needs_state_reset]
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -64,10 +69,12 @@ class SchedulerOutput:
     def rows(self, indices) -> SchedulerOutput:
         """The step's rows at `indices` as a step of their own (the engine splits a step to
         isolate a failing request)."""
+        new = set(self.new_rows)
         return SchedulerOutput([self.requests[i] for i in indices],
                                [self.num_scheduled_tokens[i] for i in indices], [],
                                [self.num_computed_tokens[i] for i in indices],
-                               [self.samples[i] for i in indices])
+                               [self.samples[i] for i in indices],
+                               [row for row, i in enumerate(indices) if i in new])
 
     @classmethod
     def concat(cls, parts: list[SchedulerOutput]) -> SchedulerOutput:
@@ -77,4 +84,6 @@ class SchedulerOutput:
                    [n for p in parts for n in p.num_scheduled_tokens],
                    [r for p in parts for r in p.preempted],
                    [n for p in parts for n in p.num_computed_tokens],
-                   [s for p in parts for s in p.samples])
+                   [s for p in parts for s in p.samples],
+                   [row + sum(len(q.requests) for q in parts[:i])
+                    for i, p in enumerate(parts) for row in p.new_rows])

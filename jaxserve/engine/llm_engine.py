@@ -79,6 +79,10 @@ class LLMEngine(FailureIsolation, EngineInterface):
         # while there are some, steps run synchronously (each scheduled once the previous
         # one's tokens are in), so that they get a token every step.
         self._reads_tokens: dict[str, TrackedRequest] = {}
+        # Those with sampled-token logprobs, and with stop strings: while there are none,
+        # folding a step and building outputs skip the per-request work they need.
+        self._with_logprobs: dict[str, TrackedRequest] = {}
+        self._with_stops: dict[str, TrackedRequest] = {}
         # The last step dispatched to the device and not collected yet, as (batch, runner
         # handle, dispatch time) parts: one part, unless suspects or a failed dispatch split
         # the step. With asynchronous scheduling, the step before it too (_older), while a
@@ -173,6 +177,10 @@ class LLMEngine(FailureIsolation, EngineInterface):
             self._constrained[request.request_id] = tracked
         if children[0].needs_known_tokens:
             self._reads_tokens[request.request_id] = tracked
+        if params.logprobs is not None:
+            self._with_logprobs[request.request_id] = tracked
+        if params.stop:
+            self._with_stops[request.request_id] = tracked
         for child in children:
             self._by_child[child.request_id] = tracked
             self.scheduler.add(child)
@@ -292,8 +300,10 @@ class LLMEngine(FailureIsolation, EngineInterface):
         self._outputs_start = time.perf_counter()
         changed: dict[str, TrackedRequest] = {}
         final_only = self._final_only
+        if final_only and not self._with_stops:  # then only the finished ones have news
+            appended = [taken for taken in appended if taken[0].finished]
         by_child = self._by_child
-        for req, count in appended:  # overlaps the device step just launched
+        for req, _, count in appended:  # overlaps the device step just launched
             stops = req.params.stop  # (the detokenizer's checks_stop_strings)
             if final_only and not stops and not req.finished:
                 continue  # no output until it finishes
@@ -323,6 +333,8 @@ class LLMEngine(FailureIsolation, EngineInterface):
         self._scoring.pop(request_id, None)
         self._constrained.pop(request_id, None)
         self._reads_tokens.pop(request_id, None)
+        self._with_logprobs.pop(request_id, None)
+        self._with_stops.pop(request_id, None)
         if tracked is not None:
             for child in tracked.children:
                 self._by_child.pop(child.request_id, None)
@@ -387,10 +399,11 @@ class LLMEngine(FailureIsolation, EngineInterface):
         # Ctrl-C), their KV may be missing, so no later request may hit them.
         self.kv_manager.reset_prefix_cache()
 
-    def _collect(self, parts) -> list[tuple[Request, int]]:
+    def _collect(self, parts) -> list[tuple[Request, int, int]]:
         """Wait for a step's parts and fold their results in: prompt logprobs, sampled
         tokens, and the finishes that need no text (stop token ids, EOS, length). Returns
-        (sequence, how many new tokens) for each that got tokens."""
+        (sequence, its first slot in the step's results, how many new tokens) for each that
+        got tokens."""
         appended = []
         for out, handle, started in parts:
             waiting = time.perf_counter()
@@ -415,7 +428,7 @@ class LLMEngine(FailureIsolation, EngineInterface):
             self.host_times.add("fold", time.perf_counter() - fetched)
         return appended
 
-    def _fold(self, out: SchedulerOutput, result) -> list[tuple[Request, int]]:
+    def _fold(self, out: SchedulerOutput, result) -> list[tuple[Request, int, int]]:
         """A step's results: prompt logprobs recorded, then the scheduler's update (computed
         tokens, sampled tokens, finishes), then the sampled tokens' logprob entries."""
         if result.prompt_scores is not None:
@@ -434,12 +447,14 @@ class LLMEngine(FailureIsolation, EngineInterface):
                                                         result.prompt_scores)
                 except Exception as err:  # noqa: BLE001 - this request only
                     self._fail(tracked, err, "while its results were read")
-        appended = []
         sampled = result.sampled
-        for req, first, count in self.scheduler.update_from_output(out, sampled,
-                                                                   result.num_emitted):
+        taken = self.scheduler.update_from_output(out, sampled, result.num_emitted)
+        if not self._constrained and not self._with_logprobs:
+            return taken
+        appended = []
+        for req, first, count in taken:
             if req.grammar is None and req.params.logprobs is None:
-                appended.append((req, count))
+                appended.append((req, first, count))
                 continue
             tracked = self._by_child[req.request_id]
             tokens = req.token_ids[req.num_tokens - count: req.num_tokens].tolist()
@@ -457,7 +472,7 @@ class LLMEngine(FailureIsolation, EngineInterface):
                 except Exception as err:  # noqa: BLE001 - this request only
                     self._fail(tracked, err, "while its results were read")
                     continue
-            appended.append((req, count))
+            appended.append((req, first, count))
         return appended
 
     def _advance_grammar(self, tracked: TrackedRequest, req: Request, token: int) -> bool:

@@ -2,8 +2,9 @@
 
 A step's inputs are ~20 small arrays; putting them on the device one by one costs more than
 the step itself for small models. The host packs them into one flat int32 buffer (float32
-and uint32 bit-cast, bool widened) with a static layout, and the jitted step unpacks it with
-free slices. Results go the other way the same way.
+and uint32 bit-cast, bool widened) with a static layout (the input builder writes a step's
+values straight into such a buffer: core/input_builder.py's PackedStep), and the jitted
+step unpacks it with free slices. Results go the other way the same way.
 """
 
 from __future__ import annotations
@@ -20,16 +21,6 @@ Layout = tuple[tuple[str, tuple[int, ...], str], ...]
 
 def layout_of(arrays: dict[str, np.ndarray]) -> Layout:
     return tuple((name, tuple(a.shape), a.dtype.name) for name, a in arrays.items())
-
-
-def pack(arrays: dict[str, np.ndarray]) -> np.ndarray:
-    """Host side: i32[sum of sizes]."""
-    parts = []
-    for a in arrays.values():
-        if a.dtype == np.bool_:
-            a = a.astype(np.int32)
-        parts.append(np.ascontiguousarray(a).reshape(-1).view(np.int32))
-    return np.concatenate(parts)
 
 
 def unpack(buffer: jax.Array, layout: Layout) -> dict[str, jax.Array]:

@@ -52,7 +52,7 @@ from jaxserve.backends.jax.compile_stats import (
 from jaxserve.backends.jax.distributed import StepChannel, is_leader
 from jaxserve.backends.jax.executable_cache import executable_cache_for
 from jaxserve.backends.jax.orbax_checkpoint import is_orbax_folder, restore_params
-from jaxserve.backends.jax.packing import Layout, layout_of, pack, pack_device, unpack, unpack_host
+from jaxserve.backends.jax.packing import Layout, layout_of, pack_device, unpack, unpack_host
 from jaxserve.backends.jax.rejection_sampler import accept_drafts
 from jaxserve.backends.jax.sampler import (
     MASK_ROWS_PER_CALL,
@@ -419,16 +419,15 @@ class ModelRunner:
                                                          len(out.requests))
         self.padding.record(out.total_num_scheduled_tokens, num_tokens, len(out.requests),
                             num_rows)
-        batch, sampling = self.inputs.build(out, num_tokens, num_rows)
-        packed = pack({**batch, **sampling})
+        packed, _ = self.inputs.build_packed(out, num_tokens, num_rows)
         targets = None
         if score_targets is not None:
             targets = np.zeros(num_tokens, np.int32)
             targets[: len(score_targets)] = np.maximum(score_targets, 0)
         # A request that has just been given its sampler row brings its logit bias row.
         bias_rows = [(req.state_slot, req.constraints.row(self.arch.vocab_size))
-                     for req in out.requests if req.needs_state_reset
-                     and req.constraints is not None and req.constraints.has_row]
+                     for req in map(out.requests.__getitem__, out.new_rows)
+                     if req.constraints is not None and req.constraints.has_row]
         grammar_rows = list(grammar_masks or [])
         if self.channel is not None:  # multi-host: the other hosts run the same step
             self.channel.send(num_tokens, num_rows, packed, targets, bias_rows, grammar_rows)

@@ -343,9 +343,9 @@ class TorchRunner:
         """The logit-bias rows of requests that get their sampler row this step, and the
         grammar bitmasks of the constrained rows that sample in it."""
         state, vocab = self.penalty_state, self.arch.vocab_size
-        for req in out.requests:
-            if req.needs_state_reset and req.constraints is not None \
-                    and req.constraints.has_row:
+        for row in out.new_rows:
+            req = out.requests[row]
+            if req.constraints is not None and req.constraints.has_row:
                 state.logit_bias[req.state_slot] = self._put(req.constraints.row(vocab))
         if grammar_masks:
             rows = self._put(np.asarray([row for row, _ in grammar_masks], np.int64))
