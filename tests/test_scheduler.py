@@ -213,6 +213,9 @@ class Harness:
             if req.num_preemptions == 0 and computed < req.num_prompt_tokens:
                 assert req.num_output_tokens == 0, "a token before the prompt was computed"
             held += req.block_ids
+        if self.enable_caching and scheduled is not None:
+            for req in scheduled.requests:
+                check_named(req, bs)
         for req in s.waiting:
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert req.block_ids == [] and req.num_computed_tokens == 0
@@ -872,6 +875,20 @@ def test_disable_by_batch_size_stops_proposals_while_many_run(monkeypatch):
 
 
 # ---- asynchronous scheduling ----------------------------------------------------------------
+def check_named(req: Request, block_size: int) -> None:
+    """After a step that scheduled `req` (with prefix caching): each of its full blocks of
+    known tokens is registered, as the step writes it (none skipped by the scheduler's
+    check that its blocks already hold the step, Request.kv_room), and no other."""
+    if req.running:
+        full = min(req.num_computed_tokens, req.num_tokens) // block_size
+        assert req.num_registered_blocks == full, (req.request_id, req.num_registered_blocks,
+                                                   full)
+        # What the scheduler's check trusts: room only in blocks it holds, up to the next
+        # block to be named.
+        assert req.kv_room <= len(req.block_ids) * block_size
+        assert req.kv_room < (req.num_registered_blocks + 1) * block_size
+
+
 def _build_inputs(builder: StepInputBuilder, out: SchedulerOutput, num_tokens: int,
                   num_rows: int) -> tuple[dict, dict]:
     """A step's inputs from the runner's builder, which keeps its tables across steps (by
@@ -957,6 +974,8 @@ def test_asynchronous_steps_give_every_request_its_exact_tokens(enable_caching):
         for req in out.requests:
             assert req.num_placeholders <= 2
             assert req.num_computed_tokens <= req.num_prompt_tokens + req.max_output_tokens
+            if enable_caching:
+                check_named(req, block_size)
         step = (out, _device_step(out, kv, last_tokens, builder, config)) \
             if not out.empty else None
         if pending is not None:
@@ -1022,3 +1041,37 @@ def test_input_building_reads_only_the_blocks_each_step_adds():
     blocks = sum(cdiv(req.num_tokens, block_size) for req in requests)
     assert 0 < built_read <= blocks  # each block id read once
     assert tables_read > 30 * blocks
+
+
+def test_the_packed_step_is_what_the_device_unpacks():
+    """The runner sends build_packed's one buffer; the compiled step unpacks it by the
+    layout of the bucket's arrays (packing.unpack). For a step of prefill chunks, decodes
+    and newly admitted rows, every array the device gets equals the builder's."""
+    import jax.numpy as jnp
+
+    from jaxserve.backends.jax.packing import layout_of, unpack
+
+    block_size, config = 4, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=40,
+                                            max_model_len=64)
+    scheduler = Scheduler(config, KVCacheManager(200, block_size))
+    builder = StepInputBuilder(8, block_size, cdiv(64, block_size))
+    for i in range(6):
+        scheduler.add(make_request(f"p{i}", 5 + 7 * i, 6, max_model_len=64))
+    kinds = set()
+    while scheduler.num_unfinished:
+        out = scheduler.schedule()
+        kinds.add("decode" if out.total_num_scheduled_tokens == len(out.requests) else "mixed")
+        num_tokens, num_rows = config.pick_bucket(out.total_num_scheduled_tokens,
+                                                  len(out.requests))
+        packed, layout = builder.build_packed(out, num_tokens, num_rows)
+        batch, sampling = build_step_inputs(out, num_tokens, num_rows, block_size,
+                                            builder.blocks_per_seq)
+        arrays = {**batch, **sampling}
+        assert layout == layout_of(arrays)
+        for name, value in unpack(jnp.asarray(packed), layout).items():
+            assert value.dtype == arrays[name].dtype, name
+            assert np.array_equal(np.asarray(value), arrays[name]), name
+        scheduler.update_from_output(out, types.SimpleNamespace(
+            token_ids=np.full(len(out.requests), 7, np.int64),
+            logprobs=np.zeros(len(out.requests))))
+    assert kinds == {"decode", "mixed"}
