@@ -71,18 +71,15 @@ class LLMEngine(FailureIsolation, EngineInterface):
         self.outputs = OutputBuilder(self.tokenizer)
         self._tracked: dict[str, TrackedRequest] = {}
         self._by_child: dict[str, TrackedRequest] = {}
-        # The tracked requests that asked for prompt logprobs, and for structured outputs:
-        # a step needs prompt scores or grammar masks only while there are some.
-        self._scoring: dict[str, TrackedRequest] = {}
-        self._constrained: dict[str, TrackedRequest] = {}
-        # Those whose step inputs read their known tokens (a grammar's mask, bad words):
-        # while there are some, steps run synchronously (each scheduled once the previous
-        # one's tokens are in), so that they get a token every step.
-        self._reads_tokens: dict[str, TrackedRequest] = {}
-        # Those with sampled-token logprobs, and with stop strings: while there are none,
-        # folding a step and building outputs skip the per-request work they need.
-        self._with_logprobs: dict[str, TrackedRequest] = {}
-        self._with_stops: dict[str, TrackedRequest] = {}
+        # The tracked requests that need work of some steps, done only while there are some:
+        # prompt scores (prompt logprobs), grammar masks (structured outputs), synchronous
+        # steps (inputs that read their known tokens: a grammar's mask, bad words; each
+        # step is scheduled once the previous one's tokens are in, so they get a token every
+        # step), logprob entries, stop strings matched token by token.
+        self._subsets: dict[str, dict[str, TrackedRequest]] = {
+            kind: {} for kind in ("scoring", "constrained", "reads_tokens", "logprobs", "stops")}
+        (self._scoring, self._constrained, self._reads_tokens, self._with_logprobs,
+         self._with_stops) = self._subsets.values()
         # The last step dispatched to the device and not collected yet, as (batch, runner
         # handle, dispatch time) parts: one part, unless suspects or a failed dispatch split
         # the step. With asynchronous scheduling, the step before it too (_older), while a
@@ -171,16 +168,11 @@ class LLMEngine(FailureIsolation, EngineInterface):
             children.append(child)
         tracked = track(request, children, self.tokenizer)
         self._tracked[request.request_id] = tracked
-        if tracked.prompt_logprobs is not None:
-            self._scoring[request.request_id] = tracked
-        if request.grammar is not None:
-            self._constrained[request.request_id] = tracked
-        if children[0].needs_known_tokens:
-            self._reads_tokens[request.request_id] = tracked
-        if params.logprobs is not None:
-            self._with_logprobs[request.request_id] = tracked
-        if params.stop:
-            self._with_stops[request.request_id] = tracked
+        member = (tracked.prompt_logprobs is not None, request.grammar is not None,
+                  children[0].needs_known_tokens, params.logprobs is not None, bool(params.stop))
+        for subset, included in zip(self._subsets.values(), member):
+            if included:
+                subset[request.request_id] = tracked
         for child in children:
             self._by_child[child.request_id] = tracked
             self.scheduler.add(child)
@@ -330,11 +322,8 @@ class LLMEngine(FailureIsolation, EngineInterface):
 
     def _forget(self, request_id: str) -> None:
         tracked = self._tracked.pop(request_id, None)
-        self._scoring.pop(request_id, None)
-        self._constrained.pop(request_id, None)
-        self._reads_tokens.pop(request_id, None)
-        self._with_logprobs.pop(request_id, None)
-        self._with_stops.pop(request_id, None)
+        for subset in self._subsets.values():
+            subset.pop(request_id, None)
         if tracked is not None:
             for child in tracked.children:
                 self._by_child.pop(child.request_id, None)
