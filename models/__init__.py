@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from jaxserve.models import llama_arch, mixtral_arch
+from jaxserve.models import gemma_arch, llama_arch, mixtral_arch
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -21,6 +21,8 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "mixtral",
+    "Gemma2ForCausalLM": "gemma",
+    "Gemma3ForCausalLM": "gemma",
 }
 
 
@@ -29,7 +31,7 @@ class ModelFamily:
     """How to build and load one family: its settings and checkpoint mapping (numpy, both
     backends) and, imported only when asked for, its Flax model."""
 
-    name: str  # "llama" or "mixtral": models/<name>_arch.py, models/jax/<name>.py
+    name: str  # "llama", "mixtral" or "gemma": models/<name>_arch.py, models/jax/<name>.py
     arch_from_hf: Callable  # (hf config dict) -> arch, a frozen dataclass (LlamaArch or subclass)
     param_path: Callable  # (HF tensor name, arch) -> load_params target(s), None, or KeyError
     param_shapes: Callable  # (arch, quantization) -> {parameter path: (shape, dtype or None)}
@@ -42,6 +44,10 @@ class ModelFamily:
             from jaxserve.models.jax.mixtral import MixtralForCausalLM
 
             return MixtralForCausalLM
+        if self.name == "gemma":
+            from jaxserve.models.jax.gemma import GemmaForCausalLM
+
+            return GemmaForCausalLM
         from jaxserve.models.jax.llama import LlamaForCausalLM
 
         return LlamaForCausalLM
@@ -62,8 +68,12 @@ def model_family(hf_config: dict) -> ModelFamily:
     """The family of a config's architecture (ValueError as resolve_architecture). numpy only:
     the Flax model loads on first use of `model_cls`, so host-side code, `jaxserve plan` and
     the torch backend never import jax or flax through here."""
-    if SUPPORTED_ARCHITECTURES[resolve_architecture(hf_config)] == "mixtral":
+    family = SUPPORTED_ARCHITECTURES[resolve_architecture(hf_config)]
+    if family == "mixtral":
         return ModelFamily("mixtral", mixtral_arch.MixtralArch.from_hf,
                            mixtral_arch.hf_param_path, mixtral_arch.param_shapes)
+    if family == "gemma":
+        return ModelFamily("gemma", gemma_arch.GemmaArch.from_hf, gemma_arch.hf_param_path,
+                           gemma_arch.param_shapes)
     return ModelFamily("llama", llama_arch.LlamaArch.from_hf, llama_arch.hf_param_path,
                        llama_arch.param_shapes)

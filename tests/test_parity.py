@@ -15,7 +15,9 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2",
+         "gemma3")
+JAX_ONLY = ("gemma2", "gemma3")  # the torch backend refuses them (not yet ported)
 NEW_TOKENS = 32
 
 
@@ -58,8 +60,9 @@ def run_jaxserve(folder, prompts, new_tokens=NEW_TOKENS,
 
 # By default llama, mixtral, qwen2 and qwen3; mistral is checked by default under scheduler
 # pressure below (a stricter check of the same tokens), the MoE families but mixtral with
-# -m slow.
-PLAIN_DEFAULT = ("llama", "mixtral", "qwen2", "qwen3")
+# -m slow. Gemma 3 here, Gemma 2 under pressure (soft caps and windows across chunks, pages
+# and recomputation).
+PLAIN_DEFAULT = ("llama", "mixtral", "qwen2", "qwen3", "gemma3")
 
 
 @pytest.mark.parametrize("arch", [pytest.param(a, marks=[] if a in PLAIN_DEFAULT
@@ -88,7 +91,7 @@ VARIANTS = {
 # under all three pressures on the torch backend below). The other families, and the single
 # variants, which tell which one broke, run with -m slow (the suite's time budget on cold
 # compilation caches; the MoE defaults are in test_moe.py and test_mesh.py).
-DEFAULT_PRESSURE = {arch: ("all-three",) for arch in ("llama", "mistral")}
+DEFAULT_PRESSURE = {arch: ("all-three",) for arch in ("llama", "mistral", "gemma2")}
 PRESSURE_CASES = [
     pytest.param(arch, variant, marks=[] if variant in DEFAULT_PRESSURE.get(arch, ())
                  else [pytest.mark.slow])
@@ -137,7 +140,14 @@ def test_speculative_greedy_matches_transformers(arch, tiny_checkpoints, hf_refe
 # three pressures at once; the MoE families with -m slow.
 TORCH_DEFAULT = ("llama", "mistral", "qwen2", "qwen3")
 TORCH_CASES = [pytest.param(arch, marks=[] if arch in TORCH_DEFAULT else [pytest.mark.slow])
-               for arch in ARCHS]
+               for arch in ARCHS if arch not in JAX_ONLY]
+
+
+@pytest.mark.parametrize("arch", JAX_ONLY)
+def test_torch_backend_refuses_what_it_does_not_serve(arch, tiny_checkpoints):
+    with pytest.raises(ValueError, match="torch backend does not serve Gemma.*backend='jax'"):
+        LLM(str(tiny_checkpoints[arch]), backend="torch", dtype="float32", max_model_len=64,
+            precompile=False)
 
 
 @pytest.mark.parametrize("arch", TORCH_CASES)

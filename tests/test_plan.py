@@ -186,6 +186,12 @@ PARAM_TABLE_CONFIGS = [
     {"architectures": ["MixtralForCausalLM"], "vocab_size": 96, "hidden_size": 32,
      "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
      "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2},
+    {"architectures": ["Gemma2ForCausalLM"], "vocab_size": 96, "hidden_size": 32,
+     "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+     "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 8},
+    {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 96, "hidden_size": 32,
+     "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+     "num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": False},
 ]
 
 

@@ -68,10 +68,11 @@ def test_tokenizer_round_trip_and_chat_template(tiny_checkpoints):
 def test_greedy_margins_on_check_prompts(tiny_checkpoints):
     """Parity tests may compare greedy tokens on check_prompts(): no near-ties there."""
     from jaxserve.benchmarks.checkpoint_checks import check_prompts, greedy_margins
-    from jaxserve.benchmarks.checkpoints import torch_threads
+    from jaxserve.benchmarks.checkpoints import MIN_REL_GAP, torch_threads
 
     with torch_threads(1):
         for arch, ckpt in tiny_checkpoints.items():
             results = greedy_margins(ckpt, check_prompts())
-            assert min(r["rel_gap"] for r in results) > 1.5e-3, arch
+            floor = MIN_REL_GAP.get(arch, 1.5e-3) * 0.95  # (other platforms' float32)
+            assert min(r["rel_gap"] for r in results) > floor, arch
             assert min(len(set(r["tokens"])) for r in results) >= 20, arch

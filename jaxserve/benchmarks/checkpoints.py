@@ -21,7 +21,8 @@ import sysconfig
 import tempfile
 import zlib
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2",
+         "gemma3")
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|pad|>"
@@ -130,11 +131,41 @@ ARCH_CONFIGS = {
         use_sliding_window=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
+    # Gemma: windows of 48 (the longer prompts reach past them), tied embeddings as
+    # published; Gemma 2's attention cap low enough that tanh bends the larger logits
+    # (lower caps made the tiny model repeat itself).
+    "gemma2": dict(  # sliding, full, sliding, full
+        num_hidden_layers=4,
+        head_dim=16,
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=20.0,
+        final_logit_softcapping=30.0,
+        sliding_window=48,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    "gemma3": dict(  # five sliding layers (RoPE base 1e4), one full (1e6, linear x8)
+        num_hidden_layers=6,
+        head_dim=16,
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=16,
+        sliding_window=48,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        },
+    ),
 }
 
 # Weight scales, as multiples of 1/sqrt(fan_in): large enough that attention is
 # far from uniform and greedy decoding has clear top-1/top-2 gaps.
 EMBED_STD = 0.3  # tied qwen2: larger makes the input token its own argmax
+# Gemma multiplies the embeddings by sqrt(hidden) = 8: the same scale after that.
+EMBED_STD_OF = {"gemma2": EMBED_STD / 8, "gemma3": EMBED_STD / 8}
 PROJ_GAIN = {"q_proj": 2.0, "k_proj": 2.0, "v_proj": 1.5, "o_proj": 1.0,
              "gate_proj": 1.5, "up_proj": 1.5, "down_proj": 1.0,
              "gate_up_proj": 1.5, "gate": 2.0, "shared_expert_gate": 1.0}  # MoE: fused experts
@@ -148,7 +179,11 @@ NORM_RANGE = (0.5, 1.5)
 # offset added to --seed was picked by trying offsets until, with seed 0, every
 # step of greedy_margins(check_prompts()) has a gap above 1.7e-3 * max|logit|.
 SEED_OFFSET = {"llama": 193, "mistral": 273, "qwen2": 250, "qwen3": 735,
-               "mixtral": 695, "qwen2_moe": 5, "qwen3_moe": 12}
+               "mixtral": 695, "qwen2_moe": 5, "qwen3_moe": 12, "gemma2": 91, "gemma3": 80}
+# Gemma's tiny models have flatter logits (tied embeddings, Gemma 2's final soft cap): the
+# best of 150-250 offsets tried kept its smallest gap above 1.5e-3 (gemma2) and 1.0e-3
+# (gemma3) of max |logit|, still ~100x the float32 difference between jaxserve and HF.
+MIN_REL_GAP = {"gemma2": 1.5e-3, "gemma3": 1.0e-3}  # the others: 1.5e-3
 
 
 def _corpus_files() -> list[pathlib.Path]:
@@ -223,7 +258,8 @@ def make_config(arch: str, overrides: dict | None = None):
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
            "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
-           "qwen3_moe": transformers.Qwen3MoeConfig}[arch]
+           "qwen3_moe": transformers.Qwen3MoeConfig, "gemma2": transformers.Gemma2Config,
+           "gemma3": transformers.Gemma3TextConfig}[arch]
     return cls(**{**COMMON, **ARCH_CONFIGS[arch], **(overrides or {})}, dtype="float32")
 
 
@@ -244,7 +280,7 @@ def _randomize(model, arch: str, seed: int) -> None:
             elif name.endswith(".bias"):
                 t.copy_(torch.randn(t.shape, generator=gen) * BIAS_STD)
             elif name.endswith("embed_tokens.weight"):
-                t.copy_(torch.randn(t.shape, generator=gen) * EMBED_STD)
+                t.copy_(torch.randn(t.shape, generator=gen) * EMBED_STD_OF.get(arch, EMBED_STD))
             elif name.endswith("lm_head.weight"):
                 t.copy_(torch.randn(t.shape, generator=gen) * LM_HEAD_GAIN / math.sqrt(t.shape[1]))
             else:  # a [out, in] or [E, out, in] weight

@@ -39,23 +39,24 @@ _SCALE = PartitionSpec(*KV_SCALE_SPEC)
 
 
 def make_attend(attention_fn: Callable, mesh: Mesh, kv_dtype=None) -> Callable:
-    """attend(q, k, v, kv_cache, batch, *, scale, sliding_window) -> (out, kv_cache) for the
-    models; attention_fn is a ragged paged attention with ref.py's signature. kv_dtype: the
+    """attend(q, k, v, kv_cache, batch, *, scale, sliding_window, soft_cap) -> (out,
+    kv_cache) for the models; attention_fn is a ragged paged attention with ref.py's signature. kv_dtype: the
     one-byte format of a quantized cache (kv_quant.value_dtype), whose layers come with
     their scales; None: the model's dtype."""
 
-    def local(q, k, v, k_cache, v_cache, batch, *scales, scale, sliding_window):
+    def local(q, k, v, k_cache, v_cache, batch, *scales, scale, sliding_window, soft_cap):
         if scales:
             return attend_quantized(attention_fn, write_kv, q, k, v, k_cache, v_cache,
-                                    *scales, batch, scale=scale,
-                                    sliding_window=sliding_window, kv_dtype=kv_dtype)
+                                    *scales, batch, scale=scale, sliding_window=sliding_window,
+                                    soft_cap=soft_cap, kv_dtype=kv_dtype)
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         out = attention_fn(q, k_cache, v_cache, batch, scale=scale,
-                           sliding_window=sliding_window)
+                           sliding_window=sliding_window, soft_cap=soft_cap)
         return out, k_cache, v_cache
 
-    def attend(q, k, v, kv_cache, batch, *, scale, sliding_window=None):
-        fn = functools.partial(local, scale=scale, sliding_window=sliding_window)
+    def attend(q, k, v, kv_cache, batch, *, scale, sliding_window=None, soft_cap=None):
+        fn = functools.partial(local, scale=scale, sliding_window=sliding_window,
+                               soft_cap=soft_cap)
         caches, scales = kv_cache[:2], tuple(kv_cache[2:])
         if mesh.shape[MODEL] > 1:
             fn = jax.shard_map(fn, mesh=mesh,

@@ -93,7 +93,7 @@ def attend_quantized(attention_fn, write_fn, q, k, v, k_cache, v_cache, k_scale,
 # ----------------------------------------------------------------------------- calibration
 
 
-def calibration_attend(q, k, v, amax, batch, *, scale, sliding_window=None):
+def calibration_attend(q, k, v, amax, batch, *, scale, sliding_window=None, soft_cap=None):
     """An `attend` for one sequence of T fresh tokens without a cache: dense causal
     attention, and amax = (f32[K], f32[K]) raised to the largest |k| and |v| per kv head."""
     del batch
@@ -104,6 +104,8 @@ def calibration_attend(q, k, v, amax, batch, *, scale, sliding_window=None):
     num_kv = k.shape[1]
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv, num_heads // num_kv, head_dim)
     s = jnp.einsum("tkgh,ukh->kgtu", qg, k.astype(jnp.float32)) * scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
     pos = jnp.arange(num_tokens)
     mask = pos[None, :] <= pos[:, None]
     if sliding_window is not None:

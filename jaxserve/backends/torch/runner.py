@@ -160,6 +160,9 @@ def _path(name: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in name.split("."))
 
 
+TORCH_FAMILIES = ("llama", "mixtral")  # models/torch/llama.py's
+
+
 def build_model(config: EngineConfig, device: torch.device) -> LlamaForCausalLM:
     """The torch model of config with its weights on `device`: read from the checkpoint one
     parameter at a time (checkpoint.parameter_values, as the JAX runner), or random
@@ -200,7 +203,11 @@ class TorchRunner:
         self.inputs = StepInputBuilder(config.scheduler.max_num_seqs, self.block_size,
                                        self.blocks_per_seq)
         hf = config.model.hf_config
-        arch = model_family(hf).arch_from_hf(hf)
+        family = model_family(hf)
+        if family.name not in TORCH_FAMILIES:
+            raise ValueError(f"The torch backend does not serve {hf['architectures'][0]} yet; "
+                             "use the JAX backend (backend='jax', the default).")
+        arch = family.arch_from_hf(hf)
         self.arch = arch
         # Chosen first: a backend the device cannot run fails before the weights load.
         kv_cache_dtype = config.cache.kv_cache_dtype
