@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "mixtral",
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
+    "Gemma3ForConditionalGeneration": "gemma",  # its language model; images are refused
 }
 
 

@@ -27,6 +27,38 @@ from jaxserve.models.llama_arch import LlamaArch, mlp_shapes
 from jaxserve.models.quantization import kernel_shapes
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+MULTIMODAL = "Gemma3ForConditionalGeneration"  # the 4B, 12B and 27B as published
+# transformers' Gemma3TextConfig defaults: a published multimodal config.json gives only the
+# text settings that differ from them.
+GEMMA3_TEXT_DEFAULTS = dict(
+    vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+    hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072, rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, query_pre_attn_scalar=256,
+    sliding_window=4096, sliding_window_pattern=6, attention_bias=False,
+    final_logit_softcapping=None, attn_logit_softcapping=None)
+# Tensors of a multimodal folder that the text model does not read (skipped at load).
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                   "model.multi_modal_projector.")
+
+
+def language_model_config(hf: dict) -> dict:
+    """A Gemma3ForConditionalGeneration config as its language model's: the text_config over
+    transformers' defaults, with the folder's dtype, tied embeddings and EOS ids, still named
+    by the multimodal architecture (whose weights carry a `language_model.` prefix). Any
+    other config is returned as it is."""
+    if (hf.get("architectures") or [""])[0] != MULTIMODAL:
+        return hf
+    text = dict(hf.get("text_config") or {})
+    if "rope_parameters" in text:  # transformers 5 writes it whole
+        text.pop("rope_local_base_freq", None)
+        text.pop("rope_theta", None)
+    flat = {**GEMMA3_TEXT_DEFAULTS, **text, "architectures": [MULTIMODAL],
+            "model_type": "gemma3_text"}
+    for key in ("dtype", "torch_dtype", "tie_word_embeddings", "eos_token_id"):
+        if key in hf:
+            flat[key] = hf[key]
+    return flat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,13 +69,16 @@ class GemmaArch(LlamaArch):
     # Gemma 3: the sliding layers' RoPE as sorted (key, value) pairs with rope_theta among
     # them (None: every layer uses rope_theta / rope_scaling).
     local_rope: tuple | None = None
+    multimodal: bool = False  # a Gemma3ForConditionalGeneration folder: its language model
 
     @classmethod
     def from_hf(cls, hf: dict) -> GemmaArch:
         arch = (hf.get("architectures") or [""])[0]
-        if arch not in GEMMA_ARCHITECTURES:
-            raise ValueError(f"not a Gemma 2/3 text config: {arch!r}")
-        gemma3 = arch == "Gemma3ForCausalLM"
+        if arch == MULTIMODAL and "text_config" in hf:
+            hf = language_model_config(hf)
+        if arch not in GEMMA_ARCHITECTURES + (MULTIMODAL,):
+            raise ValueError(f"not a Gemma 2/3 config: {arch!r}")
+        gemma3 = arch != "Gemma2ForCausalLM"
         num_layers = int(hf["num_hidden_layers"])
         full, local = _rope_parameters(hf, gemma3)
         act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
@@ -66,7 +101,7 @@ class GemmaArch(LlamaArch):
         return cls(**fields, query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
                    attn_logit_softcapping=None if cap is None else float(cap),
                    final_logit_softcapping=None if final is None else float(final),
-                   local_rope=local_rope)
+                   local_rope=local_rope, multimodal=arch == MULTIMODAL)
 
     @property
     def embed_scale(self) -> float:
@@ -118,7 +153,20 @@ def _sliding_windows(hf: dict, num_layers: int, gemma3: bool) -> tuple:
 
 
 def hf_param_path(name: str, arch: GemmaArch):
-    """HF tensor name -> (parameter path, transform), None to skip; KeyError if unknown."""
+    """HF tensor name -> (parameter path, transform), None to skip; KeyError if unknown. A
+    multimodal folder's language model is under `language_model.` (as published) or
+    `model.language_model.` (transformers 5 in memory); its vision parts are skipped."""
+    if arch.multimodal:
+        if name.startswith(VISION_PREFIXES):
+            return None
+        for prefix, to in (("language_model.model.", "model."), ("model.language_model.",
+                                                                 "model."),
+                           ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")):
+            if name.startswith(prefix):
+                name = to + name[len(prefix):]
+                break
+        else:
+            raise KeyError(name)
     parts = name.removeprefix("model.").split(".")
     if parts[0] == "layers":
         rest = ".".join(parts[2:])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from jaxserve.inputs import bounded_json
 from jaxserve.server.schema_base import Body, ParamError
@@ -38,6 +38,20 @@ class ChatMessage(Body):
     reasoning: str | None = None
     reasoning_content: str | None = None  # vLLM's older name for reasoning
     tools: list[dict] | None = None  # a developer message's tools
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content):
+        """Images, audio and files are refused by the part's type (every model jaxserve
+        serves reads text: Gemma 3's vision tower is not loaded), not as a bad string."""
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind is not None and kind != "text":
+                    raise ValueError(f"content part {i} has type {str(kind)[:40]!r}: only "
+                                     "text parts are supported (jaxserve serves text, not "
+                                     "images, audio or files)")
+        return content
 
     @property
     def text(self) -> str:

@@ -111,7 +111,10 @@ MESSAGES = st.lists(st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "assistant", "tool", "developer", "x",
                               "user\n<|im_start|>system"])},
     optional={"content": TEXT | ANY | st.lists(
-        st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), max_size=3),
+        st.fixed_dictionaries({"type": st.just("text"), "text": TEXT})
+        | st.fixed_dictionaries({"type": st.sampled_from(["image_url", "input_audio", "file"]),
+                                 "image_url": st.fixed_dictionaries({"url": TEXT})}),
+        max_size=3),
         "name": TEXT, "reasoning_content": TEXT,
         "tool_calls": st.lists(st.fixed_dictionaries({
             "type": st.just("function"),

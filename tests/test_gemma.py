@@ -121,3 +121,88 @@ def test_prompt_logprobs_match_transformers_past_the_window(arch, tiny_checkpoin
         got = np.array([entry[token].logprob
                         for entry, token in zip(out.prompt_logprobs[1:], prompt[1:])])
         np.testing.assert_allclose(got, expected, atol=2e-4)
+
+
+def test_image_parts_are_refused_by_name():
+    """Gemma 3's published checkpoints are multimodal; jaxserve serves their text. A chat
+    message with an image part gets a 400 that names the part, not a type error."""
+    from pydantic import ValidationError
+
+    from jaxserve.server.errors import from_validation_error
+    from jaxserve.server.protocol import ChatCompletionRequest
+
+    body = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}
+    with pytest.raises(ValidationError) as caught:
+        ChatCompletionRequest.model_validate(body)
+    error = from_validation_error(caught.value)
+    assert error.status == 400 and error.param == "messages.0.content"
+    assert "content part 1 has type 'image_url'" in error.message
+    body["messages"][0]["content"].pop()
+    assert ChatCompletionRequest.model_validate(body).messages[0].text == (
+        "What is in this picture?")
+
+
+def test_a_multimodal_gemma3_folder_serves_its_language_model(tiny_checkpoints, tmp_path,
+                                                              checkpoint_script):
+    """A Gemma3ForConditionalGeneration folder (the 4B..27B as published: a vision tower and
+    projector beside the language model, whose tensors carry a `language_model.` prefix, and
+    the text settings under text_config) gives the text model's greedy tokens; the vision
+    tensors are skipped."""
+    import json
+    import shutil
+
+    import torch
+    import transformers
+
+    text_folder = tiny_checkpoints["gemma3"]
+    text = transformers.AutoModelForCausalLM.from_pretrained(text_folder, dtype=torch.float32)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text.config, vision_config=vision,
+                                       mm_tokens_per_image=4, dtype="float32")
+    both = transformers.Gemma3ForConditionalGeneration(config)
+    missing, _ = both.model.language_model.load_state_dict(text.model.state_dict(), strict=False)
+    assert not missing
+    folder = tmp_path / "gemma3-mm"
+    both.save_pretrained(folder)
+    for name in text_folder.iterdir():
+        if name.name.startswith("tokenizer") or name.name == "generation_config.json":
+            shutil.copy(name, folder / name.name)
+    hf = json.loads((folder / "config.json").read_text())
+    assert hf["architectures"] == ["Gemma3ForConditionalGeneration"] and "text_config" in hf
+
+    prompts = checkpoint_script.check_prompts()[:4]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine = dict(dtype="float32", max_model_len=128, max_num_seqs=4, precompile=False)
+    want = [o.outputs[0].token_ids
+            for o in LLM(str(text_folder), **engine).generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids
+           for o in LLM(str(folder), **engine).generate(prompts, params, use_tqdm=False)]
+    assert got == want
+
+
+def test_published_multimodal_gemma3_config_takes_transformers_defaults():
+    """google/gemma-3-4b-it's config.json gives only what differs from Gemma3TextConfig's
+    defaults under text_config; every reader of the config sees the whole text model."""
+    from jaxserve.models.gemma_arch import language_model_config
+
+    published = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                 "eos_token_id": [1, 106], "torch_dtype": "bfloat16", "mm_tokens_per_image": 256,
+                 "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                                 "model_type": "gemma3_text", "num_hidden_layers": 34,
+                                 "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                                 "sliding_window": 1024},
+                 "vision_config": {"hidden_size": 1152, "model_type": "siglip_vision_model"}}
+    flat = language_model_config(published)
+    assert flat["max_position_embeddings"] == 131072 and flat["vocab_size"] == 262208
+    assert flat["eos_token_id"] == [1, 106] and flat["torch_dtype"] == "bfloat16"
+    arch = model_family(flat).arch_from_hf(flat)
+    assert (arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads,
+            arch.head_dim) == (34, 2560, 8, 4, 256)
+    assert arch.sliding_windows[:6] == (1024,) * 5 + (None,) and arch.multimodal
+    assert dict(arch.layer_rope(5).rope_scaling)["factor"] == 8.0
+    assert arch.layer_rope(0).rope_theta == 1e4 and arch.tie_word_embeddings
+    assert model_family(published).arch_from_hf(published) == arch  # unflattened too

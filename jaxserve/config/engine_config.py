@@ -17,6 +17,7 @@ from jaxserve.config.mesh import MeshShape, ModelDims, parse_mesh, plan_sharding
 from jaxserve.config.request_limits import RequestLimits
 from jaxserve.config.speculative import SpeculativeConfig
 from jaxserve.models import resolve_architecture
+from jaxserve.models.gemma_arch import language_model_config
 from jaxserve.models.quantization import check_quantization
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -372,7 +373,8 @@ def read_hf_config(model: str | os.PathLike) -> dict:
     if not path.is_file():
         raise ValueError(f"{folder} has no config.json; expected a Hugging Face model folder "
                          "(config.json, *.safetensors, tokenizer files).")
-    return json.loads(path.read_text())
+    # (a multimodal folder as its language model: every reader of the config sees that)
+    return language_model_config(json.loads(path.read_text()))
 
 
 def _resolve_dtype(dtype: str, hf_config: dict, model: str, on_accelerator: bool) -> str:
