@@ -43,10 +43,17 @@ class LlamaArch:
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
+        if rope_type not in ("default", "linear", "llama3", "yarn"):
             raise ValueError(f"RoPE type {rope_type!r} is not supported; jaxserve supports "
-                             "default, linear and llama3.")
+                             "default, linear, llama3 and yarn.")
         rope["rope_type"] = rope_type
+        rope.pop("type", None)
+        if rope_type == "yarn":  # as transformers fills it in
+            rope.setdefault("original_max_position_embeddings",
+                            hf.get("max_position_embeddings"))
+            if rope.get("factor") is None:
+                rope["factor"] = (float(hf["max_position_embeddings"])
+                                  / float(rope["original_max_position_embeddings"]))
         return cls(
             vocab_size=int(hf["vocab_size"]),
             hidden_size=int(hf["hidden_size"]),
@@ -79,7 +86,8 @@ def _sliding_windows(hf: dict, arch: str, num_layers: int) -> tuple:
 
 
 def rope_inv_freq(arch: LlamaArch) -> np.ndarray:
-    """f32[H/2] inverse frequencies, with linear or llama3 scaling applied as HF does."""
+    """f32[H/2] inverse frequencies, with linear, llama3 or YaRN scaling applied as HF does
+    (YaRN's attention factor scales cos and sin: rope_attention_factor)."""
     dim = arch.head_dim
     inv = 1.0 / (arch.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
     params = dict(arch.rope_scaling)
@@ -97,7 +105,51 @@ def rope_inv_freq(arch: LlamaArch) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = np.where(medium, smoothed, scaled)
+    elif kind == "yarn":
+        inv = _yarn_inv_freq(dim, arch.rope_theta, params)
     return inv.astype(np.float32)
+
+
+def _yarn_inv_freq(dim: int, base: float, params: dict) -> np.ndarray:
+    """YaRN: each frequency interpolated (divided by factor), extrapolated (kept) or blended
+    on a linear ramp between the dimensions that turn beta_fast and beta_slow times over the
+    original context (transformers' _compute_yarn_parameters)."""
+    factor = float(params["factor"])
+    old_len = float(params["original_max_position_embeddings"])
+    beta_fast = float(params.get("beta_fast") or 32)
+    beta_slow = float(params.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_attention_factor(arch: LlamaArch) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor (mscale), else 1."""
+    params = dict(arch.rope_scaling)
+    if params["rope_type"] != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = float(params["factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return mscale(factor, float(params["mscale"])) / mscale(factor,
+                                                                float(params["mscale_all_dim"]))
+    return mscale(factor)
 
 
 def hf_param_path(name: str, arch: LlamaArch):

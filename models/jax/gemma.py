@@ -17,7 +17,7 @@ from jaxserve.kernels_pallas.ref import ragged_paged_attention, write_kv
 from jaxserve.models.gemma_arch import GemmaArch
 from jaxserve.models.jax.llama import apply_rope
 from jaxserve.models.jax.quantized import kernel, matmul
-from jaxserve.models.llama_arch import rope_inv_freq
+from jaxserve.models.llama_arch import rope_attention_factor, rope_inv_freq
 
 
 class GemmaRMSNorm(nnx.Module):
@@ -119,7 +119,9 @@ class GemmaForCausalLM(nnx.Module):
             if key not in rope:
                 freqs = positions * rope_inv_freq(layer_arch)[None, :]  # compile-time constant
                 emb = jnp.concatenate([freqs, freqs], axis=-1)
-                rope[key] = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+                factor = rope_attention_factor(layer_arch)
+                rope[key] = ((jnp.cos(emb) * factor).astype(x.dtype),
+                             (jnp.sin(emb) * factor).astype(x.dtype))
             x, kv_cache = layer(x, *rope[key], kv_cache, batch, attend)
             new_caches.append(kv_cache)
         return new_caches, self.norm(x)

@@ -18,7 +18,12 @@ from flax import nnx
 
 from jaxserve.kernels_pallas.ref import ragged_paged_attention, write_kv
 from jaxserve.models.jax.quantized import kernel, matmul
-from jaxserve.models.llama_arch import LlamaArch, hf_param_path, rope_inv_freq  # noqa: F401
+from jaxserve.models.llama_arch import (  # noqa: F401
+    LlamaArch,
+    hf_param_path,
+    rope_attention_factor,
+    rope_inv_freq,
+)
 
 
 def apply_rope(x, cos, sin):
@@ -117,7 +122,8 @@ class LlamaForCausalLM(nnx.Module):
         inv_freq = rope_inv_freq(self.arch)  # a compile-time constant
         freqs = batch.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
         emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, H]
-        cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+        factor = rope_attention_factor(self.arch)  # YaRN's mscale, else 1
+        cos, sin = (jnp.cos(emb) * factor).astype(x.dtype), (jnp.sin(emb) * factor).astype(x.dtype)
         new_caches = []
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, kv_cache = layer(x, cos, sin, kv_cache, batch, attend)

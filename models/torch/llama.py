@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jaxserve.models.llama_arch import LlamaArch, rope_inv_freq
+from jaxserve.models.llama_arch import LlamaArch, rope_attention_factor, rope_inv_freq
 
 
 def _param(*shape, dtype) -> nn.Parameter:
@@ -172,7 +172,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed[batch.token_ids]
         freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, H]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        factor = rope_attention_factor(self.arch)  # YaRN's mscale, else 1
+        cos, sin = (emb.cos() * factor).to(x.dtype), (emb.sin() * factor).to(x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, batch, attend)
         return self.norm(x)

@@ -1,0 +1,76 @@
+"""YaRN RoPE scaling (long-context Qwen2/Qwen2.5/Qwen3, `rope_scaling.type: yarn`): the
+frequencies and attention factor transformers computes, and the models' scores past the
+original context on both backends."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.models import model_family
+from jaxserve.models.llama_arch import rope_attention_factor, rope_inv_freq
+
+YARN_CASES = [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096,
+     "beta_fast": 16, "beta_slow": 2},
+    {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+     "mscale": 1.0, "mscale_all_dim": 0.707, "truncate": False},
+    {"rope_type": "yarn", "factor": 2.0, "attention_factor": 1.5},
+    {"rope_type": "yarn", "factor": 4.0},  # the original length: max_position_embeddings
+]
+
+
+@pytest.mark.parametrize("rope", YARN_CASES)
+def test_frequencies_and_attention_factor_match_transformers(rope):
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = dict(architectures=["Qwen2ForCausalLM"], vocab_size=64, hidden_size=256,
+              intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+              num_key_value_heads=1, max_position_embeddings=131072,
+              rope_theta=1000000.0, rope_scaling=dict(rope))
+    config = transformers.Qwen2Config(**{k: v for k, v in hf.items() if k != "architectures"})
+    want, want_factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    arch = model_family(hf).arch_from_hf(hf)
+    np.testing.assert_allclose(rope_inv_freq(arch), want.numpy(), rtol=1e-6)
+    assert rope_attention_factor(arch) == pytest.approx(want_factor, rel=1e-12)
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+        "rope_theta": 1000000.0}
+
+
+@pytest.fixture(scope="module")
+def yarn_qwen2(tmp_path_factory):
+    from jaxserve.benchmarks.checkpoints import make_checkpoint
+
+    return make_checkpoint("qwen2", tmp_path_factory.mktemp("yarn") / "qwen2",
+                           overrides={"rope_parameters": YARN})
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_prompt_logprobs_match_transformers_past_the_original_context(backend, yarn_qwen2,
+                                                                      checkpoint_script):
+    """Every position's logprob equals HF's (float32) on prompts of 97..200 tokens, past
+    the original 64-token context, prefilled in 64-token chunks."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompts = checkpoint_script.check_prompts()[-3:]
+    model = AutoModelForCausalLM.from_pretrained(yarn_qwen2, dtype=torch.float32).eval()
+    assert model.model.rotary_emb.rope_type == "yarn"
+    want = []
+    with torch.no_grad():
+        for prompt in prompts:
+            logits = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+            want.append(logits[torch.arange(len(prompt) - 1), prompt[1:]].numpy())
+    llm = LLM(str(yarn_qwen2), backend=backend, dtype="float32", max_model_len=256,
+              block_size=16, max_num_seqs=4, max_num_batched_tokens=64, precompile=False)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                        use_tqdm=False)
+    for out, prompt, expected in zip(outs, prompts, want):
+        got = np.array([entry[token].logprob
+                        for entry, token in zip(out.prompt_logprobs[1:], prompt[1:])])
+        np.testing.assert_allclose(got, expected, atol=2e-4)
