@@ -64,14 +64,15 @@ def test_unsupported_activation_is_refused_by_name():
         model_family(GEMMA2_9B).arch_from_hf({**GEMMA2_9B, "hidden_activation": "relu"})
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
-def test_bfloat16_stays_close_to_float32(arch, tiny_checkpoints, checkpoint_script):
+@pytest.mark.parametrize("arch,backend", [("gemma2", "jax"), ("gemma3", "jax"),
+                                          ("gemma2", "torch")])
+def test_bfloat16_stays_close_to_float32(arch, backend, tiny_checkpoints, checkpoint_script):
     """Real checkpoints are bfloat16: the bf16 model scores the prompts close to the float32
     one and mostly picks the same first greedy tokens."""
     folder = str(tiny_checkpoints[arch])
     prompts = checkpoint_script.check_prompts()[:6]
     engine = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=512,
-                  precompile=False)
+                  precompile=False, backend=backend)
     scores, tokens = {}, {}
     for dtype in ("float32", "bfloat16"):
         llm = LLM(folder, dtype=dtype, **engine)

@@ -17,7 +17,6 @@ from jaxserve import LLM, SamplingParams
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2",
          "gemma3")
-JAX_ONLY = ("gemma2", "gemma3")  # the torch backend refuses them (not yet ported)
 NEW_TOKENS = 32
 
 
@@ -138,16 +137,9 @@ def test_speculative_greedy_matches_transformers(arch, tiny_checkpoints, hf_refe
 # ---- the torch backend (LLM(backend="torch"): torch models, the PyTorch reference attention
 # on the CPU) against the same HF tokens. Default: the dense families plainly and under all
 # three pressures at once; the MoE families with -m slow.
-TORCH_DEFAULT = ("llama", "mistral", "qwen2", "qwen3")
+TORCH_DEFAULT = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 TORCH_CASES = [pytest.param(arch, marks=[] if arch in TORCH_DEFAULT else [pytest.mark.slow])
-               for arch in ARCHS if arch not in JAX_ONLY]
-
-
-@pytest.mark.parametrize("arch", JAX_ONLY)
-def test_torch_backend_refuses_what_it_does_not_serve(arch, tiny_checkpoints):
-    with pytest.raises(ValueError, match="torch backend does not serve Gemma.*backend='jax'"):
-        LLM(str(tiny_checkpoints[arch]), backend="torch", dtype="float32", max_model_len=64,
-            precompile=False)
+               for arch in ARCHS]
 
 
 @pytest.mark.parametrize("arch", TORCH_CASES)

@@ -160,6 +160,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = _param(arch.vocab_size, arch.hidden_size, dtype=dtype)
         self.register_buffer("inv_freq", self.rope_table(arch), persistent=False)
 
+    def init_rope(self, device) -> None:
+        """The RoPE table on `device` (again after the model was built on the meta device)."""
+        self.inv_freq = self.rope_table(self.arch).to(device)
+
     @staticmethod
     def rope_table(arch: LlamaArch) -> torch.Tensor:
         """f32[H/2]: RoPE's inverse frequencies (llama_arch.rope_inv_freq)."""

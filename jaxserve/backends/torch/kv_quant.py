@@ -49,13 +49,13 @@ def quantized_attend(write: Callable, attention: Callable) -> Callable:
     sliding_window) -> out [T, N, H], from write(k_cache, v_cache, k, v, slot_mapping) and
     attention(q, k_cache, v_cache, batch, scale=, sliding_window=) of the runner."""
 
-    def attend(q, k, v, kv_cache, batch, *, scale, sliding_window=None):
+    def attend(q, k, v, kv_cache, batch, *, scale, sliding_window=None, soft_cap=None):
         k_cache, v_cache, k_scale, v_scale = kv_cache
         write(k_cache, v_cache, quantize(k, k_scale, k_cache.dtype),
               quantize(v, v_scale, v_cache.dtype), batch.slot_mapping)
         queries = (q.float() * _per_query_head(k_scale, q.shape[1])).to(q.dtype)
         out = attention(queries, k_cache, v_cache, batch, scale=scale,
-                        sliding_window=sliding_window)
+                        sliding_window=sliding_window, soft_cap=soft_cap)
         return (out.float() * _per_query_head(v_scale, out.shape[1])).to(out.dtype)
 
     return attend
@@ -67,7 +67,7 @@ class _Batch:
     positions: torch.Tensor
 
 
-def _calibration_attend(q, k, v, amax, batch, *, scale, sliding_window=None):
+def _calibration_attend(q, k, v, amax, batch, *, scale, sliding_window=None, soft_cap=None):
     """An attend for one sequence of fresh tokens without a cache: dense causal attention;
     amax = [f32[K], f32[K]] raised in place to the largest |k| and |v| per kv head."""
     amax[0] = torch.maximum(amax[0], k.float().abs().amax(dim=(0, 2)))
@@ -77,6 +77,8 @@ def _calibration_attend(q, k, v, amax, batch, *, scale, sliding_window=None):
     keys = k.float().repeat_interleave(group, dim=1)  # [T, N, H]
     vals = v.float().repeat_interleave(group, dim=1)
     s = torch.einsum("tnh,unh->ntu", q.float(), keys) * scale
+    if soft_cap is not None:
+        s = soft_cap * torch.tanh(s / soft_cap)
     pos = torch.arange(num_tokens, device=q.device)
     mask = pos[None, :] <= pos[:, None]
     if sliding_window is not None:

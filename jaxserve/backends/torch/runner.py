@@ -48,6 +48,7 @@ from jaxserve.core.input_builder import StepInputBuilder, build_step_inputs
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.kernels_triton import ref
 from jaxserve.models import model_family
+from jaxserve.models.torch.gemma import GemmaForCausalLM
 from jaxserve.models.torch.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ def torch_device() -> torch.device:
 
 def make_attend(backend: str, device: torch.device, head_dim: int,
                 kv_cache_dtype: str = "auto"):
-    """attend(q, k, v, kv_cache, batch, *, scale, sliding_window) -> out [T, N, H] for the
+    """attend(q, k, v, kv_cache, batch, *, scale, sliding_window, soft_cap) -> out [T, N, H] for the
     models: writes the layer's new K/V into its cache in place, then attends (a quantized
     cache's layers bring their scales: kv_quant.quantized_attend); the name of the
     implementation for the log; and whether a CUDA graph can capture it (the compiled
@@ -129,9 +130,10 @@ def make_attend(backend: str, device: torch.device, head_dim: int,
     if is_quantized(kv_cache_dtype):
         return quantized_attend(write, attend_fn), name, capturable
 
-    def attend(q, k, v, kv_cache, batch, *, scale, sliding_window=None):
+    def attend(q, k, v, kv_cache, batch, *, scale, sliding_window=None, soft_cap=None):
         write(*kv_cache, k, v, batch.slot_mapping)
-        return attend_fn(q, *kv_cache, batch, scale=scale, sliding_window=sliding_window)
+        return attend_fn(q, *kv_cache, batch, scale=scale, sliding_window=sliding_window,
+                         soft_cap=soft_cap)
 
     return attend, name, capturable
 
@@ -160,10 +162,7 @@ def _path(name: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in name.split("."))
 
 
-TORCH_FAMILIES = ("llama", "mixtral")  # models/torch/llama.py's
-
-
-def build_model(config: EngineConfig, device: torch.device) -> LlamaForCausalLM:
+def build_model(config: EngineConfig, device: torch.device) -> torch.nn.Module:
     """The torch model of config with its weights on `device`: read from the checkpoint one
     parameter at a time (checkpoint.parameter_values, as the JAX runner), or random
     (load_format="dummy": uniform in [-1e-3, 1e-3], as vLLM's dummy weights)."""
@@ -171,11 +170,12 @@ def build_model(config: EngineConfig, device: torch.device) -> LlamaForCausalLM:
     family = model_family(hf)
     arch = family.arch_from_hf(hf)
     dtype, np_dtype = _DTYPES[config.model.dtype]
+    model_cls = GemmaForCausalLM if family.name == "gemma" else LlamaForCausalLM
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, dtype)
+        model = model_cls(arch, dtype)
     model = model.to_empty(device=device)
     params = dict(model.named_parameters())
-    model.inv_freq = LlamaForCausalLM.rope_table(arch).to(device)
+    model.init_rope(device)
     if config.model.load_format == "dummy":
         generator = torch.Generator(device=device).manual_seed(config.model.seed)
         for param in params.values():
@@ -203,11 +203,7 @@ class TorchRunner:
         self.inputs = StepInputBuilder(config.scheduler.max_num_seqs, self.block_size,
                                        self.blocks_per_seq)
         hf = config.model.hf_config
-        family = model_family(hf)
-        if family.name not in TORCH_FAMILIES:
-            raise ValueError(f"The torch backend does not serve {hf['architectures'][0]} yet; "
-                             "use the JAX backend (backend='jax', the default).")
-        arch = family.arch_from_hf(hf)
+        arch = model_family(hf).arch_from_hf(hf)
         self.arch = arch
         # Chosen first: a backend the device cannot run fails before the weights load.
         kv_cache_dtype = config.cache.kv_cache_dtype

@@ -1,0 +1,138 @@
+"""Gemma 2 and Gemma 3 (text) in PyTorch: the torch backend's twin of models/jax/gemma.py,
+configured by the same GemmaArch and loaded from the same parameter paths (what differs
+from Llama is listed in models/gemma_arch.py)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from jaxserve.models.gemma_arch import GemmaArch
+from jaxserve.models.llama_arch import rope_attention_factor, rope_inv_freq
+from jaxserve.models.torch.llama import _param, apply_rope
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight), in float32, then cast back."""
+
+    def __init__(self, dim: int, eps: float, dtype) -> None:
+        super().__init__()
+        self.weight = _param(dim, dtype=dtype)
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GemmaAttention(nn.Module):
+    def __init__(self, arch: GemmaArch, layer: int, dtype) -> None:
+        super().__init__()
+        d, n, k, h = arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.wq, self.wk = _param(d, n, h, dtype=dtype), _param(d, k, h, dtype=dtype)
+        self.wv, self.wo = _param(d, k, h, dtype=dtype), _param(n, h, d, dtype=dtype)
+        if arch.attention_bias:
+            self.bq, self.bk, self.bv = (_param(n, h, dtype=dtype), _param(k, h, dtype=dtype),
+                                         _param(k, h, dtype=dtype))
+        if arch.qk_norm:
+            self.q_norm = GemmaRMSNorm(h, arch.rms_norm_eps, dtype)
+            self.k_norm = GemmaRMSNorm(h, arch.rms_norm_eps, dtype)
+        self.bias, self.qk_norm = arch.attention_bias, arch.qk_norm
+        self.scale = arch.query_pre_attn_scalar ** -0.5
+        self.window = arch.sliding_windows[layer]
+        self.soft_cap = arch.attn_logit_softcapping
+
+    def forward(self, x, cos, sin, kv_cache, batch, attend):
+        t = x.shape[0]
+        q = (x @ self.wq.flatten(1)).view(t, *self.wq.shape[1:])  # [T, N, H]
+        k = (x @ self.wk.flatten(1)).view(t, *self.wk.shape[1:])  # [T, K, H]
+        v = (x @ self.wv.flatten(1)).view(t, *self.wv.shape[1:])
+        if self.bias:
+            q, k, v = q + self.bq, k + self.bk, v + self.bv
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attend(q, k, v, kv_cache, batch, scale=self.scale, sliding_window=self.window,
+                     soft_cap=self.soft_cap)
+        return out.reshape(t, -1) @ self.wo.flatten(0, 1)
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, dtype) -> None:
+        super().__init__()
+        self.w_gate = _param(hidden, intermediate, dtype=dtype)  # [D, F]
+        self.w_up = _param(hidden, intermediate, dtype=dtype)  # [D, F]
+        self.w_down = _param(intermediate, hidden, dtype=dtype)  # [F, D]
+
+    def forward(self, x):
+        return (F.gelu(x @ self.w_gate, approximate="tanh") * (x @ self.w_up)) @ self.w_down
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, arch: GemmaArch, layer: int, dtype) -> None:
+        super().__init__()
+        d, eps = arch.hidden_size, arch.rms_norm_eps
+        self.input_norm = GemmaRMSNorm(d, eps, dtype)
+        self.attn = GemmaAttention(arch, layer, dtype)
+        self.post_attention_norm = GemmaRMSNorm(d, eps, dtype)
+        self.pre_feedforward_norm = GemmaRMSNorm(d, eps, dtype)
+        self.mlp = GemmaMLP(d, arch.intermediate_size, dtype)
+        self.post_feedforward_norm = GemmaRMSNorm(d, eps, dtype)
+
+    def forward(self, x, cos, sin, kv_cache, batch, attend):
+        x = x + self.post_attention_norm(self.attn(self.input_norm(x), cos, sin, kv_cache,
+                                                   batch, attend))
+        return x + self.post_feedforward_norm(self.mlp(self.pre_feedforward_norm(x)))
+
+
+class GemmaForCausalLM(nn.Module):
+    def __init__(self, arch: GemmaArch, dtype=torch.float32) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed = _param(arch.vocab_size, arch.hidden_size, dtype=dtype)  # [V, D]
+        self.layers = nn.ModuleList([GemmaDecoderLayer(arch, i, dtype)
+                                     for i in range(arch.num_layers)])
+        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        if not arch.tie_word_embeddings:
+            self.lm_head = _param(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        # sqrt(hidden) rounded to the model's dtype, as HF scales the embeddings
+        self.embed_scale = float(torch.tensor(arch.embed_scale, dtype=dtype, device="cpu"))
+        self.init_rope("cpu")
+
+    def init_rope(self, device) -> None:
+        """Each layer's RoPE as (inverse frequencies f32[H/2], attention factor), one pair
+        per distinct setting (full and sliding layers); again after the model was built on
+        the meta device."""
+        settings = {}
+        self.rope = []
+        for a in map(self.arch.layer_rope, range(self.arch.num_layers)):
+            key = (a.rope_theta, a.rope_scaling)
+            if key not in settings:
+                settings[key] = (torch.from_numpy(rope_inv_freq(a)).to(device),
+                                 rope_attention_factor(a))
+            self.rope.append(settings[key])
+
+    def forward(self, kv_caches: list, batch, attend: Callable):
+        """Final hidden states [T, D] (as LlamaForCausalLM's; attend takes soft_cap= too)."""
+        x = self.embed[batch.token_ids] * self.embed_scale
+        positions = batch.positions.float()[:, None]
+        tables = {}  # (cos, sin) [T, H] per distinct RoPE
+        for layer, kv_cache, (inv_freq, factor) in zip(self.layers, kv_caches, self.rope):
+            key = id(inv_freq)
+            if key not in tables:
+                freqs = positions * inv_freq[None, :]
+                emb = torch.cat([freqs, freqs], dim=-1)
+                tables[key] = ((emb.cos() * factor).to(x.dtype), (emb.sin() * factor).to(x.dtype))
+            x = layer(x, *tables[key], kv_cache, batch, attend)
+        return self.norm(x)
+
+    def logits(self, hidden):
+        """hidden: [X, D] -> f32[X, V], soft-capped when the model says so (Gemma 2)."""
+        head = self.embed if self.arch.tie_word_embeddings else self.lm_head
+        logits = (hidden @ head.T).float()
+        cap = self.arch.final_logit_softcapping
+        return logits if cap is None else cap * torch.tanh(logits / cap)
