@@ -50,9 +50,6 @@ def language_model_config(hf: dict) -> dict:
     if (hf.get("architectures") or [""])[0] != MULTIMODAL:
         return hf
     text = dict(hf.get("text_config") or {})
-    if "rope_parameters" in text:  # transformers 5 writes it whole
-        text.pop("rope_local_base_freq", None)
-        text.pop("rope_theta", None)
     flat = {**GEMMA3_TEXT_DEFAULTS, **text, "architectures": [MULTIMODAL],
             "model_type": "gemma3_text"}
     for key in ("dtype", "torch_dtype", "tie_word_embeddings", "eos_token_id"):

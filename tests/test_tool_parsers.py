@@ -39,6 +39,21 @@ CASES = {
         ('[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{}', None, [("f", {"a": 1}), ("g", {})]),
         ("[TOOL_CALLS][{broken", None, None),
     ],
+    "pythonic": [  # Gemma 3 / Llama 3.2 pythonic outputs
+        ("It is sunny in Paris.", "It is sunny in Paris.", []),
+        ('[get_weather(city="San Francisco", unit="celsius")]', None,
+         [("get_weather", {"city": "San Francisco", "unit": "celsius"})]),
+        ("[search(query='jax paged attention', top_k=3, exact=False), now()]", None,
+         [("search", {"query": "jax paged attention", "top_k": 3, "exact": False}),
+          ("now", {})]),
+        ('<|python_start|>[book(seats=[1, 2], meta={"vip": None})]<|python_end|>', None,
+         [("book", {"seats": [1, 2], "meta": {"vip": None}})]),
+        ("[get_weather(city=__import__('os').getcwd())]", None, None),  # not a literal
+        ("[f(1, 2)]", None, None),  # positional arguments: not a call this format writes
+        ("[f(x=1e999)]", None, None),  # inf: not JSON
+        ("[f(x={1, 2})]", None, None),  # a set: not JSON
+        ("[1, 2, 3] are the numbers.", None, None),
+    ],
 }
 
 
@@ -83,6 +98,8 @@ DEEP_CALLS = {
     "mistral": ['[TOOL_CALLS][{"name": "f", "arguments": ' + DEEP + "}]",
                 "[TOOL_CALLS]" + DEEP,
                 '[TOOL_CALLS]f[ARGS]{"x": ' + DEEP + "}"],
+    "pythonic": ["[f(x=" + DEEP + ")]", DEEP, "[f(x=" + "(" * 5000 + ")" * 5000 + ")]",
+                 "[f(x=" + "9" * 10_000 + ")]"],
 }
 
 

@@ -6,6 +6,10 @@
   (optionally after <|python_tag|>), several separated by ";".
 - mistral: [TOOL_CALLS] followed by a JSON list of {"name", "arguments"}, or (newer
   tokenizers) by name[ARGS]{...} pairs.
+- pythonic (Gemma 3, Llama 3.2 / Llama 4 with their pythonic templates): the whole answer is
+  a Python list of calls with keyword arguments, [get_weather(city="Paris"), now()],
+  optionally between <|python_start|> and <|python_end|>; the arguments are Python literals
+  (strings, numbers, True/False/None, lists, dicts), read without evaluating anything.
 
 A call that does not parse is left in the content, as text: whatever the model wrote (JSON
 nested thousands deep included), parsing never raises. For streaming, safe_prefix says
@@ -16,6 +20,7 @@ non-streamed answer.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import re
@@ -23,8 +28,9 @@ import uuid
 
 from jaxserve.inputs import bounded_json
 
-# What reading a model's text can raise: it is then content, never a failed response.
-_PARSE_ERRORS = (ValueError, RecursionError, TypeError)
+# What reading a model's text can raise: it is then content, never a failed response
+# (SyntaxError: Python's parser on text that is not a call list, or nests past its limit).
+_PARSE_ERRORS = (ValueError, RecursionError, TypeError, SyntaxError, MemoryError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +209,44 @@ class Llama3JsonParser(ToolParser):
         return (None, calls) if calls else (text, [])
 
 
-PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
+class PythonicParser(ToolParser):
+    name = "pythonic"
+    _START, _END = "<|python_start|>", "<|python_end|>"
+    _MAX_CHARS = 200_000  # longer text is content (ast.parse's memory grows with it)
+
+    def _body(self, text: str) -> str | None:
+        stripped = text.strip()
+        if stripped.startswith(self._START):
+            stripped = stripped[len(self._START):].replace(self._END, "").strip()
+        return stripped if stripped.startswith("[") else None
+
+    def safe_prefix(self, text: str) -> int:
+        stripped = text.lstrip()
+        if not stripped or self._START.startswith(stripped) or self._body(text) is not None:
+            return 0  # could still be (or is) a call list: hold it
+        return len(text)
+
+    def _parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        body = self._body(text)
+        if body is None or len(body) > self._MAX_CHARS:
+            return text, []
+        tree = ast.parse(body, mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return text, []
+        calls = []
+        for node in tree.elts:
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) \
+                    or node.args or any(k.arg is None for k in node.keywords):
+                return text, []  # only name(keyword=literal, ...)
+            args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            # (allow_nan=False: 1e999 is inf, which JSON cannot hold; sets, bytes and complex
+            # numbers raise TypeError: all of them make the text content)
+            calls.append(ToolCall(node.func.id, json.dumps(args, ensure_ascii=False,
+                                                           allow_nan=False)))
+        return None, calls
+
+
+PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)}
 
 
 def tool_parser(name: str) -> ToolParser:
