@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
+    "Phi3ForCausalLM": "llama",  # Phi-3, Phi-4: fused projections, partial rotary
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "mixtral",

@@ -34,6 +34,9 @@ class LlamaArch:
     tie_word_embeddings: bool
     sliding_windows: tuple  # per layer: window length or None
     kv_replicas: int = 1  # each checkpoint kv head repeated this often (num_kv_heads counts them)
+    # RoPE turns the first rotary_dim of each head's H dims (partial_rotary_factor * H,
+    # Phi-3/Phi-4); 0: all of them.
+    rotary_dim: int = 0
 
     @classmethod
     def from_hf(cls, hf: dict) -> LlamaArch:
@@ -48,12 +51,14 @@ class LlamaArch:
                              "default, linear, llama3 and yarn.")
         rope["rope_type"] = rope_type
         rope.pop("type", None)
+        partial = float(rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
         if rope_type == "yarn":  # as transformers fills it in
             rope.setdefault("original_max_position_embeddings",
                             hf.get("max_position_embeddings"))
             if rope.get("factor") is None:
                 rope["factor"] = (float(hf["max_position_embeddings"])
                                   / float(rope["original_max_position_embeddings"]))
+        head_dim = int(hf.get("head_dim") or hf["hidden_size"] // num_heads)
         return cls(
             vocab_size=int(hf["vocab_size"]),
             hidden_size=int(hf["hidden_size"]),
@@ -61,7 +66,7 @@ class LlamaArch:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
+            head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=tuple(sorted((k, v) for k, v in rope.items() if not isinstance(v, list))),
@@ -69,12 +74,13 @@ class LlamaArch:
             qk_norm=arch == "Qwen3ForCausalLM",
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             sliding_windows=_sliding_windows(hf, arch, num_layers),
+            rotary_dim=0 if partial == 1.0 else int(head_dim * partial),
         )
 
 
 def _sliding_windows(hf: dict, arch: str, num_layers: int) -> tuple:
     window = hf.get("sliding_window")
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         return (window,) * num_layers
     layer_types = hf.get("layer_types")
     if layer_types:
@@ -88,7 +94,7 @@ def _sliding_windows(hf: dict, arch: str, num_layers: int) -> tuple:
 def rope_inv_freq(arch: LlamaArch) -> np.ndarray:
     """f32[H/2] inverse frequencies, with linear, llama3 or YaRN scaling applied as HF does
     (YaRN's attention factor scales cos and sin: rope_attention_factor)."""
-    dim = arch.head_dim
+    dim = arch.rotary_dim or arch.head_dim
     inv = 1.0 / (arch.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
     params = dict(arch.rope_scaling)
     kind = params["rope_type"]
@@ -159,6 +165,8 @@ def hf_param_path(name: str, arch: LlamaArch):
     name = name.removeprefix("model.")
     if name.endswith("rotary_emb.inv_freq"):
         return None
+    if name.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")):
+        return _fused(name, arch)
     if name == "embed_tokens.weight":
         return ("embed",), None
     if name == "norm.weight":
@@ -190,6 +198,24 @@ def hf_param_path(name: str, arch: LlamaArch):
             lambda b, heads=heads, r=repeat[p]: np.repeat(b.reshape(heads, h), r, axis=0))
     path, transform = table[rest]
     return ("layers", layer) + path, transform
+
+
+def _fused(name: str, arch: LlamaArch) -> list:
+    """Phi-3's fused projections as the separate parameters: qkv_proj [(N + 2K) H, D] is
+    q, k and v rows in that order; gate_up_proj [2F, D] the gate rows, then the up rows."""
+    prefix = name.removeprefix("model.").rsplit(".", 3)[0]  # layers.{i}
+    if name.endswith("gate_up_proj.weight"):
+        f = arch.intermediate_size
+        return [hf_param_path(f"{prefix}.mlp.gate_proj.weight", arch)[:1] + (lambda w: w[:f].T,),
+                hf_param_path(f"{prefix}.mlp.up_proj.weight", arch)[:1] + (lambda w: w[f:].T,)]
+    q = arch.num_heads * arch.head_dim
+    kv = arch.num_kv_heads // arch.kv_replicas * arch.head_dim
+    parts = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
+    targets = []
+    for p, rows in parts.items():
+        path, transform = hf_param_path(f"{prefix}.self_attn.{p}_proj.weight", arch)
+        targets.append((path, lambda w, rows=rows, transform=transform: transform(w[rows])))
+    return targets
 
 
 def param_shapes(arch: LlamaArch, quantization: str | None = None) -> dict:

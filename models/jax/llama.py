@@ -27,7 +27,11 @@ from jaxserve.models.llama_arch import (  # noqa: F401
 
 
 def apply_rope(x, cos, sin):
-    """x: [T, N, H]; cos, sin: [T, H] (HF's rotate_half convention: halves, not pairs)."""
+    """x: [T, N, H]; cos, sin: [T, R] (HF's rotate_half convention: halves, not pairs): the
+    first R dims of each head turn, the rest pass (partial rotary: R < H)."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], axis=-1)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -29,7 +29,11 @@ def _param(*shape, dtype) -> nn.Parameter:
 
 
 def apply_rope(x, cos, sin):
-    """x: [T, N, H]; cos, sin: [T, H] (HF's rotate_half convention: halves, not pairs)."""
+    """x: [T, N, H]; cos, sin: [T, R] (HF's rotate_half convention: halves, not pairs): the
+    first R dims of each head turn, the rest pass (partial rotary: R < H)."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
