@@ -190,9 +190,10 @@ def _serve_parser(sub) -> None:
                    help='serve tool_choice "auto": the model writes calls in its own format, '
                    "read out by --tool-call-parser")
     p.add_argument("--tool-call-parser", default=None,
-                   choices=("hermes", "llama3_json", "mistral", "pythonic"),
+                   choices=("hermes", "llama3_json", "mistral", "pythonic", "phi4_mini_json"),
                    help="how calls look in the model's text: hermes (Qwen2.5/Qwen3 and many "
-                   "fine-tunes), llama3_json (Llama 3.1+), mistral, pythonic (Gemma 3)")
+                   "fine-tunes), llama3_json (Llama 3.1+), mistral, pythonic (Gemma 3), "
+                   "phi4_mini_json")
     p.add_argument("--reasoning-parser", default=None, choices=("qwen3", "deepseek_r1"),
                    help="put the model's thinking (<think>...</think>) in reasoning_content "
                    "and reasoning, and apply structured outputs after it")
@@ -332,7 +333,7 @@ def _tool_call_parser(args: argparse.Namespace) -> str | None:
     """The parser for tool_choice "auto", as vLLM: both flags, or neither."""
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, "
-                         "llama3_json, mistral or pythonic).")
+                         "llama3_json, mistral, pythonic or phi4_mini_json).")
     return args.tool_call_parser if args.enable_auto_tool_choice else None
 
 

@@ -39,6 +39,15 @@ CASES = {
         ('[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{}', None, [("f", {"a": 1}), ("g", {})]),
         ("[TOOL_CALLS][{broken", None, None),
     ],
+    "phi4_mini_json": [
+        ("No tools needed.", "No tools needed.", []),
+        ('functools[{"name": "get_weather", "arguments": {"city": "Oslo"}}]', None,
+         [("get_weather", {"city": "Oslo"})]),
+        ('Checking. functools[{"name": "a", "arguments": {}}, {"name": "b", "arguments": '
+         '{"n": 2}}]', "Checking. ", [("a", {}), ("b", {"n": 2})]),
+        ('functools[{"name": "a", "arguments": {"x": 1}', None, None),  # malformed
+        ("func tools [x]", "func tools [x]", []),
+    ],
     "pythonic": [  # Gemma 3 / Llama 3.2 pythonic outputs
         ("It is sunny in Paris.", "It is sunny in Paris.", []),
         ('[get_weather(city="San Francisco", unit="celsius")]', None,
@@ -98,6 +107,8 @@ DEEP_CALLS = {
     "mistral": ['[TOOL_CALLS][{"name": "f", "arguments": ' + DEEP + "}]",
                 "[TOOL_CALLS]" + DEEP,
                 '[TOOL_CALLS]f[ARGS]{"x": ' + DEEP + "}"],
+    "phi4_mini_json": ['functools[{"name": "f", "arguments": ' + DEEP + "}]",
+                       "functools" + DEEP],
     "pythonic": ["[f(x=" + DEEP + ")]", DEEP, "[f(x=" + "(" * 5000 + ")" * 5000 + ")]",
                  "[f(x=" + "9" * 10_000 + ")]"],
 }

@@ -6,6 +6,8 @@
   (optionally after <|python_tag|>), several separated by ";".
 - mistral: [TOOL_CALLS] followed by a JSON list of {"name", "arguments"}, or (newer
   tokenizers) by name[ARGS]{...} pairs.
+- phi4_mini_json (Phi-4-mini): functools[ followed by the rest of a JSON list of
+  {"name", "arguments"} objects, after optional content.
 - pythonic (Gemma 3, Llama 3.2 / Llama 4 with their pythonic templates): the whole answer is
   a Python list of calls with keyword arguments, [get_weather(city="Paris"), now()],
   optionally between <|python_start|> and <|python_end|>; the arguments are Python literals
@@ -168,6 +170,21 @@ class MistralParser(_MarkerParser):
         return None if not calls or None in calls else calls
 
 
+class Phi4MiniJsonParser(_MarkerParser):
+    name = "phi4_mini_json"
+    marker = "functools["
+
+    def _calls(self, region: str) -> list[ToolCall] | None:
+        try:
+            items = load_json(region[len("functools"):].strip())  # the "[...]" list
+        except ValueError:
+            return None
+        if not isinstance(items, list):
+            return None
+        calls = [_call(item, "arguments") for item in items]
+        return None if not calls or None in calls else calls
+
+
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     _TAG = "<|python_tag|>"
@@ -246,7 +263,8 @@ class PythonicParser(ToolParser):
         return None, calls
 
 
-PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)}
+PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser,
+                               Phi4MiniJsonParser)}
 
 
 def tool_parser(name: str) -> ToolParser:
