@@ -180,10 +180,11 @@ NORM_RANGE = (0.5, 1.5)
 # step of greedy_margins(check_prompts()) has a gap above 1.7e-3 * max|logit|.
 SEED_OFFSET = {"llama": 193, "mistral": 273, "qwen2": 250, "qwen3": 735,
                "mixtral": 695, "qwen2_moe": 5, "qwen3_moe": 12, "gemma2": 91, "gemma3": 80}
-# Gemma's tiny models have flatter logits (tied embeddings, Gemma 2's final soft cap): the
-# best of 150-250 offsets tried kept its smallest gap above 1.5e-3 (gemma2) and 1.0e-3
-# (gemma3) of max |logit|, still ~100x the float32 difference between jaxserve and HF.
-MIN_REL_GAP = {"gemma2": 1.5e-3, "gemma3": 1.0e-3}  # the others: 1.5e-3
+# The smallest top-2 gap (of max |logit|) the margin test accepts: 1.5e-3, and for Gemma,
+# whose tiny models have flatter logits (tied embeddings, Gemma 2's final soft cap), a floor
+# just below the best of 150-250 offsets tried (1.52e-3 and 1.09e-3): still ~100x the float32
+# difference between jaxserve and HF on them (about 1e-5 of max |logit|).
+MIN_REL_GAP = {"gemma2": 1.4e-3, "gemma3": 1.0e-3}
 
 
 def _corpus_files() -> list[pathlib.Path]:
