@@ -23,8 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.models import llama_arch
-from jaxserve.models.llama_arch import LlamaArch, mlp_shapes
-from jaxserve.models.quantization import kernel_shapes
+from jaxserve.models.llama_arch import LlamaArch, attention_shapes, mlp_shapes
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 MULTIMODAL = "Gemma3ForConditionalGeneration"  # the 4B, 12B and 27B as published
@@ -177,23 +176,14 @@ def hf_param_path(name: str, arch: GemmaArch):
 
 def param_shapes(arch: GemmaArch, quantization: str | None = None) -> dict:
     """Every parameter, {path: (shape, dtype or None)} (see llama_arch.param_shapes)."""
-    d, n, k, h = arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim
+    d = arch.hidden_size
     shapes = {("embed",): ((arch.vocab_size, d), None)}
     for i in range(arch.num_layers):
         layer = ("layers", i)
         for norm in ("input_norm", "post_attention_norm", "pre_feedforward_norm",
                      "post_feedforward_norm"):
             shapes[layer + (norm, "weight")] = ((d,), None)
-        for name, shape in (("wq", (d, n, h)), ("wk", (d, k, h)), ("wv", (d, k, h)),
-                            ("wo", (n, h, d))):
-            shapes.update(kernel_shapes(layer + ("attn", name), shape, quantization))
-        if arch.attention_bias:
-            shapes.update({layer + ("attn", "bq"): ((n, h), None),
-                           layer + ("attn", "bk"): ((k, h), None),
-                           layer + ("attn", "bv"): ((k, h), None)})
-        if arch.qk_norm:
-            shapes[layer + ("attn", "q_norm", "weight")] = ((h,), None)
-            shapes[layer + ("attn", "k_norm", "weight")] = ((h,), None)
+        shapes.update(attention_shapes(layer + ("attn",), arch, quantization))
         shapes.update(mlp_shapes(layer + ("mlp",), d, arch.intermediate_size, quantization))
     shapes[("norm", "weight")] = ((d,), None)
     if not arch.tie_word_embeddings:

@@ -222,27 +222,34 @@ def param_shapes(arch: LlamaArch, quantization: str | None = None) -> dict:
     """Every parameter of the model, {path: (shape, dtype)} with dtype None for the model's
     dtype: the table `jaxserve plan` counts without building a model. The Flax model declares
     exactly these (tests/test_plan.py compares them)."""
-    d, n, k, h = arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim
-    f, v = arch.intermediate_size, arch.vocab_size
+    d, f, v = arch.hidden_size, arch.intermediate_size, arch.vocab_size
     shapes = {("embed",): ((v, d), None)}  # [V, D]
     for i in range(arch.num_layers):
         layer = ("layers", i)
         shapes[layer + ("input_norm", "weight")] = ((d,), None)
-        for name, shape in (("wq", (d, n, h)), ("wk", (d, k, h)), ("wv", (d, k, h)),
-                            ("wo", (n, h, d))):
-            shapes.update(kernel_shapes(layer + ("attn", name), shape, quantization))
-        if arch.attention_bias:
-            shapes.update({layer + ("attn", "bq"): ((n, h), None),
-                           layer + ("attn", "bk"): ((k, h), None),
-                           layer + ("attn", "bv"): ((k, h), None)})
-        if arch.qk_norm:
-            shapes[layer + ("attn", "q_norm", "weight")] = ((h,), None)
-            shapes[layer + ("attn", "k_norm", "weight")] = ((h,), None)
+        shapes.update(attention_shapes(layer + ("attn",), arch, quantization))
         shapes[layer + ("post_attention_norm", "weight")] = ((d,), None)
         shapes.update(mlp_shapes(layer + ("mlp",), d, f, quantization))
     shapes[("norm", "weight")] = ((d,), None)
     if not arch.tie_word_embeddings:
         shapes[("lm_head",)] = ((v, d), None)
+    return shapes
+
+
+def attention_shapes(prefix: tuple, arch: LlamaArch, quantization: str | None) -> dict:
+    """The attention's kernels (wq [D, N, H], wk/wv [D, K, H], wo [N, H, D]), biases and
+    q/k norms under `prefix`."""
+    d, n, k, h = arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim
+    shapes = {}
+    for name, shape in (("wq", (d, n, h)), ("wk", (d, k, h)), ("wv", (d, k, h)),
+                        ("wo", (n, h, d))):
+        shapes.update(kernel_shapes(prefix + (name,), shape, quantization))
+    if arch.attention_bias:
+        shapes.update({prefix + ("bq",): ((n, h), None), prefix + ("bk",): ((k, h), None),
+                       prefix + ("bv",): ((k, h), None)})
+    if arch.qk_norm:
+        shapes[prefix + ("q_norm", "weight")] = ((h,), None)
+        shapes[prefix + ("k_norm", "weight")] = ((h,), None)
     return shapes
 
 

@@ -103,25 +103,10 @@ def test_prompt_logprobs_match_transformers_past_the_window(arch, tiny_checkpoin
     """Every prompt position's logprob equals HF's (float32) on prompts up to 4x the 48-token
     window, prefilled in 64-token chunks over 16-token blocks: the soft caps, the windows
     and the per-layer RoPE bases at every position, not only where greedy tokens differ."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from score_helpers import assert_prompt_logprobs_match_hf
 
-    folder = tiny_checkpoints[arch]
     prompts = checkpoint_script.check_prompts()[-3:]  # 97, 150 and 200 tokens
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    want = []
-    with torch.no_grad():
-        for prompt in prompts:
-            logits = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
-            want.append(logits[torch.arange(len(prompt) - 1), prompt[1:]].numpy())
-    llm = LLM(str(folder), dtype="float32", max_model_len=256, block_size=16,
-              max_num_seqs=4, max_num_batched_tokens=64, precompile=False)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0),
-                        use_tqdm=False)
-    for out, prompt, expected in zip(outs, prompts, want):
-        got = np.array([entry[token].logprob
-                        for entry, token in zip(out.prompt_logprobs[1:], prompt[1:])])
-        np.testing.assert_allclose(got, expected, atol=2e-4)
+    assert_prompt_logprobs_match_hf(tiny_checkpoints[arch], prompts)
 
 
 def test_image_parts_are_refused_by_name():

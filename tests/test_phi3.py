@@ -68,24 +68,10 @@ def test_partial_rotary_and_longrope():
 def test_prompt_logprobs_match_transformers(backend, tiny_phi3, checkpoint_script):
     """Every position's logprob equals HF's (float32) on prompts of 97..200 tokens (past the
     window), prefilled in 64-token chunks over 16-token blocks."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from score_helpers import assert_prompt_logprobs_match_hf
 
     prompts = checkpoint_script.check_prompts()[-3:]
-    model = AutoModelForCausalLM.from_pretrained(tiny_phi3, dtype=torch.float32).eval()
-    want = []
-    with torch.no_grad():
-        for prompt in prompts:
-            logits = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
-            want.append(logits[torch.arange(len(prompt) - 1), prompt[1:]].numpy())
-    llm = LLM(str(tiny_phi3), backend=backend, dtype="float32", max_model_len=256,
-              block_size=16, max_num_seqs=4, max_num_batched_tokens=64, precompile=False)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0),
-                        use_tqdm=False)
-    for out, prompt, expected in zip(outs, prompts, want):
-        got = np.array([entry[token].logprob
-                        for entry, token in zip(out.prompt_logprobs[1:], prompt[1:])])
-        np.testing.assert_allclose(got, expected, atol=2e-4)
+    assert_prompt_logprobs_match_hf(tiny_phi3, prompts, backend=backend)
 
 
 def test_bfloat16_greedy_stays_close_to_float32(tiny_phi3, checkpoint_script):

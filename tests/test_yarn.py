@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxserve import LLM, SamplingParams
 from jaxserve.models import model_family
 from jaxserve.models.llama_arch import rope_attention_factor, rope_inv_freq
 
@@ -55,22 +54,8 @@ def test_prompt_logprobs_match_transformers_past_the_original_context(backend, y
                                                                       checkpoint_script):
     """Every position's logprob equals HF's (float32) on prompts of 97..200 tokens, past
     the original 64-token context, prefilled in 64-token chunks."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from score_helpers import assert_prompt_logprobs_match_hf
 
     prompts = checkpoint_script.check_prompts()[-3:]
-    model = AutoModelForCausalLM.from_pretrained(yarn_qwen2, dtype=torch.float32).eval()
+    model = assert_prompt_logprobs_match_hf(yarn_qwen2, prompts, backend=backend)
     assert model.model.rotary_emb.rope_type == "yarn"
-    want = []
-    with torch.no_grad():
-        for prompt in prompts:
-            logits = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
-            want.append(logits[torch.arange(len(prompt) - 1), prompt[1:]].numpy())
-    llm = LLM(str(yarn_qwen2), backend=backend, dtype="float32", max_model_len=256,
-              block_size=16, max_num_seqs=4, max_num_batched_tokens=64, precompile=False)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0),
-                        use_tqdm=False)
-    for out, prompt, expected in zip(outs, prompts, want):
-        got = np.array([entry[token].logprob
-                        for entry, token in zip(out.prompt_logprobs[1:], prompt[1:])])
-        np.testing.assert_allclose(got, expected, atol=2e-4)

@@ -13,10 +13,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.kernels_pallas.ref import ragged_paged_attention, write_kv
 from jaxserve.models.gemma_arch import GemmaArch
-from jaxserve.models.jax.llama import apply_rope
-from jaxserve.models.jax.quantized import kernel, matmul
+from jaxserve.models.jax.llama import MLP, Attention, reference_attend
+from jaxserve.models.jax.quantized import matmul
 from jaxserve.models.llama_arch import rope_attention_factor, rope_inv_freq
 
 
@@ -33,45 +32,19 @@ class GemmaRMSNorm(nnx.Module):
         return (xf * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
 
 
-class GemmaAttention(nnx.Module):
+class GemmaAttention(Attention):
+    """Llama's attention with Gemma's q/k norms, query_pre_attn_scalar and soft cap."""
+
+    norm_cls = GemmaRMSNorm
+
     def __init__(self, arch: GemmaArch, layer: int, dtype, quantization=None) -> None:
-        d, n, k, h = arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim
-        kernel(self, "wq", (d, n, h), dtype, quantization)  # [D, N, H]
-        kernel(self, "wk", (d, k, h), dtype, quantization)  # [D, K, H]
-        kernel(self, "wv", (d, k, h), dtype, quantization)  # [D, K, H]
-        kernel(self, "wo", (n, h, d), dtype, quantization)  # [N, H, D]
-        if arch.attention_bias:
-            self.bq = nnx.Param(jnp.zeros((n, h), dtype))
-            self.bk = nnx.Param(jnp.zeros((k, h), dtype))
-            self.bv = nnx.Param(jnp.zeros((k, h), dtype))
-        if arch.qk_norm:
-            self.q_norm = GemmaRMSNorm(h, arch.rms_norm_eps, dtype)
-            self.k_norm = GemmaRMSNorm(h, arch.rms_norm_eps, dtype)
-        self.bias, self.qk_norm = arch.attention_bias, arch.qk_norm
+        super().__init__(arch, layer, dtype, quantization)
         self.scale = arch.query_pre_attn_scalar ** -0.5
-        self.window = arch.sliding_windows[layer]
         self.soft_cap = arch.attn_logit_softcapping
 
-    def __call__(self, x, cos, sin, kv_cache, batch, attend):
-        q = matmul("td,dnh->tnh", x, self, "wq")
-        k = matmul("td,dkh->tkh", x, self, "wk")
-        v = matmul("td,dkh->tkh", x, self, "wv")
-        if self.bias:
-            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out, kv_cache = attend(q, k, v, kv_cache, batch, scale=self.scale,
-                               sliding_window=self.window, soft_cap=self.soft_cap)
-        return matmul("tnh,nhd->td", out, self, "wo"), kv_cache
 
-
-class GemmaMLP(nnx.Module):
-    def __init__(self, arch: GemmaArch, dtype, quantization=None) -> None:
-        d, f = arch.hidden_size, arch.intermediate_size
-        kernel(self, "w_gate", (d, f), dtype, quantization)  # [D, F]
-        kernel(self, "w_up", (d, f), dtype, quantization)  # [D, F]
-        kernel(self, "w_down", (f, d), dtype, quantization)  # [F, D]
+class GemmaMLP(MLP):
+    """GeGLU: Llama's gated MLP with gelu (tanh approximation) on the gate."""
 
     def __call__(self, x):
         gate = jax.nn.gelu(matmul("td,df->tf", x, self, "w_gate"), approximate=True)
@@ -133,10 +106,3 @@ class GemmaForCausalLM(nnx.Module):
         cap = self.arch.final_logit_softcapping
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 
-
-def reference_attend(q, k, v, kv_cache, batch, *, scale, sliding_window=None, soft_cap=None):
-    """One device, the reference: write the step's K/V at slot_mapping, then attend."""
-    k_cache, v_cache = write_kv(*kv_cache, k, v, batch.slot_mapping)
-    out = ragged_paged_attention(q, k_cache, v_cache, batch, scale=scale,
-                                 sliding_window=sliding_window, soft_cap=soft_cap)
-    return out, (k_cache, v_cache)

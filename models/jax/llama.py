@@ -49,6 +49,8 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
+    norm_cls = RMSNorm  # the q/k norms' class (Gemma's: models/jax/gemma.py)
+
     def __init__(self, arch: LlamaArch, layer: int, dtype, quantization=None) -> None:
         d, n, k, h = arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim
         kernel(self, "wq", (d, n, h), dtype, quantization)  # [D, N, H]
@@ -60,12 +62,13 @@ class Attention(nnx.Module):
             self.bk = nnx.Param(jnp.zeros((k, h), dtype))
             self.bv = nnx.Param(jnp.zeros((k, h), dtype))
         if arch.qk_norm:
-            self.q_norm = RMSNorm(h, arch.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(h, arch.rms_norm_eps, dtype)
+            self.q_norm = self.norm_cls(h, arch.rms_norm_eps, dtype)
+            self.k_norm = self.norm_cls(h, arch.rms_norm_eps, dtype)
         self.bias = arch.attention_bias
         self.qk_norm = arch.qk_norm
         self.scale = h ** -0.5
         self.window = arch.sliding_windows[layer]
+        self.soft_cap = None  # attention logits' tanh cap (Gemma 2)
 
     def __call__(self, x, cos, sin, kv_cache, batch, attend):
         q = matmul("td,dnh->tnh", x, self, "wq")
@@ -77,7 +80,7 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, kv_cache = attend(q, k, v, kv_cache, batch, scale=self.scale,
-                               sliding_window=self.window)
+                               sliding_window=self.window, soft_cap=self.soft_cap)
         return matmul("tnh,nhd->td", out, self, "wo"), kv_cache
 
 
@@ -140,9 +143,9 @@ class LlamaForCausalLM(nnx.Module):
         return jnp.einsum("xd,vd->xv", hidden, head[...]).astype(jnp.float32)
 
 
-def reference_attend(q, k, v, kv_cache, batch, *, scale, sliding_window=None):
+def reference_attend(q, k, v, kv_cache, batch, *, scale, sliding_window=None, soft_cap=None):
     """One device, the reference: write the step's K/V at slot_mapping, then attend."""
     k_cache, v_cache = write_kv(*kv_cache, k, v, batch.slot_mapping)
     out = ragged_paged_attention(q, k_cache, v_cache, batch, scale=scale,
-                                 sliding_window=sliding_window)
+                                 sliding_window=sliding_window, soft_cap=soft_cap)
     return out, (k_cache, v_cache)

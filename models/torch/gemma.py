@@ -12,7 +12,7 @@ from torch import nn
 
 from jaxserve.models.gemma_arch import GemmaArch
 from jaxserve.models.llama_arch import rope_attention_factor, rope_inv_freq
-from jaxserve.models.torch.llama import _param, apply_rope
+from jaxserve.models.torch.llama import MLP, Attention, _param
 
 
 class GemmaRMSNorm(nn.Module):
@@ -29,44 +29,19 @@ class GemmaRMSNorm(nn.Module):
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(Attention):
+    """Llama's attention with Gemma's q/k norms, query_pre_attn_scalar and soft cap."""
+
+    norm_cls = GemmaRMSNorm
+
     def __init__(self, arch: GemmaArch, layer: int, dtype) -> None:
-        super().__init__()
-        d, n, k, h = arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim
-        self.wq, self.wk = _param(d, n, h, dtype=dtype), _param(d, k, h, dtype=dtype)
-        self.wv, self.wo = _param(d, k, h, dtype=dtype), _param(n, h, d, dtype=dtype)
-        if arch.attention_bias:
-            self.bq, self.bk, self.bv = (_param(n, h, dtype=dtype), _param(k, h, dtype=dtype),
-                                         _param(k, h, dtype=dtype))
-        if arch.qk_norm:
-            self.q_norm = GemmaRMSNorm(h, arch.rms_norm_eps, dtype)
-            self.k_norm = GemmaRMSNorm(h, arch.rms_norm_eps, dtype)
-        self.bias, self.qk_norm = arch.attention_bias, arch.qk_norm
+        super().__init__(arch, layer, dtype)
         self.scale = arch.query_pre_attn_scalar ** -0.5
-        self.window = arch.sliding_windows[layer]
         self.soft_cap = arch.attn_logit_softcapping
 
-    def forward(self, x, cos, sin, kv_cache, batch, attend):
-        t = x.shape[0]
-        q = (x @ self.wq.flatten(1)).view(t, *self.wq.shape[1:])  # [T, N, H]
-        k = (x @ self.wk.flatten(1)).view(t, *self.wk.shape[1:])  # [T, K, H]
-        v = (x @ self.wv.flatten(1)).view(t, *self.wv.shape[1:])
-        if self.bias:
-            q, k, v = q + self.bq, k + self.bk, v + self.bv
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(q, k, v, kv_cache, batch, scale=self.scale, sliding_window=self.window,
-                     soft_cap=self.soft_cap)
-        return out.reshape(t, -1) @ self.wo.flatten(0, 1)
 
-
-class GemmaMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, dtype) -> None:
-        super().__init__()
-        self.w_gate = _param(hidden, intermediate, dtype=dtype)  # [D, F]
-        self.w_up = _param(hidden, intermediate, dtype=dtype)  # [D, F]
-        self.w_down = _param(intermediate, hidden, dtype=dtype)  # [F, D]
+class GemmaMLP(MLP):
+    """GeGLU: Llama's gated MLP with gelu (tanh approximation) on the gate."""
 
     def forward(self, x):
         return (F.gelu(x @ self.w_gate, approximate="tanh") * (x @ self.w_up)) @ self.w_down

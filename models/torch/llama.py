@@ -52,6 +52,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    norm_cls = RMSNorm  # the q/k norms' class (Gemma's: models/torch/gemma.py)
+
     def __init__(self, arch: LlamaArch, layer: int, dtype) -> None:
         super().__init__()
         d, n, k, h = arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim
@@ -63,11 +65,12 @@ class Attention(nn.Module):
             self.bq, self.bk, self.bv = (_param(n, h, dtype=dtype), _param(k, h, dtype=dtype),
                                          _param(k, h, dtype=dtype))
         if arch.qk_norm:
-            self.q_norm = RMSNorm(h, arch.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(h, arch.rms_norm_eps, dtype)
+            self.q_norm = self.norm_cls(h, arch.rms_norm_eps, dtype)
+            self.k_norm = self.norm_cls(h, arch.rms_norm_eps, dtype)
         self.bias, self.qk_norm = arch.attention_bias, arch.qk_norm
         self.scale = h ** -0.5
         self.window = arch.sliding_windows[layer]
+        self.soft_cap = None  # attention logits' tanh cap (Gemma 2)
 
     def forward(self, x, cos, sin, kv_cache, batch, attend):
         t = x.shape[0]
@@ -79,7 +82,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(q, k, v, kv_cache, batch, scale=self.scale, sliding_window=self.window)
+        out = attend(q, k, v, kv_cache, batch, scale=self.scale, sliding_window=self.window,
+                     soft_cap=self.soft_cap)
         return out.reshape(t, -1) @ self.wo.flatten(0, 1)
 
 
