@@ -12,6 +12,7 @@ import sys
 
 from jaxserve.config.engine_args import EngineArgs
 from jaxserve.config.engine_config import SUPPORTED_DTYPES
+from jaxserve.parsers.tools import PARSERS
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
@@ -190,7 +191,7 @@ def _serve_parser(sub) -> None:
                    help='serve tool_choice "auto": the model writes calls in its own format, '
                    "read out by --tool-call-parser")
     p.add_argument("--tool-call-parser", default=None,
-                   choices=("hermes", "llama3_json", "mistral", "pythonic", "phi4_mini_json"),
+                   choices=tuple(PARSERS),
                    help="how calls look in the model's text: hermes (Qwen2.5/Qwen3 and many "
                    "fine-tunes), llama3_json (Llama 3.1+), mistral, pythonic (Gemma 3), "
                    "phi4_mini_json")
@@ -332,8 +333,8 @@ def _default_concurrency() -> int:
 def _tool_call_parser(args: argparse.Namespace) -> str | None:
     """The parser for tool_choice "auto", as vLLM: both flags, or neither."""
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, "
-                         "llama3_json, mistral, pythonic or phi4_mini_json).")
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
+                         f"{', '.join(PARSERS)}).")
     return args.tool_call_parser if args.enable_auto_tool_choice else None
 
 

@@ -155,14 +155,14 @@ def hf_param_path(name: str, arch: GemmaArch):
     if arch.multimodal:
         if name.startswith(VISION_PREFIXES):
             return None
-        for prefix, to in (("language_model.model.", "model."), ("model.language_model.",
-                                                                 "model."),
-                           ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")):
+        for prefix in ("language_model.model.", "model.language_model."):
             if name.startswith(prefix):
-                name = to + name[len(prefix):]
+                name = "model." + name[len(prefix):]
                 break
         else:
-            raise KeyError(name)
+            name = name.removeprefix("language_model.")  # its lm_head, when not tied
+            if not name.startswith("lm_head."):
+                raise KeyError(name)
     parts = name.removeprefix("model.").split(".")
     if parts[0] == "layers":
         rest = ".".join(parts[2:])

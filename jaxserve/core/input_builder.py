@@ -86,8 +86,8 @@ class PackedStep:
 class StepInputBuilder:
     """Builds each step's padded inputs. Per request, a few scalars that change from step
     to step are read; its sampling settings and its block table are kept in tables by
-    state slot (settings written when the slot is handed out, needs_state_reset; blocks
-    as they are added), so the cost per decode row stays a few attribute reads at any batch
+    state slot (settings written when the slot is handed out, SchedulerOutput.new_rows;
+    blocks as they are added), so the cost per decode row stays a few attribute reads at any batch
     size and sequence length. A block table row may hold more of the request's own blocks
     than the step reads (never another request's)."""
 

@@ -40,9 +40,9 @@ _SCALE = PartitionSpec(*KV_SCALE_SPEC)
 
 def make_attend(attention_fn: Callable, mesh: Mesh, kv_dtype=None) -> Callable:
     """attend(q, k, v, kv_cache, batch, *, scale, sliding_window, soft_cap) -> (out,
-    kv_cache) for the models; attention_fn is a ragged paged attention with ref.py's signature. kv_dtype: the
-    one-byte format of a quantized cache (kv_quant.value_dtype), whose layers come with
-    their scales; None: the model's dtype."""
+    kv_cache) for the models; attention_fn is a ragged paged attention with ref.py's
+    signature. kv_dtype: the one-byte format of a quantized cache (kv_quant.value_dtype),
+    whose layers come with their scales; None: the model's dtype."""
 
     def local(q, k, v, k_cache, v_cache, batch, *scales, scale, sliding_window, soft_cap):
         if scales:

@@ -46,8 +46,9 @@ def _per_query_head(scale: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def quantized_attend(write: Callable, attention: Callable) -> Callable:
     """attend(q, k, v, (k_cache, v_cache, k_scale, v_scale), batch, *, scale,
-    sliding_window) -> out [T, N, H], from write(k_cache, v_cache, k, v, slot_mapping) and
-    attention(q, k_cache, v_cache, batch, scale=, sliding_window=) of the runner."""
+    sliding_window, soft_cap) -> out [T, N, H], from write(k_cache, v_cache, k, v,
+    slot_mapping) and attention(q, k_cache, v_cache, batch, scale=, sliding_window=,
+    soft_cap=) of the runner."""
 
     def attend(q, k, v, kv_cache, batch, *, scale, sliding_window=None, soft_cap=None):
         k_cache, v_cache, k_scale, v_scale = kv_cache

@@ -87,8 +87,8 @@ def torch_device() -> torch.device:
 
 def make_attend(backend: str, device: torch.device, head_dim: int,
                 kv_cache_dtype: str = "auto"):
-    """attend(q, k, v, kv_cache, batch, *, scale, sliding_window, soft_cap) -> out [T, N, H] for the
-    models: writes the layer's new K/V into its cache in place, then attends (a quantized
+    """attend(q, k, v, kv_cache, batch, *, scale, sliding_window, soft_cap) -> out [T, N, H]
+    for the models: writes the layer's new K/V into its cache in place, then attends (a quantized
     cache's layers bring their scales: kv_quant.quantized_attend); the name of the
     implementation for the log; and whether a CUDA graph can capture it (the compiled
     Triton kernels read nothing on the host). ValueError for a backend this device cannot
