@@ -46,9 +46,9 @@ class LlamaArch:
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3", "yarn"):
+        if rope_type not in ("default", "linear", "llama3", "yarn", "longrope"):
             raise ValueError(f"RoPE type {rope_type!r} is not supported; jaxserve supports "
-                             "default, linear, llama3 and yarn.")
+                             "default, linear, llama3, yarn and longrope.")
         rope["rope_type"] = rope_type
         rope.pop("type", None)
         partial = float(rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
@@ -59,6 +59,9 @@ class LlamaArch:
                 rope["factor"] = (float(hf["max_position_embeddings"])
                                   / float(rope["original_max_position_embeddings"]))
         head_dim = int(hf.get("head_dim") or hf["hidden_size"] // num_heads)
+        rotary_dim = 0 if partial == 1.0 else int(head_dim * partial)
+        if rope_type == "longrope":
+            _read_longrope(rope, hf, rotary_dim or head_dim)
         return cls(
             vocab_size=int(hf["vocab_size"]),
             hidden_size=int(hf["hidden_size"]),
@@ -74,8 +77,43 @@ class LlamaArch:
             qk_norm=arch == "Qwen3ForCausalLM",
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             sliding_windows=_sliding_windows(hf, arch, num_layers),
-            rotary_dim=0 if partial == 1.0 else int(head_dim * partial),
+            rotary_dim=rotary_dim,
         )
+
+
+def _read_longrope(rope: dict, hf: dict, dim: int) -> None:
+    """LongRoPE's parameters as transformers fills them in, the factor lists as tuples, and
+    which set is used ("long": the engine's choice, with_max_model_len; until then whether
+    max_position_embeddings passes original_max_position_embeddings)."""
+    original = rope.get("original_max_position_embeddings") or hf.get(
+        "original_max_position_embeddings")
+    if not original:
+        raise ValueError("rope_scaling type 'longrope' needs original_max_position_embeddings "
+                         "in config.json (in rope_scaling or at the top level).")
+    rope["original_max_position_embeddings"] = int(original)
+    if rope.get("factor") is None:
+        rope["factor"] = float(hf["max_position_embeddings"]) / float(original)
+    for key in ("short_factor", "long_factor"):
+        factors = rope.get(key)
+        if not isinstance(factors, (list, tuple)) or len(factors) != dim // 2:
+            raise ValueError(f"rope_scaling.{key} must list {dim // 2} numbers (one per "
+                             f"rotary frequency of the {dim} rotary dims); got {factors!r}.")
+        rope[key] = tuple(float(f) for f in factors)
+    rope["long"] = int(hf["max_position_embeddings"]) > int(original)
+
+
+def with_max_model_len(arch: LlamaArch, max_model_len: int) -> LlamaArch:
+    """arch as an engine of max_model_len runs it. LongRoPE (Phi-3.5, Phi-4-mini) uses its
+    long factors for every sequence when max_model_len passes
+    original_max_position_embeddings, else its short factors: one set per engine, so that a
+    sequence's cached keys and its later queries always turn alike (transformers picks the
+    set by the forward's longest position and recomputes the whole cache when a generation
+    crosses over; vLLM chooses by max_model_len, as here)."""
+    params = dict(arch.rope_scaling)
+    if params.get("rope_type") != "longrope":
+        return arch
+    params["long"] = max_model_len > int(params["original_max_position_embeddings"])
+    return dataclasses.replace(arch, rope_scaling=tuple(sorted(params.items())))
 
 
 def _sliding_windows(hf: dict, arch: str, num_layers: int) -> tuple:
@@ -92,8 +130,9 @@ def _sliding_windows(hf: dict, arch: str, num_layers: int) -> tuple:
 
 
 def rope_inv_freq(arch: LlamaArch) -> np.ndarray:
-    """f32[H/2] inverse frequencies, with linear, llama3 or YaRN scaling applied as HF does
-    (YaRN's attention factor scales cos and sin: rope_attention_factor)."""
+    """f32[H/2] inverse frequencies, with linear, llama3, YaRN or LongRoPE scaling applied as
+    HF does (YaRN's and LongRoPE's attention factor scales cos and sin:
+    rope_attention_factor)."""
     dim = arch.rotary_dim or arch.head_dim
     inv = 1.0 / (arch.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
     params = dict(arch.rope_scaling)
@@ -113,6 +152,11 @@ def rope_inv_freq(arch: LlamaArch) -> np.ndarray:
         inv = np.where(medium, smoothed, scaled)
     elif kind == "yarn":
         inv = _yarn_inv_freq(dim, arch.rope_theta, params)
+    elif kind == "longrope":
+        factors = np.asarray(params["long_factor" if params["long"] else "short_factor"],
+                             dtype=np.float32)
+        shape = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim
+        inv = 1.0 / (factors * arch.rope_theta ** shape)
     return inv.astype(np.float32)
 
 
@@ -141,13 +185,16 @@ def _yarn_inv_freq(dim: int, base: float, params: dict) -> np.ndarray:
 
 
 def rope_attention_factor(arch: LlamaArch) -> float:
-    """What cos and sin are multiplied by: YaRN's attention factor (mscale), else 1."""
+    """What cos and sin are multiplied by: YaRN's or LongRoPE's attention factor, else 1."""
     params = dict(arch.rope_scaling)
-    if params["rope_type"] != "yarn":
+    if params["rope_type"] not in ("yarn", "longrope"):
         return 1.0
     if params.get("attention_factor") is not None:
         return float(params["attention_factor"])
     factor = float(params["factor"])
+    if params["rope_type"] == "longrope":  # both factor sets, as transformers
+        original = float(params["original_max_position_embeddings"])
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0

@@ -85,6 +85,7 @@ from jaxserve.kernels_pallas import ref
 from jaxserve.kernels_pallas.ref import token_layout
 from jaxserve.models import model_family
 from jaxserve.models.jax.mixtral import expert_parallel
+from jaxserve.models.llama_arch import with_max_model_len
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +137,9 @@ class ModelRunner:
         family = model_family(hf)
         self.plan = plan_sharding(ModelDims.from_hf(hf), self.mesh.shape[MODEL],
                                   config.parallel.expert_parallel)
-        self.arch = dataclasses.replace(family.arch_from_hf(hf), num_kv_heads=self.plan.kv_heads,
-                                        kv_replicas=self.plan.kv_replicas)
+        self.arch = dataclasses.replace(
+            with_max_model_len(family.arch_from_hf(hf), config.model.max_model_len),
+            num_kv_heads=self.plan.kv_heads, kv_replicas=self.plan.kv_replicas)
         warn_if_cpu_fallback(self.mesh.devices.flat[0].platform)
         # Chosen first: a backend the platform cannot run fails before the weights load.
         self.attention_fn = attention_for(config.attention.backend,

@@ -48,6 +48,7 @@ from jaxserve.core.input_builder import StepInputBuilder, build_step_inputs
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.kernels_triton import ref
 from jaxserve.models import model_family
+from jaxserve.models.llama_arch import with_max_model_len
 from jaxserve.models.torch.gemma import GemmaForCausalLM
 from jaxserve.models.torch.llama import LlamaForCausalLM
 
@@ -168,7 +169,7 @@ def build_model(config: EngineConfig, device: torch.device) -> torch.nn.Module:
     (load_format="dummy": uniform in [-1e-3, 1e-3], as vLLM's dummy weights)."""
     hf = config.model.hf_config
     family = model_family(hf)
-    arch = family.arch_from_hf(hf)
+    arch = with_max_model_len(family.arch_from_hf(hf), config.model.max_model_len)
     dtype, np_dtype = _DTYPES[config.model.dtype]
     model_cls = GemmaForCausalLM if family.name == "gemma" else LlamaForCausalLM
     with torch.device("meta"):
@@ -203,7 +204,7 @@ class TorchRunner:
         self.inputs = StepInputBuilder(config.scheduler.max_num_seqs, self.block_size,
                                        self.blocks_per_seq)
         hf = config.model.hf_config
-        arch = model_family(hf).arch_from_hf(hf)
+        arch = with_max_model_len(model_family(hf).arch_from_hf(hf), config.model.max_model_len)
         self.arch = arch
         # Chosen first: a backend the device cannot run fails before the weights load.
         kv_cache_dtype = config.cache.kv_cache_dtype
