@@ -4,7 +4,8 @@ On the CPU, XLA runs a dot with many tiny batch elements slowly (a loop of small
 fuses a gather into its consumer badly (an index computation per element), and every pass
 over a big score array costs memory bandwidth. So each token's keys are split in three
 disjoint sets, each attended the way that suits it, and the three partial softmaxes
-(m, l, acc) merged with the usual log-sum-exp rule:
+(m, l, acc) merged with the usual log-sum-exp rule (attention sinks, ref.py, join the
+merge as a fourth part: m = sink, l = 1, no value):
 
 * the step's own tokens (`_step_part`): flash-style tiles over the T tokens in the batch's
   order. A query tile of Q tokens loops over the key tiles from the one holding its
@@ -39,7 +40,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.kernels_pallas.ref import token_layout, values
+from jaxserve.kernels_pallas.ref import sink_state, token_layout, values
 
 STEP_TILE = 32  # Q: query (and key) tile of the in-step part
 DECODE_GROUP = 32  # tokens per group in the decode context part
@@ -282,10 +283,11 @@ def _chunk_context_part(q, k_cache, v_cache, batch, pos, sliding_window, soft_ca
 
 def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
-                           kv_dtype=None):
+                           sinks=None, kv_dtype=None):
     """q: [T, N, H]; k_cache, v_cache: [P, S, K, H] holding this step's keys and values
     already (written at slot_mapping), of kv_dtype values (default q's dtype) or their bits
-    (ref.kv_storage_dtype); returns [T, N, H], zeros for padding tokens."""
+    (ref.kv_storage_dtype); sinks: f32[N] or None (ref.py); returns [T, N, H], zeros for
+    padding tokens."""
     kv_dtype = kv_dtype or q.dtype
     num_tokens, num_heads, head_dim = q.shape
     pages, block_size, num_kv, _ = k_cache.shape
@@ -307,4 +309,6 @@ def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
         _chunk_context_part(qg, k_cache, v_cache, batch, pos, sliding_window, soft_cap,
                             kv_dtype),
     ]
+    if sinks is not None:  # a fourth part: the sinks' term, no value
+        parts.append((*sink_state(sinks, qg.shape[:-1]), jnp.zeros(qg.shape, jnp.float32)))
     return _merge(parts).reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

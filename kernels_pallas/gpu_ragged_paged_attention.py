@@ -14,6 +14,8 @@ programs (flash-decoding): every split writes its own normalised partial output 
 (m, l), and a few XLA ops outside merge them with the log-sum-exp rule, so a batch of one
 long sequence still fills the GPU. Prefill-heavy buckets use big tiles and one split, and
 write the output directly. Tile sizes come from kernel_layout.default_block_sizes.
+Attention sinks (ref.py) start split 0's (m, l) at (sink, 1), so the merge counts each
+sink once.
 
 On the CPU the same code runs in Pallas interpret mode (interpret=True); tests compare it
 with ref.py there and lower it for CUDA to catch what Triton would reject.
@@ -37,6 +39,7 @@ from jaxserve.kernels_pallas.kernel_layout import (
     group_queries,
     online_update,
     padded_group,
+    sink_rows,
     ungroup_output,
     zero_dead_keys,
 )
@@ -53,10 +56,10 @@ def supports(head_dim: int) -> bool:
 
 def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
-                           kv_dtype=None, interpret: bool = False,
+                           sinks=None, kv_dtype=None, interpret: bool = False,
                            block_sizes: BlockSizes | None = None):
     """q: [T, N, H]; k_cache, v_cache: [P, S, K, H] of kv_dtype values (default q's dtype)
-    or their bits; returns [T, N, H] (ref.py's contract)."""
+    or their bits; sinks: f32[N] or None; returns [T, N, H] (ref.py's contract)."""
     num_tokens, num_heads, head_dim = q.shape
     num_pages, block_size, num_kv_heads, _ = k_cache.shape
     num_rows, width = batch.block_tables.shape
@@ -77,18 +80,24 @@ def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
     kernel = functools.partial(
         _kernel, q_tokens=tq, group_p=group_p, pages_per_chunk=sizes.pages_per_chunk,
         width=width, num_rows=num_rows, splits=splits, scale=scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, kv_dtype=jnp.dtype(kv_dtype or q.dtype))
+        sliding_window=sliding_window, soft_cap=soft_cap, has_sinks=sinks is not None,
+        kv_dtype=jnp.dtype(kv_dtype or q.dtype))
     cache_spec = pl.BlockSpec((num_pages, block_size, None, head_dim),
                               lambda qi, kh, sp: (0, 0, kh, 0))
     q_spec = pl.BlockSpec((None, rows, head_dim), lambda qi, kh, sp: (kh, qi, 0))
     part_spec = pl.BlockSpec((None, None, rows, head_dim), lambda qi, kh, sp: (sp, kh, qi, 0))
     stat_spec = pl.BlockSpec((None, None, rows), lambda qi, kh, sp: (sp, kh, qi))
     whole = pl.BlockSpec()  # the whole array: scalars read by index
+    in_specs = [whole, whole, whole, whole, q_spec, cache_spec, cache_spec]
+    inputs = [qg, k_cache, v_cache]
+    if sinks is not None:  # [K, M]: every query tile's rows of a kv head alike
+        in_specs.append(pl.BlockSpec((None, rows), lambda qi, kh, sp: (kh, 0)))
+        inputs.append(sink_rows(sinks, num_kv_heads, group_p, tq))
     out_dtype = q.dtype if splits == 1 else jnp.float32
     part, m, denom = pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads, splits),
-        in_specs=[whole, whole, whole, whole, q_spec, cache_spec, cache_spec],
+        in_specs=in_specs,
         out_specs=[part_spec, stat_spec, stat_spec],
         out_shape=[jax.ShapeDtypeStruct((splits,) + qg.shape, out_dtype),
                    jax.ShapeDtypeStruct((splits,) + qg.shape[:2], jnp.float32),
@@ -97,8 +106,7 @@ def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
                                              num_stages=2),
         interpret=interpret,
         name="gpu_ragged_paged_attention",
-    )(batch.cu_q_lens, batch.kv_lens, batch.block_tables.reshape(-1), batch.num_seqs, qg,
-      k_cache, v_cache)
+    )(batch.cu_q_lens, batch.kv_lens, batch.block_tables.reshape(-1), batch.num_seqs, *inputs)
     out = part[0] if splits == 1 else _merge_splits(part, m, denom).astype(q.dtype)
     return ungroup_output(out, num_tokens, num_heads, group_p)
 
@@ -115,10 +123,12 @@ def _merge_splits(part, m, denom):
 def _kernel(cu_ref, kv_lens_ref, tables_ref, num_seqs_ref,  # i32[R+1], [R], [R*B], [1]
             q_ref,  # [M, H]
             k_ref, v_ref,  # [P, S, H]: this kv head's slice of the caches
-            o_ref,  # [M, H]: output (normalised by this split's l)
-            m_ref, l_ref,  # f32[M]: this split's running max and denominator
-            *, q_tokens, group_p, pages_per_chunk, width, num_rows, splits, scale,
-            sliding_window, soft_cap, kv_dtype):
+            *refs,  # (sink_ref f32[M] if has_sinks), o_ref [M, H]: output (normalised by
+            # this split's l), m_ref, l_ref f32[M]: this split's running max and denominator
+            q_tokens, group_p, pages_per_chunk, width, num_rows, splits, scale,
+            sliding_window, soft_cap, has_sinks, kv_dtype):
+    sink_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
+    o_ref, m_ref, l_ref = refs
     split = pl.program_id(2)
     block_size, head_dim = k_ref.shape[1], k_ref.shape[2]
     chunk_len = pages_per_chunk * block_size
@@ -149,6 +159,10 @@ def _kernel(cu_ref, kv_lens_ref, tables_ref, num_seqs_ref,  # i32[R+1], [R], [R*
 
     state = (jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
              jnp.zeros((rows, head_dim), jnp.float32))
+    if has_sinks:  # split 0 starts from the sinks' term (m = sink, l = 1)
+        first = split == 0
+        state = (jnp.where(first, sink_ref[...][:, None], state[0]),
+                 jnp.where(first, 1.0, state[1]), state[2])
     _, (m, denom, acc) = jax.lax.while_loop(lambda carry: walk.live(carry[0]), attend_sequence,
                                             (walk.first_sequence(), state))
     o_ref[...] = (acc / jnp.where(denom > 0, denom, 1.0)).astype(o_ref.dtype)

@@ -67,6 +67,16 @@ def group_queries(q, num_kv_heads: int, group_p: int, num_tokens_p: int):
     return qg.transpose(1, 0, 2, 3).reshape(num_kv_heads, num_tokens_p * group_p, head_dim)
 
 
+def sink_rows(sinks, num_kv_heads: int, group_p: int, q_tokens: int):
+    """f32[N] sinks -> f32[K, Q * Gp]: each row's sink in a tile of Q tokens laid out as
+    group_queries does (row r: token r // Gp, head r % Gp); padding heads get MASK_VALUE,
+    which weighs nothing once a key is seen."""
+    group = sinks.shape[0] // num_kv_heads
+    rows = sinks.astype(jnp.float32).reshape(num_kv_heads, group)
+    rows = jnp.pad(rows, ((0, 0), (0, group_p - group)), constant_values=MASK_VALUE)
+    return jnp.tile(rows, (1, q_tokens))
+
+
 def ungroup_output(out, num_tokens: int, num_heads: int, group_p: int):
     """The inverse of group_queries: [K, Tp * Gp, H] -> [T, N, H]."""
     num_kv_heads, _, head_dim = out.shape

@@ -15,6 +15,8 @@ scratch. Rows of other sequences see only masked keys, so their probabilities ar
 their state is unchanged. Pages past the sequence's last one are not copied; their stale
 buffer slots are masked, and their values zeroed so stale NaN bits cannot leak through 0 *
 NaN. After the last chunk, out = acc / l; rows that saw no key (padding) come out 0.
+Attention sinks (ref.py) come as one more VMEM input, each row's sink across its lanes,
+from which (m, l) start instead of (MASK_VALUE, 0).
 
 On the CPU the same code runs in Pallas's TPU interpret mode (interpret=True), which
 simulates the DMAs and semaphores; the tests compare it with ref.py there.
@@ -38,6 +40,7 @@ from jaxserve.kernels_pallas.kernel_layout import (
     group_queries,
     online_update,
     padded_group,
+    sink_rows,
     ungroup_output,
     zero_dead_keys,
 )
@@ -46,10 +49,10 @@ from jaxserve.kernels_pallas.ref import values
 
 def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
-                           kv_dtype=None, interpret: bool = False,
+                           sinks=None, kv_dtype=None, interpret: bool = False,
                            block_sizes: BlockSizes | None = None):
     """q: [T, N, H]; k_cache, v_cache: [P, S, K, H] of kv_dtype values (default q's dtype)
-    or their bits; returns [T, N, H] (ref.py's contract)."""
+    or their bits; sinks: f32[N] or None; returns [T, N, H] (ref.py's contract)."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_rows, width = batch.block_tables.shape
@@ -63,16 +66,21 @@ def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
     kernel = functools.partial(
         _kernel, q_tokens=tq, group_p=group_p, pages_per_chunk=sizes.pages_per_chunk,
         width=width, num_rows=num_rows, scale=scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, kv_dtype=jnp.dtype(kv_dtype or q.dtype))
+        soft_cap=soft_cap, has_sinks=sinks is not None, kv_dtype=jnp.dtype(kv_dtype or q.dtype))
     tile = pl.BlockSpec((None, rows, head_dim), lambda kh, qi, *_: (kh, qi, 0))
+    in_specs = [tile, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
+    inputs = [qg, k_cache, v_cache]
+    if sinks is not None:  # [K, M, 128]: the same block for every query tile of a kv head
+        in_specs.append(pl.BlockSpec((None, rows, 128), lambda kh, qi, *_: (kh, 0, 0)))
+        inputs.append(jnp.broadcast_to(sink_rows(sinks, num_kv_heads, group_p, tq)[..., None],
+                                       (num_kv_heads, rows, 128)))
     buffer = pltpu.VMEM((2, sizes.pages_per_chunk, block_size, head_dim), k_cache.dtype)
     call = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(num_kv_heads, num_tiles),
-            in_specs=[tile, pl.BlockSpec(memory_space=pl.ANY),
-                      pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=in_specs,
             out_specs=tile,
             scratch_shapes=[buffer, buffer, pltpu.SemaphoreType.DMA((2, 2)),
                             pltpu.VMEM((rows, 128), jnp.float32),
@@ -84,20 +92,20 @@ def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
         name="ragged_paged_attention",
     )
     out = call(batch.cu_q_lens, batch.kv_lens, batch.block_tables.reshape(-1),
-               batch.num_seqs, qg, k_cache, v_cache)
+               batch.num_seqs, *inputs)
     return ungroup_output(out, num_tokens, num_heads, group_p)
 
 
 def _kernel(cu_ref, kv_lens_ref, tables_ref, num_seqs_ref,  # SMEM: i32[R+1], [R], [R*B], [1]
             q_ref,  # [M, H]
             k_hbm, v_hbm,  # [P, S, K, H] in HBM
-            o_ref,  # [M, H]
-            k_buf, v_buf,  # VMEM [2, C, S, H]
-            sems,  # DMA semaphores [2 (k, v), 2 (slot)]
-            m_ref, l_ref,  # VMEM f32[M, 128], every lane equal
-            acc_ref,  # VMEM f32[M, H]
-            *, q_tokens, group_p, pages_per_chunk, width, num_rows, scale, sliding_window,
-            soft_cap, kv_dtype):
+            *refs,  # (sink_ref f32[M, 128] if has_sinks), then the output and scratch:
+            # o_ref [M, H]; k_buf, v_buf VMEM [2, C, S, H]; sems: DMA semaphores [2 (k, v),
+            # 2 (slot)]; m_ref, l_ref VMEM f32[M, 128], every lane equal; acc_ref f32[M, H]
+            q_tokens, group_p, pages_per_chunk, width, num_rows, scale, sliding_window,
+            soft_cap, has_sinks, kv_dtype):
+    sink_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
+    o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
     kv_head = pl.program_id(0)
     block_size = k_buf.shape[2]
     chunk_len = pages_per_chunk * block_size
@@ -141,8 +149,12 @@ def _kernel(cu_ref, kv_lens_ref, tables_ref, num_seqs_ref,  # SMEM: i32[R+1], [R
         l_ref[...] = jnp.broadcast_to(denom, l_ref.shape)
         acc_ref[...] = acc
 
-    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    if has_sinks:  # the sinks' term first: m = sink, l = 1
+        m_ref[...] = sink_ref[...]
+        l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
+    else:
+        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
     s0, c0 = _first_chunk(walk, walk.first_sequence())
 

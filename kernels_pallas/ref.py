@@ -4,6 +4,9 @@ One call attends a ragged batch that mixes prefill chunks and decodes: T query t
 sequences, each sequence's keys and values read through its row of the block table from a
 paged cache. A query token at absolute position p sees the keys at positions 0..p of its own
 sequence (causal inside a chunk), optionally only the last `sliding_window` of them.
+Attention sinks (GPT-OSS), when given, are one learned logit per query head that joins
+every softmax's denominator and adds no value: out = sum_j e^(s_j) v_j / (e^sink +
+sum_j e^(s_j)). The online softmax starts from that term (m = sink, l = 1, acc = 0).
 
 The loop walks the block tables a group of pages at a time with an online (flash-style)
 softmax in float32, and stops after the longest sequence's last page, so short contexts do
@@ -64,10 +67,10 @@ def token_layout(batch, num_tokens: int):
 
 def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
-                           kv_dtype=None):
+                           sinks=None, kv_dtype=None):
     """q: [T, N, H]; k_cache, v_cache: [P, S, K, H] (P pages of S slots) of kv_dtype values
     (default q's dtype; a quantized cache's one-byte format, kv_quant.py), or their bits
-    (kv_storage_dtype); returns [T, N, H].
+    (kv_storage_dtype); sinks: f32[N] or None; returns [T, N, H].
 
     Rows of padding tokens (beyond cu_q_lens[num_seqs]) come out as zeros, never NaN.
     """
@@ -110,12 +113,20 @@ def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
         acc = alpha[..., None] * acc + jnp.einsum("tkgl,tlkh->tkgh", p, v.astype(jnp.float32))
         return m_new, denom, acc
 
-    init = (jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
-            jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+    init = (*sink_state(sinks, (num_tokens, num_kv_heads, group)),
             jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32))
     _, denom, acc = jax.lax.fori_loop(0, num_steps, body, init)
     out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def sink_state(sinks, shape):
+    """The online softmax's starting (m, l), f32[*shape] for shape (..., K, G): the sinks'
+    term (m = sink, l = 1), or nothing seen yet (m = -inf, l = 0)."""
+    if sinks is None:
+        return jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32)
+    m = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(shape[-2:]), shape)
+    return m, jnp.ones(shape, jnp.float32)
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):

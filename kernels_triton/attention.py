@@ -33,7 +33,9 @@ Split-KV (flash-decoding). When X > 1 the key range of each query block is cut i
 parts of whole tiles, one per program; each writes its normalised partial output, m and l
 (float32, [X, T, N(, H)]), and a second small kernel merges the X parts with the
 log-sum-exp rule. l starts zeroed and a program whose part holds no tile returns at once,
-so a part that saw no key weighs 0 (short contexts leave most parts empty). The merge
+so a part that saw no key weighs 0 (short contexts leave most parts empty). Attention
+sinks (ref.py) start split 0's state at (m = sink, l = 1); split 0 always holds a tile
+of a real block, so the merge counts each sink once. The merge
 kernel writes every row of the output, zeros for padding tokens; without splits the output
 starts zeroed and the attention kernel writes only real tokens' rows.
 
@@ -136,12 +138,12 @@ ONE_BYTE_CACHES = (torch.float8_e4m3fn, torch.int8)  # kv_cache_dtype fp8, int8
 
 def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
-                           interpret: bool = False,
+                           sinks: torch.Tensor | None = None, interpret: bool = False,
                            block_sizes: BlockSizes | None = None) -> torch.Tensor:
     """q: [T, N, H]; k_cache, v_cache: [P, S, K, H] in q's dtype, or a quantized cache's
     one-byte values (float8_e4m3fn, int8: backends/torch/kv_quant.py folds their scales into q and
-    the output); returns [T, N, H] in q.dtype (ref.py's contract). interpret=True runs
-    Triton's interpreter on the host."""
+    the output); sinks: f32[N] or None; returns [T, N, H] in q.dtype (ref.py's contract).
+    interpret=True runs Triton's interpreter on the host."""
     _check(q, k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -151,7 +153,9 @@ def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
     splits = sizes.kv_splits
     if num_tokens == 0:
         return torch.zeros_like(q)
-    options = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if sinks is not None:
+        sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()
+    options = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
     attention = _ATTENTION[bool(interpret)]
     if splits == 1:
         out = torch.zeros_like(q)  # rows of padding tokens are never written
@@ -166,7 +170,7 @@ def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
 
 
 def _launch_attention(kernel, q, k_cache, v_cache, batch, out, stats, sizes, *, scale,
-                      sliding_window, soft_cap) -> None:
+                      sliding_window, soft_cap, sinks) -> None:
     """out: [T, N, H] (stats None) or f32 partials [X, T, N, H] with stats f32 [2, X, T, N],
     (m, l), l zeroed: a split whose program finds no key to attend leaves its l at 0."""
     num_tokens, num_heads, head_dim = q.shape
@@ -182,7 +186,7 @@ def _launch_attention(kernel, q, k_cache, v_cache, batch, out, stats, sizes, *, 
         (m, denom), split_stride, stat_strides = stats, out.stride(0), stats.stride()[1:3]
     grid = (num_tokens // sizes.q_tokens + num_rows, num_kv_heads, sizes.kv_splits)
     kernel[grid](
-        q, k_cache, v_cache, out, m, denom,
+        q, k_cache, v_cache, out, m, denom, q if sinks is None else sinks,
         batch.cu_q_lens, batch.kv_lens, batch.block_tables, batch.num_seqs,
         float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
         *q.stride(), *k_cache.stride(), *v_cache.stride(),
@@ -191,7 +195,7 @@ def _launch_attention(kernel, q, k_cache, v_cache, batch, out, stats, sizes, *, 
         TILE=sizes.tile_keys, SPLITS=sizes.kv_splits, HEAD_DIM=head_dim,
         SEARCH_STEPS=max(1, num_rows.bit_length()),
         HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=soft_cap is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_SINKS=sinks is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=launch_warps(rows, head_dim), num_stages=2,
     )
 
@@ -230,6 +234,7 @@ def _check(q, k_cache, v_cache) -> None:
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr,  # [T, N, H], [P, S, K, H], [P, S, K, H]
     o_ptr, m_ptr, l_ptr,  # output [T, N, H] or partials [X, T, N, H]; f32 [X, T, N] m and l
+    sinks_ptr,  # f32 [N] (HAS_SINKS)
     cu_ptr, kv_lens_ptr, tables_ptr, num_seqs_ptr,  # i32 [R+1], [R], [R, B], [1]
     scale, soft_cap, window,
     q_st, q_sn, q_sh,
@@ -241,7 +246,7 @@ def _attention_kernel(
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     BLOCK_Q: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
-    PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -295,6 +300,10 @@ def _attention_kernel(
     keys = tl.arange(0, TILE)
     m = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
     denom = tl.full([BLOCK_Q * GROUP_P], 0.0, tl.float32)
+    if HAS_SINKS:  # split 0 starts from the sinks' term: m = sink, l = 1
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf"))
+        m = tl.where(split == 0, sink, m)
+        denom = tl.where(m > float("-inf"), 1.0, denom)
     acc = tl.full([BLOCK_Q * GROUP_P, HEAD_DIM], 0.0, tl.float32)
     for tile in range(tile_start, tile_end):
         key = tile * TILE + keys

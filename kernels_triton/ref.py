@@ -7,6 +7,7 @@ T query tokens from R sequence rows; `batch` is any object with int32 tensors `c
 [1]. Rows from num_seqs on are padding, and so are the tokens from cu_q_lens[num_seqs] on;
 their outputs are zeros. A query token at absolute position p = kv_len - q_len + j sees the
 keys 0..p of its own sequence (only those > p - sliding_window when a window is given).
+Attention sinks (f32[N], GPT-OSS) join each softmax as one more logit with no value.
 
 Shape letters: T tokens, R rows, B blocks per row, P pages, S block size (slots per page),
 K kv heads, N query heads, G = N / K query heads per kv head, H head dim, L keys, C queries.
@@ -30,10 +31,11 @@ MAX_SCORES = 1 << 22  # float32 scores per matmul chunk (16 MiB): bounds a long 
 
 
 def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
-                           sliding_window: int | None = None,
-                           soft_cap: float | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, N, H]; k_cache, v_cache: [P, S, K, H] (q's dtype, or a quantized cache's
-    float8_e4m3fn / int8 values, read as float32); returns [T, N, H] in q.dtype.
+    float8_e4m3fn / int8 values, read as float32); sinks: f32[N] or None; returns
+    [T, N, H] in q.dtype.
 
     Softmax in float32; rows of padding tokens are exactly zero."""
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
@@ -44,7 +46,7 @@ def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
     num_seqs = int(batch.num_seqs.tolist()[0])
     cu = batch.cu_q_lens.tolist()
     kv_lens = batch.kv_lens.tolist()
-    options = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    options = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
     for seq in range(num_seqs):
         start, end, kv_len = cu[seq], cu[seq + 1], kv_lens[seq]
         origin = kv_len - (end - start)  # position of the sequence's first query token
@@ -70,7 +72,8 @@ def gather_pages(cache, table_row, lo: int, hi: int) -> torch.Tensor:
 
 
 def attend(q, keys, vals, first: int, lo_key: int, *, scale: float,
-           sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
+           sliding_window: int | None, soft_cap: float | None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """C query tokens at positions first.. against L keys at positions lo_key..
 
     q: [C, N, H]; keys, vals: [L, K, H]; returns [C, N, H] in q.dtype."""
@@ -90,7 +93,13 @@ def attend(q, keys, vals, first: int, lo_key: int, *, scale: float,
         visible &= k_pos > q_pos - sliding_window
     scores = scores.view(num_kv_heads, num_q, group, num_keys)
     scores = scores.masked_fill(~visible[None, :, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(num_kv_heads, num_q * group, num_keys)
+    if sinks is not None:  # one more logit per head, dropped after the softmax
+        sink = sinks.float().to(q.device).view(num_kv_heads, 1, group, 1)
+        scores = torch.cat([scores, sink.expand(-1, num_q, -1, -1)], dim=-1)
+        probs = torch.softmax(scores, dim=-1)[..., :num_keys]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    probs = probs.reshape(num_kv_heads, num_q * group, num_keys)
     out = torch.matmul(probs, vals.float().transpose(0, 1))  # [K, C * G, H]
     out = out.view(num_kv_heads, num_q, group, head_dim).transpose(0, 1)
     return out.reshape(num_q, num_heads, head_dim).to(q.dtype)

@@ -58,8 +58,9 @@ def gather_dense(cache, table_row, kv_len, block_size):
 
 
 def numpy_attention(q, k_cache, v_cache, batch, *, scale, sliding_window=None, soft_cap=None,
-                    dense_kv=None):
-    """float64 ragged paged attention; rows of padding tokens stay zero.
+                    sinks=None, dense_kv=None):
+    """float64 ragged paged attention; rows of padding tokens stay zero. sinks ([N]): one
+    more logit per head in each softmax's denominator, with no value.
 
     dense_kv, if given, maps a sequence index to its own ([L, K, H], [L, K, H]) keys/values
     instead of gathering them from the caches.
@@ -89,8 +90,14 @@ def numpy_attention(q, k_cache, v_cache, batch, *, scale, sliding_window=None, s
             s = np.einsum("nh,lnh->nl", q[t], keys[lo:pos + 1]) * scale
             if soft_cap is not None:
                 s = soft_cap * np.tanh(s / soft_cap)
-            w = np.exp(s - s.max(-1, keepdims=True))
-            w /= w.sum(-1, keepdims=True)
+            top = s.max(-1, keepdims=True)
+            if sinks is not None:
+                top = np.maximum(top, f64(sinks)[:, None])
+            w = np.exp(s - top)
+            denom = w.sum(-1, keepdims=True)
+            if sinks is not None:
+                denom += np.exp(f64(sinks)[:, None] - top)
+            w /= denom
             out[t] = np.einsum("nl,lnh->nh", w, values[lo:pos + 1])
     return out
 
@@ -155,6 +162,18 @@ MATRIX = [
     ("mixed", 32, 8, 64, "float32"),
     ("mixed", 32, 2, 64, "bfloat16"),
 ]
+
+
+# Attention sinks (GPT-OSS) on every kind of batch, one windowed: (kind, sliding_window,
+# dtype), run by each implementation's tests in padded buckets.
+SINK_CASES = [("decode", None, "float32"), ("prefill", None, "bfloat16"),
+              ("mixed", None, "float32"), ("mixed", 20, "bfloat16")]
+
+
+def random_sinks(rng, num_heads: int):
+    """f32[N] sinks from -2 to 6: the small ones barely matter, the large ones outweigh most
+    of a short context's keys (scores here are ~N(0, 1))."""
+    return jnp.asarray(rng.uniform(-2.0, 6.0, num_heads), jnp.float32)
 
 
 def padded_case(rng, kind, block_size, ratio, head_dim, dtype):

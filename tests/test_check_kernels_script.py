@@ -312,7 +312,7 @@ def test_triton_gpu_only_pieces_on_the_cpu():
 
     rng = np.random.default_rng(0)
     cpu = torch.device("cpu")
-    for kind, dtype, S, K, N, H, _, _ in kernel_checks.DEVICE_CHECKS:
+    for kind, dtype, S, K, N, H, *_ in kernel_checks.DEVICE_CHECKS:
         if kind == "far-decode":
             continue
         q, k_cache, v_cache, batch = triton_checks.random_case(

@@ -20,10 +20,12 @@ import numpy as np
 import pytest
 from attention_cases import (
     MATRIX,
+    SINK_CASES,
     assert_close,
     make_case,
     numpy_attention,
     padded_case,
+    random_sinks,
 )
 from jax import export
 
@@ -73,6 +75,31 @@ def test_matrix(kind, block_size, ratio, head_dim, dtype, kernel):
     table entries and NaN in every unused page; lengths start and end mid-block."""
     rng = np.random.default_rng(MATRIX.index((kind, block_size, ratio, head_dim, dtype)))
     check(kernel, padded_case(rng, kind, block_size, ratio, head_dim, dtype), dtype)
+
+
+@pytest.mark.parametrize("kind,window,dtype", SINK_CASES)
+def test_attention_sinks(kind, window, dtype, kernel):
+    """GPT-OSS's sinks on decode, prefill, mixed and windowed padded buckets, NaN in every
+    unused page; GQA 4 (padding heads' rows carry no sink)."""
+    rng = np.random.default_rng(SINK_CASES.index((kind, window, dtype)))
+    case = padded_case(rng, kind, 16, 3, 64, dtype)
+    check(kernel, case, dtype, sinks=random_sinks(rng, case[0].shape[1]),
+          sliding_window=window)
+
+
+@pytest.mark.parametrize("kernel,sizes", [("tpu", BlockSizes(64, 16)),
+                                          ("gpu", BlockSizes(1, 8, kv_splits=2)),
+                                          ("gpu", BlockSizes(32, 4, kv_splits=4))],
+                         ids=lambda x: str(x))
+def test_attention_sinks_across_tiles_and_splits(kernel, sizes):
+    """A sink counted once when a query's keys are split over programs (flash-decoding) and
+    when a tile holds several sequences."""
+    rng = np.random.default_rng(sizes.kv_splits)
+    specs = [(1, 389), (150, 357), (1, 2), (1, 17), (60, 137), (1, 64)]
+    case = make_case(rng, specs, block_size=16, num_kv_heads=2, num_heads=6, head_dim=64,
+                     max_model_len=400, num_rows=8, num_tokens=256, junk_tables=True)
+    check(kernel, case, "float32", block_sizes=sizes, sliding_window=128,
+          sinks=random_sinks(rng, 6))
 
 
 # TPU tiles hold >= 8 rows (sublanes); the GPU's one-token decode tiles are its own.
@@ -129,8 +156,8 @@ def abstract_case(num_tokens, num_rows, num_heads, num_kv_heads, head_dim, block
 
 
 # (T, R, N, K, H, S, P, B, dtype, options): decode, mixed and prefill buckets, GQA 8:1 and
-# 3:1 (padded to 4), bf16 and f32, window and soft cap, fp8 and int8 caches (kv_dtype: the
-# cache's dtype; kv_cache_dtype, kv_quant.py).
+# 3:1 (padded to 4), bf16 and f32, window and soft cap, attention sinks, fp8 and int8 caches
+# (kv_dtype: the cache's dtype; kv_cache_dtype, kv_quant.py).
 LOWERING = [
     (256, 256, 32, 4, 128, 16, 4096, 128, "bfloat16", {}),
     (256, 256, 32, 4, 128, 16, 4096, 128, "bfloat16", {"kv_dtype": jnp.float8_e4m3fn}),
@@ -138,6 +165,8 @@ LOWERING = [
     (16, 1, 32, 4, 128, 16, 4096, 2048, "bfloat16", {}),
     (512, 64, 32, 8, 128, 32, 1024, 64, "bfloat16", {"sliding_window": 256, "soft_cap": 30.0}),
     (1024, 8, 12, 4, 64, 16, 1024, 128, "float32", {}),
+    # GPT-OSS's attention: 64 heads of 64 over 8 kv heads, a 128-token window, sinks
+    (512, 64, 64, 8, 64, 16, 1024, 64, "bfloat16", {"sliding_window": 128, "sinks": True}),
 ]
 
 
@@ -152,6 +181,8 @@ def test_lowers_for_the_hardware(platform, kernel_name, shape):
         cache = jax.ShapeDtypeStruct(args[1].shape, options["kv_dtype"])
         args = (args[0], cache, cache, args[3])
     head_dim = dims[4]
+    if options.get("sinks"):  # f32[N]
+        options = {**options, "sinks": jnp.zeros((dims[2],), jnp.float32)}
     fn = jax.jit(functools.partial(KERNELS[kernel_name], scale=1 / math.sqrt(head_dim),
                                    **options))
     checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]

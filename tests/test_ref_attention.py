@@ -14,12 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_cases import (
+    SINK_CASES,
     SPECS,
     assert_close,
     f64,
     gather_dense,
     make_case,
     numpy_attention,
+    padded_case,
+    random_sinks,
 )
 
 from jaxserve.kernels_pallas import (
@@ -130,6 +133,37 @@ def test_soft_cap(settings, impl):
                      dtype=dtype, max_model_len=160)
     # Scaled scores ~ N(0, 16), far beyond the cap; scale != 1 tells scaled from raw scores.
     run_and_check(impl, *case, dtype, scale=0.5, soft_cap=soft_cap, sliding_window=window)
+
+
+@pytest.mark.parametrize("impl", XLA_IMPLS)
+@pytest.mark.parametrize("kind,window,dtype", SINK_CASES)
+def test_attention_sinks(kind, window, dtype, impl):
+    """A learned logit per head in every softmax's denominator (GPT-OSS), in padded
+    buckets: padding rows stay zero. (The kernels: test_pallas_kernels.py.)"""
+    rng = np.random.default_rng(SINK_CASES.index((kind, window, dtype)))
+    case = padded_case(rng, kind, 16, 4, 64, dtype)
+    run_and_check(impl, *case, dtype, sinks=random_sinks(rng, case[0].shape[1]),
+                  sliding_window=window)
+
+
+def test_calibration_attend_with_sinks():
+    """The fp8/int8 KV calibration pass attends one fresh sequence as the reference does."""
+    from jaxserve.backends.jax.kv_quant import calibration_attend
+
+    rng = np.random.default_rng(5)
+    q, k_cache, v_cache, batch = make_case(rng, [(37, 37)], block_size=16, num_kv_heads=2,
+                                           num_heads=4, head_dim=64)
+    sinks = random_sinks(rng, 4)
+    keys = jnp.asarray(gather_dense(np.asarray(k_cache), np.asarray(batch.block_tables)[0],
+                                    37, 16))
+    values = jnp.asarray(gather_dense(np.asarray(v_cache), np.asarray(batch.block_tables)[0],
+                                      37, 16))
+    zeros = jnp.zeros(2, jnp.float32)
+    got, _ = calibration_attend(q, keys, values, (zeros, zeros), None, scale=0.125,
+                                sliding_window=20, sinks=sinks)
+    want = numpy_attention(q, k_cache, v_cache, batch, scale=0.125, sliding_window=20,
+                           sinks=sinks)
+    assert_close(got, want, batch, "float32")
 
 
 @pytest.mark.parametrize("impl", [*XLA_IMPLS, *(pytest.param(k, marks=pytest.mark.slow)

@@ -27,10 +27,12 @@ import triton
 import triton.language as tl
 from attention_cases import (
     MATRIX,
+    SINK_CASES,
     assert_close,
     make_case,
     numpy_attention,
     padded_case,
+    random_sinks,
 )
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -89,6 +91,8 @@ def check(impl, case, dtype, **kw):
                                                            if k != "block_sizes"})
     tq = to_torch(q)
     k_poisoned, v_poisoned = (to_torch(poison_unused_pages(c, batch)) for c in (k_cache, v_cache))
+    if kw.get("sinks") is not None:
+        kw["sinks"] = to_torch(kw["sinks"])
     got = IMPLS[impl](tq, k_poisoned, v_poisoned, torch_batch(batch), **kw)
     assert got.shape == tq.shape and got.dtype == tq.dtype
     assert_close(got.float().numpy(), want, batch, dtype)
@@ -111,6 +115,26 @@ def test_window_and_soft_cap(options, impl):
     rng = np.random.default_rng(WINDOW_CAP.index(options))
     q, k_cache, v_cache, batch = padded_case(rng, "mixed", 16, 2, 64, "float32")
     check(impl, (q * 4, k_cache, v_cache, batch), "float32", **options)
+
+
+@pytest.mark.parametrize("kind,window,dtype", SINK_CASES)
+def test_attention_sinks(kind, window, dtype, impl):
+    """GPT-OSS's sinks on decode, prefill, mixed and windowed padded buckets (GQA 3, so
+    padding heads' rows carry no sink)."""
+    rng = np.random.default_rng(SINK_CASES.index((kind, window, dtype)))
+    case = padded_case(rng, kind, 16, 3, 64, dtype)
+    check(impl, case, dtype, sinks=random_sinks(rng, case[0].shape[1]), sliding_window=window)
+
+
+@pytest.mark.parametrize("sizes", [BlockSizes(1, 16, 4), BlockSizes(8, 128, 2)], ids=str)
+def test_attention_sinks_with_split_kv(sizes):
+    """Each sink counted once when a query block's keys are split over programs."""
+    rng = np.random.default_rng(sizes.kv_splits)
+    specs = [(1, 150), (12, 120), (1, 2), (1, 17), (7, 57), (1, 64)]
+    case = make_case(rng, specs, block_size=32, num_kv_heads=1, num_heads=4, head_dim=32,
+                     max_model_len=160, num_rows=8, num_tokens=26, junk_tables=True)
+    check("triton", case, "float32", block_sizes=sizes, sliding_window=128,
+          sinks=random_sinks(rng, 4))
 
 
 # Query blocks of one or several tokens; tiles narrower than a page, of one page and of more
@@ -348,13 +372,15 @@ def meta_case(num_tokens, num_rows, num_heads, num_kv_heads, head_dim, block_siz
 
 
 # (T, R, N, K, H, S, P, B, dtype, options): a decode bucket small enough to split its
-# contexts, a full decode bucket, a mixed bucket with window and cap, a prefill bucket.
+# contexts, a full decode bucket, a mixed bucket with window and cap, a prefill bucket, and
+# GPT-OSS's split decode with window and sinks.
 LAUNCHES = [
     (16, 16, 32, 8, 128, 16, 4096, 128, torch.bfloat16, {}),
     (256, 256, 32, 4, 128, 16, 4096, 128, torch.float16, {}),
     (512, 64, 32, 8, 128, 32, 1024, 64, torch.bfloat16, {"sliding_window": 256,
                                                          "soft_cap": 30.0}),
     (1024, 8, 12, 4, 64, 16, 1024, 128, torch.float32, {}),
+    (16, 16, 64, 8, 64, 16, 1024, 64, torch.bfloat16, {"sliding_window": 128, "sinks": True}),
 ]
 
 
@@ -364,6 +390,8 @@ def test_compiles_for_cuda(shape):
     their shared memory fits one SM (227 KiB); the call reads no value from its tensors."""
     *dims, dtype, options = shape
     q, k_cache, v_cache, batch = meta_case(*dims, dtype)
+    if options.get("sinks"):  # GPT-OSS: f32[N]
+        options = {**options, "sinks": torch.empty(dims[2], dtype=torch.float32, device="meta")}
     with recording(attention._ATTENTION) as attend, recording(attention._MERGE) as merge:
         out = attention.ragged_paged_attention(q, k_cache, v_cache, batch,
                                                scale=1 / math.sqrt(q.shape[-1]), **options)

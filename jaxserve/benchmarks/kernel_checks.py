@@ -14,17 +14,28 @@ import math
 import numpy as np
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}  # max abs error / max abs reference output
-# (kind, dtype, S block size, K kv heads, N query heads, H head dim, sliding_window, soft_cap)
-DEVICE_CHECKS = [(kind, dtype, 16, 8, 64, 128, None, None)
+# (kind, dtype, S block size, K kv heads, N query heads, H head dim, sliding_window, soft_cap,
+# attention sinks)
+DEVICE_CHECKS = [(kind, dtype, 16, 8, 64, 128, None, None, False)
                  for kind in ("decode", "prefill", "mixed")
                  for dtype in ("float32", "bfloat16")]
-DEVICE_CHECKS += [("mixed", dtype, 32, 2, 16, 64, 700, 30.0) for dtype in ("float32", "bfloat16")]
-DEVICE_CHECKS += [("far-decode", "bfloat16", 16, 8, 64, 128, None, None)]
+DEVICE_CHECKS += [("mixed", dtype, 32, 2, 16, 64, 700, 30.0, False)
+                  for dtype in ("float32", "bfloat16")]
+# GPT-OSS's attention: 64 heads of 64 over 8 kv heads, a 128-token window, sinks
+DEVICE_CHECKS += [(kind, "bfloat16", 16, 8, 64, 64, 128, None, True)
+                  for kind in ("decode", "mixed")]
+DEVICE_CHECKS += [("far-decode", "bfloat16", 16, 8, 64, 128, None, None, False)]
 # far-decode: a decode batch on pages past this many bytes into each cache, so 32-bit
 # element offsets (2**32 bytes of bf16 and up) would go wrong; on the CPU only the plumbing
 FAR_BYTES = {"cpu": 1 << 20, "device": (1 << 32) + (1 << 28)}
 # The timing grid's shapes: Llama-3-8B-like heads, bf16.
 BENCH = dict(block_size=16, kv_heads=8, q_heads=64, head_dim=128, dtype="bfloat16")
+
+
+def random_sinks(rng, num_heads: int) -> np.ndarray:
+    """f32[N] attention sinks from -2 to 6 (scores of the random cases are ~N(0, 1)), so
+    that some heads' sinks outweigh most keys."""
+    return rng.uniform(-2.0, 6.0, num_heads).astype(np.float32)
 
 
 def next_pow2(n: int) -> int:
@@ -68,6 +79,8 @@ def check_label(r: dict, prefix: str = "check", kernel_width: int = 20) -> str:
     extra = ""
     if r["sliding_window"] is not None or r["soft_cap"] is not None:
         extra = f" window={r['sliding_window']} cap={r['soft_cap']}"
+    if r.get("sinks"):
+        extra += " sinks"
     shape = f"S={r['S']} K={r['K']} N={r['N']} H={r['H']} T={r.get('T')} R={r.get('R')}{extra}"
     return f"{prefix} {r['kernel']:{kernel_width}} {r['kind']:10} {r['dtype']:8} {shape:44}"
 

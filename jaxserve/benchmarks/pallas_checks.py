@@ -24,6 +24,7 @@ from jaxserve.benchmarks.kernel_checks import (
     check_specs,
     check_verdict,
     next_pow2,
+    random_sinks,
     relative_error,
 )
 from jaxserve.benchmarks.pallas_timing import (
@@ -36,12 +37,13 @@ from jaxserve.benchmarks.ragged_batch import jax_batch, make_batch
 from jaxserve.kernels_pallas import ref
 
 OPTS = ("scale", "sliding_window", "soft_cap")
-# (kind, dtype, S block size, K kv heads, N query heads, H head dim, sliding_window, soft_cap)
-CPU_CHECKS = [("decode", "float32", 16, 1, 8, 128, None, None),
-              ("prefill", "bfloat16", 16, 2, 4, 64, None, None),
-              ("mixed", "float32", 32, 1, 8, 128, None, None),
-              ("mixed", "bfloat16", 16, 2, 4, 64, 24, 5.0),
-              ("far-decode", "bfloat16", 16, 1, 8, 128, None, None)]
+# (kind, dtype, S block size, K kv heads, N query heads, H head dim, sliding_window, soft_cap,
+# attention sinks)
+CPU_CHECKS = [("decode", "float32", 16, 1, 8, 128, None, None, False),
+              ("prefill", "bfloat16", 16, 2, 4, 64, None, None, False),
+              ("mixed", "float32", 32, 1, 8, 128, None, None, False),
+              ("mixed", "bfloat16", 16, 2, 4, 64, 24, 5.0, True),
+              ("far-decode", "bfloat16", 16, 1, 8, 128, None, None, False)]
 # Quantized KV caches (kv_cache_dtype): (kind, S, K, N, H) in bfloat16, each with fp8 and
 # int8; device timing: a decode batch of QUANT_TIMING = (rows, context) with BENCH's dims.
 QUANT_CHECKS = {"cpu": [("decode", 16, 2, 8, 64), ("mixed", 16, 1, 4, 128)],
@@ -104,21 +106,24 @@ def run_checks(kernels: dict, cases, *, long: bool, with_pa: bool, interpret: bo
     """Every kernel on every case against ref; returns a list of result dicts."""
     ref_fn = jax.jit(ref.ragged_paged_attention, static_argnames=OPTS)
     results = []
-    for kind, dtype, S, K, N, H, window, cap in cases:
+    for kind, dtype, S, K, N, H, window, cap, sinks in cases:
         case = random_case(kind, jnp.dtype(dtype), S, K, N, H, rng, long, far_bytes)
         opts = dict(scale=1.0 / math.sqrt(H), sliding_window=window, soft_cap=cap)
+        if sinks:
+            opts["sinks"] = jnp.asarray(random_sinks(rng, N))
         with jax.default_matmul_precision("highest"):  # no TF32 in the reference on GPUs
             want = ref_fn(*(x.astype(jnp.float32) for x in case[:3]), case[3], **opts)
         runs = {name: jax.jit(functools.partial(fn, **opts)) for name, fn in kernels.items()}
-        # jax's kernel takes no window and its float32 dots may run in TF32 on a GPU
-        if with_pa and kind == "decode" and window is None and (interpret or dtype != "float32"):
+        # jax's kernel takes no window (nor sinks); its float32 dots may run in TF32 on a GPU
+        if with_pa and kind == "decode" and window is None and not sinks and (
+                interpret or dtype != "float32"):
             runs["jax-paged-attention"] = functools.partial(
                 jax_paged_attention_on_cache, scale=opts["scale"], interpret=interpret,
                 k_splits=2 if interpret else 16)
         for name, run in runs.items():
             result = dict(kernel=name, kind=kind, dtype=dtype, S=S, K=K, N=N, H=H,
                           T=case[0].shape[0], R=case[3].kv_lens.shape[0],
-                          sliding_window=window, soft_cap=cap, tol=TOL[dtype],
+                          sliding_window=window, soft_cap=cap, sinks=sinks, tol=TOL[dtype],
                           informational=name == "jax-paged-attention")
             print(check_label(result), end=" ", flush=True)  # a crash shows what ran
             start = time.perf_counter()

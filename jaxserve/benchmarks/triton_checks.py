@@ -21,18 +21,20 @@ from jaxserve.benchmarks.kernel_checks import (
     check_specs,
     check_verdict,
     next_pow2,
+    random_sinks,
     relative_error,
 )
 from jaxserve.benchmarks.ragged_batch import make_batch
 from jaxserve.kernels_triton import ref
 
 WRITE_TOL = 2.0**-7  # float32 -> bf16 in the cache: one unit in the last place
-# (kind, dtype, S block size, K kv heads, N query heads, H head dim, sliding_window, soft_cap)
-CPU_CHECKS = [("decode", "float32", 16, 1, 4, 32, None, None),
-              ("prefill", "bfloat16", 16, 2, 4, 32, None, None),
-              ("mixed", "float32", 16, 1, 4, 32, None, None),
-              ("mixed", "bfloat16", 16, 2, 4, 32, 24, 5.0),
-              ("far-decode", "bfloat16", 16, 1, 4, 32, None, None)]
+# (kind, dtype, S block size, K kv heads, N query heads, H head dim, sliding_window, soft_cap,
+# attention sinks)
+CPU_CHECKS = [("decode", "float32", 16, 1, 4, 32, None, None, False),
+              ("prefill", "bfloat16", 16, 2, 4, 32, None, None, False),
+              ("mixed", "float32", 16, 1, 4, 32, None, None, False),
+              ("mixed", "bfloat16", 16, 2, 4, 32, 24, 5.0, True),
+              ("far-decode", "bfloat16", 16, 1, 4, 32, None, None, False)]
 # (dtype of k/v, cache dtype, T tokens (the last 2 padding), pages, S, K, H, far)
 WRITE_CHECKS = {
     "cpu": [("float32", "float32", 7, 6, 16, 2, 32, False),
@@ -131,9 +133,9 @@ def run_checks(kernel, cases, *, long: bool, far_bytes: int, device, tol: dict, 
                log=print, name: str = "triton"):
     """kernel(q, k_cache, v_cache, batch, **opts) on every case against ref; result dicts."""
     results = []
-    for kind, dtype, S, K, N, H, window, cap in cases:
+    for kind, dtype, S, K, N, H, window, cap, sinks in cases:
         result = dict(kernel=name, kind=kind, dtype=dtype, S=S, K=K, N=N, H=H,
-                      sliding_window=window, soft_cap=cap, tol=tol[dtype])
+                      sliding_window=window, soft_cap=cap, sinks=sinks, tol=tol[dtype])
         start = time.perf_counter()
         labelled = False
         try:
@@ -143,6 +145,8 @@ def run_checks(kernel, cases, *, long: bool, far_bytes: int, device, tol: dict, 
             result.update(T=q.shape[0], R=batch.kv_lens.shape[0], real_tokens=batch.real_tokens,
                           cache_gib=2 * k_cache.numel() * k_cache.element_size() / 2**30)
             opts = dict(scale=1.0 / math.sqrt(H), sliding_window=window, soft_cap=cap)
+            if sinks:
+                opts["sinks"] = torch.from_numpy(random_sinks(rng, N)).to(device)
             with no_tf32():
                 want = ref.ragged_paged_attention(
                     q.float(), *compact_for_reference(k_cache, v_cache, batch), **opts)

@@ -36,34 +36,38 @@ _HEADS = PartitionSpec(None, MODEL, None)  # [T, N | K', H]
 _CACHE = PartitionSpec(*KV_CACHE_SPEC)  # [P, S, K', H]
 KV_SCALE_SPEC = (MODEL,)  # a quantized cache's scales, f32[K']: split like its kv heads
 _SCALE = PartitionSpec(*KV_SCALE_SPEC)
+_SINKS = PartitionSpec(MODEL)  # attention sinks, f32[N]: split like the query heads
 
 
 def make_attend(attention_fn: Callable, mesh: Mesh, kv_dtype=None) -> Callable:
-    """attend(q, k, v, kv_cache, batch, *, scale, sliding_window, soft_cap) -> (out,
+    """attend(q, k, v, kv_cache, batch, *, scale, sliding_window, soft_cap, sinks) -> (out,
     kv_cache) for the models; attention_fn is a ragged paged attention with ref.py's
-    signature. kv_dtype: the one-byte format of a quantized cache (kv_quant.value_dtype),
+    signature; sinks f32[N] (or None) split over `model` like the query heads. kv_dtype: the one-byte format of a quantized cache (kv_quant.value_dtype),
     whose layers come with their scales; None: the model's dtype."""
 
-    def local(q, k, v, k_cache, v_cache, batch, *scales, scale, sliding_window, soft_cap):
+    def local(q, k, v, k_cache, v_cache, batch, sinks, *scales, scale, sliding_window,
+              soft_cap):
+        options = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        if sinks is not None:  # only then: implementations without sinks never see the word
+            options["sinks"] = sinks
         if scales:
             return attend_quantized(attention_fn, write_kv, q, k, v, k_cache, v_cache,
-                                    *scales, batch, scale=scale, sliding_window=sliding_window,
-                                    soft_cap=soft_cap, kv_dtype=kv_dtype)
+                                    *scales, batch, kv_dtype=kv_dtype, **options)
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-        out = attention_fn(q, k_cache, v_cache, batch, scale=scale,
-                           sliding_window=sliding_window, soft_cap=soft_cap)
-        return out, k_cache, v_cache
+        return attention_fn(q, k_cache, v_cache, batch, **options), k_cache, v_cache
 
-    def attend(q, k, v, kv_cache, batch, *, scale, sliding_window=None, soft_cap=None):
+    def attend(q, k, v, kv_cache, batch, *, scale, sliding_window=None, soft_cap=None,
+               sinks=None):
         fn = functools.partial(local, scale=scale, sliding_window=sliding_window,
                                soft_cap=soft_cap)
         caches, scales = kv_cache[:2], tuple(kv_cache[2:])
         if mesh.shape[MODEL] > 1:
+            sink_spec = None if sinks is None else _SINKS
             fn = jax.shard_map(fn, mesh=mesh,
                                in_specs=(_HEADS, _HEADS, _HEADS, _CACHE, _CACHE,
-                                         PartitionSpec()) + (_SCALE,) * len(scales),
+                                         PartitionSpec(), sink_spec) + (_SCALE,) * len(scales),
                                out_specs=(_HEADS, _CACHE, _CACHE), check_vma=False)
-        out, k_cache, v_cache = fn(q, k, v, *caches, batch, *scales)
+        out, k_cache, v_cache = fn(q, k, v, *caches, batch, sinks, *scales)
         return out, (k_cache, v_cache) + scales
 
     return attend

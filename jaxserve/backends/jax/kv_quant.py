@@ -93,7 +93,8 @@ def attend_quantized(attention_fn, write_fn, q, k, v, k_cache, v_cache, k_scale,
 # ----------------------------------------------------------------------------- calibration
 
 
-def calibration_attend(q, k, v, amax, batch, *, scale, sliding_window=None, soft_cap=None):
+def calibration_attend(q, k, v, amax, batch, *, scale, sliding_window=None, soft_cap=None,
+                       sinks=None):
     """An `attend` for one sequence of T fresh tokens without a cache: dense causal
     attention, and amax = (f32[K], f32[K]) raised to the largest |k| and |v| per kv head."""
     del batch
@@ -110,7 +111,11 @@ def calibration_attend(q, k, v, amax, batch, *, scale, sliding_window=None, soft
     mask = pos[None, :] <= pos[:, None]
     if sliding_window is not None:
         mask &= pos[None, :] > pos[:, None] - sliding_window
-    p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
+    s = jnp.where(mask, s, -jnp.inf)
+    if sinks is not None:  # one more logit per head, dropped after the softmax
+        sink = sinks.astype(jnp.float32).reshape(num_kv, -1, 1, 1)
+        s = jnp.concatenate([s, jnp.broadcast_to(sink, s.shape[:-1] + (1,))], axis=-1)
+    p = jax.nn.softmax(s, axis=-1)[..., :num_tokens]
     out = jnp.einsum("kgtu,ukh->tkgh", p, v.astype(jnp.float32))
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype), (k_max, v_max)
 
