@@ -192,6 +192,10 @@ PARAM_TABLE_CONFIGS = [
     {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 96, "hidden_size": 32,
      "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
      "num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": False},
+    {"architectures": ["GptOssForCausalLM"], "vocab_size": 96, "hidden_size": 32,
+     "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+     "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4,
+     "num_experts_per_tok": 2, "sliding_window": 8},
 ]
 
 

@@ -85,6 +85,28 @@ def test_a_source_change_that_keeps_the_hlo_loads_instead_of_compiling(tiny_chec
     assert len(sorted((tmp_path / "executables").glob("*.idx"))) == len(indexes) + 1
 
 
+def test_models_that_differ_only_in_unread_parameters_get_their_own_entries(tiny_checkpoint,
+                                                                             tmp_path):
+    """Prompt scoring reads only the embeddings and the head: two models whose other
+    parameters differ in shape lower it to the same HLO text, yet each needs its own
+    executable (the second start once loaded the first's and failed on its arguments)."""
+    import shutil
+
+    folders = []
+    for width in (128, 96):
+        folder = tmp_path / f"mlp{width}"
+        shutil.copytree(tiny_checkpoint, folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": width}))
+        folders.append(folder)
+    args = dict(ONE_BUCKET, compilation_cache_dir=str(tmp_path / "cache"), dtype="float32",
+                load_format="dummy")
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    for folder in folders:
+        out = LLM(str(folder), **args).generate("def f(x):", params, use_tqdm=False)
+        assert len(out[0].prompt_logprobs) > 1
+
+
 def test_unusable_entries_never_raise(tmp_path, caplog):
     import jax
 

@@ -15,6 +15,7 @@ instead of loading garbage.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from collections.abc import Callable, Iterator
@@ -169,12 +170,15 @@ def parameter_values(folder: str | Path, path_of: Callable, shapes: dict[tuple, 
 
     path_of(name) -> None (skip), (param path, transform), (param path, transform, index) for
     slice `index` of the parameter's first axis (per-expert tensors stacked into one [E, ...]
-    parameter), or a list of such targets (one fused tensor feeding several parameters);
-    raises KeyError for unknown names. A stacked parameter is staged in one host array and
+    parameter), a list of such targets (one fused tensor feeding several parameters), or a
+    Piece (a tensor stored as several, e.g. MXFP4's blocks and scales: once all have
+    arrived, the combined tensor is mapped by its own name); raises KeyError for unknown
+    names. A stacked parameter is staged in one host array and
     yielded once all its slices have arrived. Raises ValueError naming the first tensor that
     does not fit, or the parameters the checkpoint lacks.
     """
     staged: dict[tuple, tuple[np.ndarray, set]] = {}  # path -> (stack, slices filled)
+    pieces: dict[str, dict] = {}  # tensor name -> {piece: array} of a Piece-stored tensor
     done: set[tuple] = set()
     files = safetensors_files(folder)
     total = sum(len(_read_header(f)[1]) for f in files)
@@ -183,7 +187,13 @@ def parameter_values(folder: str | Path, path_of: Callable, shapes: dict[tuple, 
             for name, array in read_safetensors(file):
                 bar.update(1)
                 try:
-                    targets = _targets(path_of(name))
+                    target = path_of(name)
+                    if isinstance(target, Piece):  # the tensor once all its pieces arrived
+                        name, array = _combine(pieces, target, array, f"{file.name}: {name!r}")
+                        if array is None:
+                            continue
+                        target = path_of(name)
+                    targets = _targets(target)
                 except KeyError:
                     raise ValueError(f"{file.name}: unexpected tensor {name!r} for this "
                                      "architecture; the checkpoint does not match its "
@@ -204,11 +214,42 @@ def parameter_values(folder: str | Path, path_of: Callable, shapes: dict[tuple, 
                             continue
                     done.add(path)
                     yield path, value
+    if pieces:
+        name, got = next(iter(pieces.items()))
+        raise ValueError(f"The checkpoint in {folder} has only the {', '.join(sorted(got))} "
+                         f"of tensor {name!r} (and {len(pieces) - 1} more incomplete); "
+                         "it is truncated or corrupt.")
     missing = sorted(set(shapes) - done, key=str)
     if missing:
         names = ", ".join(".".join(map(str, p)) for p in missing[:5])
         raise ValueError(f"The checkpoint in {folder} lacks {len(missing)} weights the model "
                          f"needs, e.g. {names}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """path_of's answer for one stored piece of a tensor kept as several: `tensor` is
+    combine({piece name: array}) once every piece in `pieces` has arrived."""
+
+    tensor: str  # the combined tensor's name, which path_of maps
+    piece: str  # this piece's name, e.g. "blocks"
+    pieces: tuple  # every piece's name
+    combine: Callable  # {piece: array} -> array
+
+
+def _combine(pending: dict, target: Piece, array, where: str):
+    """(tensor name, combined array) once target's last piece arrives, else (name, None)."""
+    got = pending.setdefault(target.tensor, {})
+    if target.piece in got:
+        raise ValueError(f"{where}: a second {target.piece} of {target.tensor!r}.")
+    got[target.piece] = array
+    if len(got) < len(target.pieces):
+        return target.tensor, None
+    del pending[target.tensor]
+    try:
+        return target.tensor, target.combine(got)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def _stage(staged: dict, path: tuple, value: np.ndarray, index: int, shape: tuple, where: str):

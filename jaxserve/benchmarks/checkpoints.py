@@ -22,7 +22,7 @@ import tempfile
 import zlib
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2",
-         "gemma3")
+         "gemma3", "gpt_oss")
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|pad|>"
@@ -159,6 +159,23 @@ ARCH_CONFIGS = {
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
         },
     ),
+    # GPT-OSS: sinks, q/k/v/o biases, sliding (48) and full layers alternating, YaRN from 64
+    # positions (the longer prompts pass it); top-2 of 8 biased experts of 64, whose widths
+    # are multiples of 32 so a test can store them in MXFP4.
+    "gpt_oss": dict(
+        num_attention_heads=8,
+        head_dim=16,
+        intermediate_size=64,  # per expert
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=48,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 64, "rope_theta": 150000.0},
+    ),
 }
 
 # Weight scales, as multiples of 1/sqrt(fan_in): large enough that attention is
@@ -168,8 +185,11 @@ EMBED_STD = 0.3  # tied qwen2: larger makes the input token its own argmax
 EMBED_STD_OF = {"gemma2": EMBED_STD / 8, "gemma3": EMBED_STD / 8}
 PROJ_GAIN = {"q_proj": 2.0, "k_proj": 2.0, "v_proj": 1.5, "o_proj": 1.0,
              "gate_proj": 1.5, "up_proj": 1.5, "down_proj": 1.0,
-             "gate_up_proj": 1.5, "gate": 2.0, "shared_expert_gate": 1.0}  # MoE: fused experts
-# [E, out, in] (transformers 5 in memory), router ("gate") and Qwen2-MoE's shared-expert gate
+             "gate_up_proj": 1.5, "gate": 2.0, "shared_expert_gate": 1.0,  # MoE: fused experts
+             "router": 2.0}
+# [E, out, in] (transformers 5 in memory; GPT-OSS's [E, in, out]), router ("gate", GPT-OSS's
+# "router") and Qwen2-MoE's shared-expert gate
+SINK_STD = 1.5  # GPT-OSS's attention sinks: logits beside scores of a few units
 LM_HEAD_GAIN = 4.0
 BIAS_STD = 0.5
 NORM_RANGE = (0.5, 1.5)
@@ -179,12 +199,13 @@ NORM_RANGE = (0.5, 1.5)
 # offset added to --seed was picked by trying offsets until, with seed 0, every
 # step of greedy_margins(check_prompts()) has a gap above 1.7e-3 * max|logit|.
 SEED_OFFSET = {"llama": 193, "mistral": 273, "qwen2": 250, "qwen3": 735,
-               "mixtral": 695, "qwen2_moe": 5, "qwen3_moe": 12, "gemma2": 91, "gemma3": 80}
+               "mixtral": 695, "qwen2_moe": 5, "qwen3_moe": 12, "gemma2": 91, "gemma3": 80,
+               "gpt_oss": 50}
 # The smallest top-2 gap (of max |logit|) the margin test accepts: 1.5e-3, and for Gemma,
 # whose tiny models have flatter logits (tied embeddings, Gemma 2's final soft cap), a floor
 # just below the best of 150-250 offsets tried (1.52e-3 and 1.09e-3): still ~100x the float32
 # difference between jaxserve and HF on them (about 1e-5 of max |logit|).
-MIN_REL_GAP = {"gemma2": 1.4e-3, "gemma3": 1.0e-3}
+MIN_REL_GAP = {"gemma2": 1.4e-3, "gemma3": 1.0e-3, "gpt_oss": 1.0e-3}
 
 
 def _corpus_files() -> list[pathlib.Path]:
@@ -260,7 +281,7 @@ def make_config(arch: str, overrides: dict | None = None):
            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
            "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
            "qwen3_moe": transformers.Qwen3MoeConfig, "gemma2": transformers.Gemma2Config,
-           "gemma3": transformers.Gemma3TextConfig}[arch]
+           "gemma3": transformers.Gemma3TextConfig, "gpt_oss": transformers.GptOssConfig}[arch]
     return cls(**{**COMMON, **ARCH_CONFIGS[arch], **(overrides or {})}, dtype="float32")
 
 
@@ -278,8 +299,10 @@ def _randomize(model, arch: str, seed: int) -> None:
             if name.endswith("norm.weight"):
                 lo, hi = NORM_RANGE
                 t.copy_(torch.rand(t.shape, generator=gen) * (hi - lo) + lo)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):  # GPT-OSS's experts: *_proj_bias
                 t.copy_(torch.randn(t.shape, generator=gen) * BIAS_STD)
+            elif name.endswith(".sinks"):
+                t.copy_(torch.randn(t.shape, generator=gen) * SINK_STD)
             elif name.endswith("embed_tokens.weight"):
                 t.copy_(torch.randn(t.shape, generator=gen) * EMBED_STD_OF.get(arch, EMBED_STD))
             elif name.endswith("lm_head.weight"):

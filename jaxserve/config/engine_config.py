@@ -231,6 +231,11 @@ class EngineConfig:
         if self.backend == "torch" and self.speculative is not None:
             raise ValueError("speculative_config: speculative decoding runs on the JAX backend "
                              "only; drop speculative_config or use backend='jax'.")
+        if self.backend == "torch" and "GptOssForCausalLM" in (
+                self.model.hf_config.get("architectures") or ()):
+            raise ValueError("GPT-OSS (GptOssForCausalLM) runs on the JAX backend only: the "
+                             "torch backend's models have no attention sinks or biased "
+                             "experts. Use backend='jax'.")
         if self.backend == "torch" and (Path(self.model.model) / ORBAX_MARKER).is_file():
             raise ValueError(f"{self.model.model} is an Orbax checkpoint (jaxserve convert), "
                              "which the JAX backend restores; the torch backend loads Hugging "
@@ -387,7 +392,10 @@ def _resolve_dtype(dtype: str, hf_config: dict, model: str, on_accelerator: bool
     dtype = DTYPE_ALIASES.get(dtype, dtype)
     if dtype != "auto":
         return dtype
-    saved = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+    # MXFP4 checkpoints (GPT-OSS) dequantize to bfloat16, the dtype of their other tensors
+    mxfp4 = (hf_config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    saved = (hf_config.get("dtype") or hf_config.get("torch_dtype")
+             or ("bfloat16" if mxfp4 else "float32"))
     saved = saved if saved in SUPPORTED_DTYPES[1:] else "float32"
     if on_accelerator or saved == "float32":
         return saved

@@ -188,11 +188,15 @@ _RULES = {
     "wo": (MODEL, None, None),  # [N, H, D]
     "w_gate": (None, MODEL), "w_up": (None, MODEL),  # [D, F]
     "w_down": (MODEL, None),  # [F, D]
+    "sinks": (MODEL,),  # [N]: attention sinks, split like the query heads
 }
 # stacked experts: (tensor parallel inside each expert, expert parallel)
 _EXPERT_RULES = {
     "experts_gate": ((None, None, MODEL), (MODEL, None, None)),  # [E, D, F]
     "experts_up": ((None, None, MODEL), (MODEL, None, None)),  # [E, D, F]
     "experts_down": ((None, MODEL, None), (MODEL, None, None)),  # [E, F, D]
+    "experts_gate_bias": ((None, MODEL), (MODEL, None)),  # [E, F] (GPT-OSS)
+    "experts_up_bias": ((None, MODEL), (MODEL, None)),  # [E, F]
+    "experts_down_bias": ((), (MODEL, None)),  # [E, D]
 }
 KV_CACHE_SPEC = (None, None, MODEL, None)  # [P, S, K', H]

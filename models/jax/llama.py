@@ -79,9 +79,12 @@ class Attention(nnx.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out, kv_cache = attend(q, k, v, kv_cache, batch, scale=self.scale,
-                               sliding_window=self.window, soft_cap=self.soft_cap)
+        out, kv_cache = attend(q, k, v, kv_cache, batch, **self.attend_options())
         return matmul("tnh,nhd->td", out, self, "wo"), kv_cache
+
+    def attend_options(self) -> dict:
+        """attend's keywords for this layer (GPT-OSS adds its sinks)."""
+        return dict(scale=self.scale, sliding_window=self.window, soft_cap=self.soft_cap)
 
 
 class MLP(nnx.Module):
@@ -143,9 +146,10 @@ class LlamaForCausalLM(nnx.Module):
         return jnp.einsum("xd,vd->xv", hidden, head[...]).astype(jnp.float32)
 
 
-def reference_attend(q, k, v, kv_cache, batch, *, scale, sliding_window=None, soft_cap=None):
+def reference_attend(q, k, v, kv_cache, batch, *, scale, sliding_window=None, soft_cap=None,
+                     sinks=None):
     """One device, the reference: write the step's K/V at slot_mapping, then attend."""
     k_cache, v_cache = write_kv(*kv_cache, k, v, batch.slot_mapping)
     out = ragged_paged_attention(q, k_cache, v_cache, batch, scale=scale,
-                                 sliding_window=sliding_window, soft_cap=soft_cap)
+                                 sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
     return out, (k_cache, v_cache)

@@ -24,25 +24,36 @@ from jaxserve.models.jax.quantized import dequantized, kernel
 from jaxserve.models.mixtral_arch import MixtralArch, hf_param_path  # noqa: F401
 
 
-def moe_block(x, router_w, w_gate, w_up, w_down, *, top_k: int, normalize: bool,
-              first_expert=0, cast_weights: bool = False):
+def moe_block(x, router_w, w_gate, w_up, w_down, *biases, top_k: int, normalize: bool,
+              first_expert=0, cast_weights: bool = False, swiglu=None):
     """The sparse MoE MLP of tokens x: [T, D] -> [T, D], as HF computes it.
 
     router_w: [D, E] over all E experts. w_gate, w_up: [E_local, D, F], w_down: [E_local, F, D]
     hold experts first_expert .. first_expert + E_local - 1 (all of them by default).
-    first_expert may be traced (e.g. axis_index * E_local under shard_map).
+    first_expert may be traced (e.g. axis_index * E_local under shard_map). biases (GPT-OSS):
+    (router [E], gate [E_local, F], up [E_local, F], down [E_local, D]), or none.
 
     Routing: softmax over all E experts in float32, top_k, optionally renormalised to sum 1
     (Mixtral always; Qwen with norm_topk_prob), cast to x's dtype first if cast_weights (Qwen).
+    With swiglu = (alpha, limit) (GPT-OSS) the top-k logits are softmaxed instead (the same
+    weights as renormalising, in HF's order) and each expert's activation is the clamped
+    SwiGLU, (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit).
     Every shard routes identically; an assignment to an expert outside this slice contributes
     zero, so summing (psum) the results of disjoint slices that cover all experts gives the
     result on all experts. Shapes are static: T * top_k assignment rows whatever the routing.
     """
     num_tokens, num_local = x.shape[0], w_gate.shape[0]
-    probs = jax.nn.softmax((x @ router_w).astype(jnp.float32), axis=-1)  # f32[T, E]
-    weights, experts = jax.lax.top_k(probs, top_k)  # [T, k]
-    if normalize:
-        weights = weights / weights.sum(axis=-1, keepdims=True)
+    logits = x @ router_w
+    if biases:
+        logits = logits + biases[0]
+    if swiglu is None:
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # f32[T, E]
+        weights, experts = jax.lax.top_k(probs, top_k)  # [T, k]
+        if normalize:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+    else:
+        top, experts = jax.lax.top_k(logits.astype(jnp.float32), top_k)  # [T, k]
+        weights = jax.nn.softmax(top, axis=-1)
     if cast_weights:
         weights = weights.astype(x.dtype)
     local = experts - first_expert  # i32[T, k]
@@ -51,9 +62,20 @@ def moe_block(x, router_w, w_gate, w_up, w_down, *, top_k: int, normalize: bool,
     order = jnp.argsort(group, stable=True)  # assignments grouped by local expert, others last
     group_sizes = jnp.bincount(group, length=num_local + 1)[:num_local].astype(jnp.int32)
     xs = x[order // top_k]  # [T*k, D]: the token of each sorted assignment
-    h = (jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes))
-         * jax.lax.ragged_dot(xs, w_up, group_sizes))  # [T*k, F]
+    gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)  # [T*k, F]
+    up = jax.lax.ragged_dot(xs, w_up, group_sizes)
+    expert_of = jnp.minimum(group[order], num_local - 1)  # each sorted row's (local) expert
+    if biases:
+        gate, up = gate + biases[1][expert_of], up + biases[2][expert_of]
+    if swiglu is None:
+        h = jax.nn.silu(gate) * up
+    else:
+        alpha, limit = swiglu
+        gate = jnp.minimum(gate, limit)
+        h = (jnp.clip(up, -limit, limit) + 1) * gate * jax.nn.sigmoid(gate * alpha)
     ys = jax.lax.ragged_dot(h, w_down, group_sizes)  # [T*k, D]
+    if biases:
+        ys = ys + biases[3][expert_of]
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(num_tokens, top_k, -1)  # [T, k, D]
     # Each weighted expert output is cast to x's dtype and then summed, like HF's index_add_.
     contrib = jnp.where(is_local[..., None], y * weights[..., None], 0).astype(x.dtype)
@@ -62,18 +84,21 @@ def moe_block(x, router_w, w_gate, w_up, w_down, *, top_k: int, normalize: bool,
 
 def expert_parallel(mesh: Mesh, axis: str) -> Callable:
     """moe_block with the experts sharded over mesh axis `axis` (E divisible by its size):
-    each device runs its own experts on all tokens, then the results are summed. x and the
-    router are replicated over `axis`. Pass it as MixtralForCausalLM(..., moe_fn=...)."""
+    each device runs its own experts on all tokens, then the results are summed. x, the
+    router and its bias are replicated over `axis`; the experts' biases split like them.
+    Pass it as MixtralForCausalLM(..., moe_fn=...)."""
 
-    def fn(x, router_w, w_gate, w_up, w_down, **kw):
-        def local(x, router_w, w_gate, w_up, w_down):
+    def fn(x, router_w, w_gate, w_up, w_down, *biases, **kw):
+        def local(x, router_w, w_gate, w_up, w_down, *biases):
             first = jax.lax.axis_index(axis) * w_gate.shape[0]
-            out = moe_block(x, router_w, w_gate, w_up, w_down, first_expert=first, **kw)
+            out = moe_block(x, router_w, w_gate, w_up, w_down, *biases, first_expert=first,
+                            **kw)
             return jax.lax.psum(out, axis)
 
         rep, split = PartitionSpec(), PartitionSpec(axis)
-        return jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, split, split, split),
-                             out_specs=rep)(x, router_w, w_gate, w_up, w_down)
+        specs = (rep, rep, split, split, split) + ((rep, split, split, split) if biases else ())
+        return jax.shard_map(local, mesh=mesh, in_specs=specs,
+                             out_specs=rep)(x, router_w, w_gate, w_up, w_down, *biases)
 
     return fn
 

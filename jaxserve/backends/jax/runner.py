@@ -350,10 +350,10 @@ class ModelRunner:
             return compiled
         start = time.perf_counter()
         lowered = self._lower(key)
-        # The input tree too: jit drops unused arguments from the HLO, so two models that
-        # differ only in parameters a function does not read (prompt scoring reads only the
-        # embeddings) lower to the same text but take different inputs.
-        hlo = f"{lowered.as_text()}\n// inputs: {lowered.in_tree}" if cache is not None else ""
+        # With the inputs' tree and shapes: jit drops unused arguments from the HLO (scoring
+        # reads only the embeddings), so models differing elsewhere lower to the same text.
+        hlo = (f"{lowered.as_text()}\n// inputs: {lowered.in_tree} "
+               f"{jax.tree.leaves(lowered.in_avals)}" if cache is not None else "")
         compiled = cache.load_lowered(name, hlo) if cache is not None else None
         if compiled is not None:
             record_load()
