@@ -84,6 +84,23 @@ VARIANTS = {
 }
 
 
+def variant(name: str, arch: str, backend: str = "jax") -> dict:
+    """VARIANTS[name], its KV pool sized for arch: a model whose sliding-window layers hold
+    only their window (config/kv_groups.py) needs fewer blocks for the same sequences, so
+    the pool that makes the others preempt would not make it; and a hybrid model's blocks
+    each hold one group's layers, so it needs more of them to hold one sequence at all."""
+    engine = dict(VARIANTS[name])
+    if "num_kv_blocks" in engine:
+        hybrid = backend == "jax" and arch in HYBRID_BLOCKS
+        engine["num_kv_blocks"] = HYBRID_BLOCKS[arch] if hybrid else WINDOW_BLOCKS.get(arch, 36)
+    return engine
+
+
+# Pools that hold one sequence of max_model_len yet make the eight sequences preempt.
+WINDOW_BLOCKS = {"mistral": 30}  # a 96-token window on every layer, on either backend
+HYBRID_BLOCKS = {"gemma2": 60, "gemma3": 130, "gpt_oss": 60}  # 2, 6 and 2 KV groups
+
+
 # By default "all-three" (chunked prefill, preemption and block size 16 at once) runs on
 # llama (llama3 RoPE) and mistral (sliding window across chunks and pages); qwen2 and qwen3
 # differ from llama in their layers, not in how a step is scheduled (plain parity above, and
@@ -98,11 +115,13 @@ PRESSURE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("arch,variant", PRESSURE_CASES)
-def test_greedy_matches_under_scheduler_pressure(arch, variant, tiny_checkpoints, hf_reference):
+@pytest.mark.parametrize("arch,variant_name", PRESSURE_CASES)
+def test_greedy_matches_under_scheduler_pressure(arch, variant_name, tiny_checkpoints,
+                                                 hf_reference):
     prompts, expected = hf_reference
-    got, llm = run_jaxserve(tiny_checkpoints[arch], prompts, max_num_seqs=8, **VARIANTS[variant])
-    if "num_kv_blocks" in VARIANTS[variant]:
+    got, llm = run_jaxserve(tiny_checkpoints[arch], prompts, max_num_seqs=8,
+                            **variant(variant_name, arch))
+    if "num_kv_blocks" in VARIANTS[variant_name]:
         assert llm.engine.num_preemptions > 0
     assert got == expected[arch]
 
@@ -126,7 +145,7 @@ def test_speculative_greedy_matches_transformers(arch, tiny_checkpoints, hf_refe
     monkeypatch.setattr("jaxserve.core.scheduler.propose_ngram", proposer)
     got, llm = run_jaxserve(tiny_checkpoints[arch], prompts, max_num_seqs=8,
                             speculative_config={"num_speculative_tokens": 4},
-                            **VARIANTS["all-three"])
+                            **variant("all-three", arch))
     stats = llm.engine.stats()
     assert llm.engine.num_preemptions > 0
     assert stats.spec_accepted_tokens > 20
@@ -154,7 +173,7 @@ def test_torch_backend_greedy_matches_transformers(arch, tiny_checkpoints, hf_re
 def test_torch_backend_matches_under_scheduler_pressure(arch, tiny_checkpoints, hf_reference):
     prompts, expected = hf_reference
     got, llm = run_jaxserve(tiny_checkpoints[arch], prompts, backend="torch", max_num_seqs=8,
-                            **VARIANTS["all-three"])
+                            **variant("all-three", arch, "torch"))
     assert llm.engine.num_preemptions > 0
     assert got == expected[arch]
 

@@ -34,6 +34,11 @@ VOCAB = 50_000
 PAD = -2  # what padding tokens write (into the null block)
 
 
+def held_blocks(request) -> list:
+    """A request's blocks (its one KV group's list; [] while it holds none)."""
+    return request.block_ids[0] if request.block_ids else []
+
+
 def next_token(context) -> int:
     """The fake model: the next token is a hash of the whole context."""
     return zlib.crc32(np.asarray(context, np.int32).tobytes()) % VOCAB
@@ -102,7 +107,7 @@ class Harness:
 
     def abort(self, request: Request) -> None:
         self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-        assert request.block_ids == [] and request.state_slot == 0
+        assert held_blocks(request) == [] and request.state_slot == 0
         self.finished.append(request)
         self.check_state()
 
@@ -138,7 +143,7 @@ class Harness:
         for victim in out.preempted:
             assert victim.status is RequestStatus.PREEMPTED
             assert victim.num_computed_tokens == 0
-            assert victim.block_ids == [] and victim.state_slot == 0
+            assert held_blocks(victim) == [] and victim.state_slot == 0
             assert victim.num_preemptions == prev_counts[id(victim)] + 1
         self.check_state(scheduled=out)
         return out
@@ -208,20 +213,20 @@ class Harness:
                 assert computed < req.num_tokens, "a running request is owed no work"
             # Rejected proposals leave their blocks with the request (overwritten next).
             need, most = cdiv(computed, bs), cdiv(max(computed, req.num_tokens + self.k), bs)
-            assert need <= len(req.block_ids) <= (most if self.k else need), (
-                f"{req.request_id} holds {len(req.block_ids)} blocks for {computed} tokens")
+            assert need <= len(held_blocks(req)) <= (most if self.k else need), (
+                f"{req.request_id} holds {len(held_blocks(req))} blocks for {computed} tokens")
             if req.num_preemptions == 0 and computed < req.num_prompt_tokens:
                 assert req.num_output_tokens == 0, "a token before the prompt was computed"
-            held += req.block_ids
+            held += held_blocks(req)
         if self.enable_caching and scheduled is not None:
             for req in scheduled.requests:
                 check_named(req, bs)
         for req in s.waiting:
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-            assert req.block_ids == [] and req.num_computed_tokens == 0
+            assert held_blocks(req) == [] and req.num_computed_tokens == 0
             assert req.state_slot == 0
         for req in self.finished:
-            assert req.finished and req.block_ids == [] and req.state_slot == 0
+            assert req.finished and held_blocks(req) == [] and req.state_slot == 0
             assert not any(req is r for r in s.running) and not any(req is r for r in s.waiting)
 
         pool = self.kv_manager.pool
@@ -252,11 +257,11 @@ class Harness:
         assert 0 not in pool.block_hash, "the null block was cached"
         holders: dict[int, int] = {}
         for req in running:
-            assert len(set(req.block_ids)) == len(req.block_ids), "a block held twice"
-            for b in req.block_ids:
+            assert len(set(held_blocks(req))) == len(held_blocks(req)), "a block held twice"
+            for b in held_blocks(req):
                 holders[b] = holders.get(b, 0) + 1
         for req in running:
-            for i, b in enumerate(req.block_ids):
+            for i, b in enumerate(held_blocks(req)):
                 digest = pool.block_hash.get(b)
                 if holders[b] > 1:
                     assert digest is not None, f"block {b} shared but not cached"
@@ -283,7 +288,7 @@ class Harness:
         assert self.kv_manager.usage == 0
         assert sorted(self.scheduler._free_slots) == list(range(1, self.config.max_num_seqs + 1))
         for req in self.requests:
-            assert req.finished and req.block_ids == [] and req.state_slot == 0
+            assert req.finished and held_blocks(req) == [] and req.state_slot == 0
             if req.status is RequestStatus.FINISHED_LENGTH:
                 assert req.num_output_tokens == req.max_output_tokens
 
@@ -363,7 +368,7 @@ class Harness:
             assert req.output_token_ids[-count:] == sampled[first: first + count].tolist()
             produced.append(req)
             if req.finished:
-                assert req not in self.scheduler.running and req.block_ids == []
+                assert req not in self.scheduler.running and held_blocks(req) == []
                 self.finished.append(req)
         if self.enable_caching:
             self.check_cached_kv()
@@ -532,7 +537,7 @@ def test_a_request_holds_exactly_the_blocks_its_computed_tokens_need():
     history = []
     while not a.finished:
         h.step()
-        history.append((a.num_computed_tokens, len(a.block_ids)))
+        history.append((a.num_computed_tokens, len(held_blocks(a))))
     # 10 -> 3 blocks, then one token per step: 11, 12 -> 3; 13..16 -> 4; at 17 the eighth
     # output finishes it and its blocks go back.
     assert history == [(10, 3), (11, 3), (12, 3), (13, 4), (14, 4), (15, 4), (16, 4), (17, 0)]
@@ -560,11 +565,11 @@ def test_abort_frees_running_and_waiting_requests():
     keep = h.new("keep", prompt_len=5, max_tokens=6)
     waiting = h.new("waiting", prompt_len=5, max_tokens=3)
     h.step()  # decoding 1 + prefilling 15: the budget is spent, nobody else is admitted
-    assert decoding.num_output_tokens == 2 and decoding.block_ids
+    assert decoding.num_output_tokens == 2 and held_blocks(decoding)
     assert 0 < prefilling.num_computed_tokens < prefilling.num_prompt_tokens
     assert list(h.scheduler.waiting) == [keep, waiting]
     free_before = h.kv_manager.pool.num_free
-    held = len(decoding.block_ids) + len(prefilling.block_ids)
+    held = len(held_blocks(decoding)) + len(held_blocks(prefilling))
 
     h.abort(decoding)
     h.abort(prefilling)
@@ -606,7 +611,7 @@ def test_the_newest_running_request_is_preempted_when_blocks_run_out():
     out = h.step()  # a needs a third block: c, the newest, gives way
     assert out.preempted == [c] and out.requests == [a, b]
     assert c.status is RequestStatus.PREEMPTED and c.num_computed_tokens == 0
-    assert c.block_ids == [] and c.state_slot == 0 and c.num_preemptions == 1
+    assert held_blocks(c) == [] and c.state_slot == 0 and c.num_preemptions == 1
     assert list(h.scheduler.waiting) == [c, d], "the preempted request waits in front"
     assert h.scheduler.num_preemptions == 1
     assert c.output_token_ids == outputs_before and len(outputs_before) == 2, "outputs kept"
@@ -885,7 +890,7 @@ def check_named(req: Request, block_size: int) -> None:
                                                    full)
         # What the scheduler's check trusts: room only in blocks it holds, up to the next
         # block to be named.
-        assert req.kv_room <= len(req.block_ids) * block_size
+        assert req.kv_room <= len(held_blocks(req)) * block_size
         assert req.kv_room < (req.num_registered_blocks + 1) * block_size
 
 
@@ -984,7 +989,7 @@ def test_asynchronous_steps_give_every_request_its_exact_tokens(enable_caching):
     assert scheduler.num_preemptions > 0, "the pool was meant to be too small"
     assert last_tokens["fed"] > 100, "decode inputs were meant to be placeholders"
     for req in requests:
-        assert req.finished and req.block_ids == [] and req.state_slot == 0
+        assert req.finished and held_blocks(req) == [] and req.state_slot == 0
         assert req.num_output_tokens <= req.max_output_tokens
         if req.status is RequestStatus.FINISHED_LENGTH:
             assert req.num_output_tokens == req.max_output_tokens
@@ -1027,9 +1032,9 @@ def test_input_building_reads_only_the_blocks_each_step_adds():
     while scheduler.num_unfinished:
         out = scheduler.schedule()
         for req in out.requests:
-            if not isinstance(req.block_ids, _CountedBlocks):
-                req.block_ids = _CountedBlocks(req.block_ids)
-        tables_read += sum(len(req.block_ids) for req in out.requests)
+            if req.block_ids and not isinstance(req.block_ids[0], _CountedBlocks):
+                req.block_ids[0] = _CountedBlocks(req.block_ids[0])
+        tables_read += sum(len(held_blocks(req)) for req in out.requests)
         num_tokens, num_rows = config.pick_bucket(out.total_num_scheduled_tokens,
                                                   len(out.requests))
         _CountedBlocks.read = 0

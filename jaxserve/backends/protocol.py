@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from jaxserve.config.kv_groups import KVGroups
 from jaxserve.core.scheduler_output import SchedulerOutput
 
 
@@ -84,6 +85,7 @@ class Runner(Protocol):
     num_blocks: int  # KV blocks on each device, block 0 (the null block) included
     bytes_per_block: int  # KV bytes of one block on each device
     blocks_per_seq: int  # B: block-table width (max_model_len / block_size, rounded up)
+    kv_groups: KVGroups  # the layers sharing block tables (config/kv_groups.py)
 
     def dispatch(self, out: SchedulerOutput, score_targets: np.ndarray | None = None,
                  grammar_masks: list[tuple[int, np.ndarray]] | None = None) -> Any:

@@ -17,6 +17,7 @@ import numpy as np
 from jaxserve.backends.jax.sampler import SampleResult
 from jaxserve.backends.protocol import RunnerStats, StepResult
 from jaxserve.config.engine_config import EngineConfig
+from jaxserve.config.kv_groups import KVGroups
 from jaxserve.core.input_builder import StepInputBuilder
 from jaxserve.core.scheduler_output import SchedulerOutput
 
@@ -31,6 +32,7 @@ class NullRunner:
         self.blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.num_blocks = config.scheduler.max_num_seqs * self.blocks_per_seq + 1
         self.bytes_per_block = 1
+        self.kv_groups = KVGroups.single(1)
         self.inputs = StepInputBuilder(config.scheduler.max_num_seqs, self.block_size,
                                        self.blocks_per_seq)
         self.vocab = vocab

@@ -84,6 +84,9 @@ class EngineArgs:
         "CPU default is 1 GiB)")
     enable_prefix_caching: bool = _arg(
         True, "reuse the KV cache of shared prompt prefixes")
+    disable_hybrid_kv_cache_manager: bool = _arg(
+        False, "keep the whole sequence's KV in sliding-window layers too (by default they "
+        "hold only their window: config/kv_groups.py)")
     kv_cache_dtype: str = _arg(
         "auto", "data type of the KV cache: auto (the model's dtype); fp8 (= fp8_e4m3) or "
         "int8: one byte per element, twice the blocks of bfloat16, with a scale per layer "
@@ -216,6 +219,7 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             enable_prefix_caching=self.enable_prefix_caching,
+            hybrid_kv_cache=not self.disable_hybrid_kv_cache_manager,
             kv_cache_dtype=self.kv_cache_dtype, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, mesh=self.mesh,
             tensor_parallel_size=self.tensor_parallel_size,

@@ -75,8 +75,13 @@ class CacheConfig:
     # auto: the model's dtype; fp8 (= fp8_e4m3) or int8: one byte per element with a
     # float32 scale per layer and kv head, calibrated at start-up (docs/architecture.md)
     kv_cache_dtype: str = "auto"
+    # sliding-window layers hold only their window (config/kv_groups.py); False: everything
+    hybrid_kv_cache: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.hybrid_kv_cache, bool):
+            raise ValueError("hybrid_kv_cache (disable_hybrid_kv_cache_manager) must be True "
+                             f"or False, got {self.hybrid_kv_cache!r}.")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
                              f"{self.kv_cache_dtype!r}.")
@@ -256,6 +261,7 @@ class EngineConfig:
         gpu_memory_utilization: float = 0.9,
         kv_cache_memory_bytes: int | None = None,
         enable_prefix_caching: bool = True,
+        hybrid_kv_cache: bool = True,
         kv_cache_dtype: str = "auto",
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
@@ -311,7 +317,7 @@ class EngineConfig:
                               gpu_memory_utilization=gpu_memory_utilization,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching,
-                              kv_cache_dtype=kv_cache_dtype),
+                              hybrid_kv_cache=hybrid_kv_cache, kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len, policy=scheduling_policy,

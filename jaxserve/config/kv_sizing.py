@@ -77,10 +77,12 @@ def kv_budget(cache: CacheConfig, per_block: int, *, device_limit: int | None, i
     return KVBudget(int(blocks), int(budget), source)
 
 
-def check_holds_one_sequence(blocks: int, block_size: int, max_model_len: int) -> None:
+def check_holds_one_sequence(blocks: int, block_size: int, max_model_len: int,
+                             held: int | None = None) -> None:
     """ValueError unless the cache holds one sequence of max_model_len (plus the null
-    block), saying what would help."""
-    needed = blocks_per_seq(max_model_len, block_size) + 1
+    block), saying what would help. held: the blocks that sequence holds
+    (KVGroups.blocks_held; default one block table's worth)."""
+    needed = (held or blocks_per_seq(max_model_len, block_size)) + 1
     if blocks < needed:
         raise ValueError(
             f"The KV cache has room for {blocks} blocks of {block_size} tokens, but one "

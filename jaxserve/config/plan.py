@@ -20,6 +20,7 @@ import re
 
 from jaxserve.config import kv_sizing
 from jaxserve.config.engine_config import EngineConfig
+from jaxserve.config.kv_groups import KVGroups, describe_groups, kv_groups_for
 from jaxserve.config.mesh import (
     MODEL,
     MeshShape,
@@ -72,6 +73,11 @@ class Plan:
     step_buckets: tuple[tuple[int, int], ...]
     quantization: str | None = None  # "int8": the linear layers' weights
     kv_cache_dtype: str = "auto"  # CacheConfig.kv_cache_dtype
+    kv_groups: KVGroups | None = None  # config/kv_groups.py; None: one group of every layer
+
+    @property
+    def groups(self) -> KVGroups:
+        return self.kv_groups or KVGroups.single(self.num_layers)
 
     @property
     def kv_element(self) -> str:
@@ -92,7 +98,9 @@ class Plan:
 
     @property
     def bytes_per_token(self) -> int:
-        return self.bytes_per_block // self.block_size
+        """KV bytes of one token in every layer (a block holds groups.num_slots layers)."""
+        return self.bytes_per_block * self.num_layers // (self.groups.num_slots
+                                                          * self.block_size)
 
     @property
     def usable_blocks(self) -> int:
@@ -100,20 +108,27 @@ class Plan:
 
     @property
     def kv_tokens(self) -> int:
-        return self.usable_blocks * self.block_size
+        """Tokens the usable blocks hold in every layer."""
+        return self.usable_blocks * self.block_size * self.groups.num_slots // self.num_layers
 
     @property
     def blocks_per_seq(self) -> int:
         return kv_sizing.blocks_per_seq(self.max_model_len, self.block_size)
 
     @property
+    def blocks_held(self) -> int:
+        """Blocks one sequence of max_model_len holds (all of its table with one group;
+        window groups hold only their window)."""
+        return self.groups.blocks_held(self.max_model_len, self.block_size)
+
+    @property
     def max_concurrency(self) -> int:
         """Sequences of max_model_len tokens that fit in the cache at once."""
-        return self.usable_blocks // self.blocks_per_seq
+        return self.usable_blocks // self.blocks_held
 
     @property
     def concurrency(self) -> float:
-        return self.usable_blocks / self.blocks_per_seq
+        return self.usable_blocks / self.blocks_held
 
 
 def make_plan(config: EngineConfig, device_memory_bytes: int) -> Plan:
@@ -129,17 +144,21 @@ def make_plan(config: EngineConfig, device_memory_bytes: int) -> Plan:
     arch = model_family(hf).arch_from_hf(hf)
     cache, sched = config.cache, config.scheduler
     element = kv_sizing.cache_element(dtype, cache.kv_cache_dtype)
-    per_block = _bytes_per_block(hf, sharding, cache.block_size, element)
+    groups = kv_groups_for(config)
+    per_block = _bytes_per_block(hf, sharding, cache.block_size, element, groups.num_slots)
     state = kv_sizing.sampler_state_bytes(sched.max_num_seqs, arch.vocab_size)
     used = sum(g.bytes_per_device for g in weights) + state
     usable = device_memory_bytes * cache.gpu_memory_utilization
-    needed = kv_sizing.blocks_per_seq(config.model.max_model_len, cache.block_size) + 1
+    held = groups.blocks_held(config.model.max_model_len, cache.block_size,
+                              sched.max_num_batched_tokens)
+    needed = held + 1
     kv = kv_sizing.kv_budget(cache, per_block, device_limit=device_memory_bytes, in_use=used)
     blocks, budget, source = kv.blocks, kv.budget_bytes, kv.source
     if used + max(blocks, needed) * per_block > usable:
         raise ValueError(_no_fit_message(config, device_memory_bytes, used,
                                          max(blocks, needed) * per_block))
-    kv_sizing.check_holds_one_sequence(blocks, cache.block_size, config.model.max_model_len)
+    kv_sizing.check_holds_one_sequence(blocks, cache.block_size, config.model.max_model_len,
+                                       held)
     return Plan(
         model=config.model.model, architecture=resolve_architecture(hf), dtype=dtype,
         quantization=config.model.quantization, kv_cache_dtype=cache.kv_cache_dtype, mesh=mesh,
@@ -153,14 +172,17 @@ def make_plan(config: EngineConfig, device_memory_bytes: int) -> Plan:
         block_size=cache.block_size, num_blocks=int(blocks),
         max_model_len=config.model.max_model_len, max_num_seqs=sched.max_num_seqs,
         max_num_batched_tokens=sched.max_num_batched_tokens,
-        token_buckets=sched.token_buckets, step_buckets=sched.step_buckets)
+        token_buckets=sched.token_buckets, step_buckets=sched.step_buckets,
+        kv_groups=groups)
 
 
-def _bytes_per_block(hf: dict, sharding: ShardingPlan, block_size: int, element: str) -> int:
+def _bytes_per_block(hf: dict, sharding: ShardingPlan, block_size: int, element: str,
+                     layers: int | None = None) -> int:
     """runner.bytes_per_block: K and V of one block, this device's share of the kv heads;
-    element: kv_sizing.cache_element's."""
+    element: kv_sizing.cache_element's; layers: a block's (KVGroups.num_slots; default
+    every layer)."""
     arch = model_family(hf).arch_from_hf(hf)
-    return kv_sizing.bytes_per_block(arch.num_layers, block_size,
+    return kv_sizing.bytes_per_block(layers or arch.num_layers, block_size,
                                      sharding.kv_heads_per_device, arch.head_dim, element)
 
 
@@ -170,7 +192,9 @@ def _no_fit_message(config: EngineConfig, memory: int, used: int, kv: int) -> st
     hf, dtype = config.model.hf_config, config.model.dtype
     element = kv_sizing.cache_element(dtype, cache.kv_cache_dtype)
     usable = memory * cache.gpu_memory_utilization
-    needed = kv_sizing.blocks_per_seq(config.model.max_model_len, cache.block_size) + 1
+    groups = kv_groups_for(config)
+    needed = groups.blocks_held(config.model.max_model_len, cache.block_size,
+                                config.scheduler.max_num_batched_tokens) + 1
     state = kv_sizing.sampler_state_bytes(config.scheduler.max_num_seqs,
                                           model_family(hf).arch_from_hf(hf).vocab_size)
     what = ("the weights alone do not fit" if used > usable
@@ -184,7 +208,7 @@ def _no_fit_message(config: EngineConfig, memory: int, used: int, kv: int) -> st
         weights = sum(g.bytes_per_device for g in _weight_groups(
             hf, sharding, dtype, config.model.quantization))
         if weights + state + needed * _bytes_per_block(hf, sharding, cache.block_size,
-                                                       element) <= usable:
+                                                       element, groups.num_slots) <= usable:
             hints.append(f"a model axis of {m} fits (--mesh {mesh.data}x{m}, "
                          f"{mesh.data * m} devices)")
             break
@@ -333,9 +357,9 @@ def format_plan(plan: Plan) -> str:
            if plan.kv_budget_source == "device memory"
            else f"from {plan.kv_budget_source}"),
         f"  blocks             {plan.num_blocks:,} ({plan.usable_blocks:,} usable + the null "
-        f"block) = {plan.kv_tokens:,} tokens",
+        f"block) = {plan.kv_tokens:,} tokens" + describe_groups(plan.groups),
         f"  max concurrency    {plan.max_concurrency:,} sequences of max_model_len="
-        f"{plan.max_model_len} ({plan.concurrency:.2f}; {plan.blocks_per_seq} blocks each); "
+        f"{plan.max_model_len} ({plan.concurrency:.2f}; {plan.blocks_held} blocks each); "
         f"max_num_seqs={plan.max_num_seqs}",
         "",
         f"compile buckets      {len(plan.step_buckets)} step shapes (T tokens x R sequences), "
@@ -365,7 +389,7 @@ def plan_dict(plan: Plan) -> dict:
                    "num_devices": plan.mesh.num_devices}
     out["sharding"]["kv_heads_per_device"] = plan.sharding.kv_heads_per_device
     for name in ("weight_bytes_per_device", "num_params", "usable_memory_bytes",
-                 "bytes_per_token", "usable_blocks", "kv_tokens", "blocks_per_seq",
+                 "bytes_per_token", "usable_blocks", "kv_tokens", "blocks_per_seq", "blocks_held",
                  "max_concurrency", "concurrency"):
         out[name] = getattr(plan, name)
     return out

@@ -17,11 +17,11 @@ MAX_BANNED_IDS = 32
 
 
 def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, block_size: int,
-                      blocks_per_seq: int) -> tuple[dict, dict]:
+                      blocks_per_seq: int, num_groups: int = 1) -> tuple[dict, dict]:
     """One step's inputs with a builder of its own (for a step formed by hand, and the
     shapes of a bucket); a runner keeps one StepInputBuilder for all its steps."""
     slots = max((r.state_slot for r in out.requests), default=0)
-    return StepInputBuilder(slots, block_size, blocks_per_seq).build(
+    return StepInputBuilder(slots, block_size, blocks_per_seq, num_groups).build(
         out, num_tokens, num_rows, refresh=True)
 
 
@@ -49,10 +49,14 @@ class PackedStep:
     and reset to the padding values for each step (one copy each way, instead of an array
     per field and a concatenation)."""
 
-    def __init__(self, num_tokens: int, num_rows: int, blocks_per_seq: int) -> None:
+    def __init__(self, num_tokens: int, num_rows: int, blocks_per_seq: int,
+                 num_groups: int = 1) -> None:
+        # Several KV groups (config/kv_groups.py): a block table and slot mapping per group.
+        groups = (num_groups,) if num_groups > 1 else ()
         shapes = dict(token_ids=(num_tokens,), positions=(num_tokens,),
-                      slot_mapping=(num_tokens,), feed_slots=(num_tokens,),
-                      cu_q_lens=(num_rows + 1,), block_tables=(num_rows, blocks_per_seq),
+                      slot_mapping=groups + (num_tokens,), feed_slots=(num_tokens,),
+                      cu_q_lens=(num_rows + 1,),
+                      block_tables=groups + (num_rows, blocks_per_seq),
                       num_seqs=(1,), banned_ids=(num_rows, MAX_BANNED_IDS))
         fields = BATCH_FIELDS + SAMPLING_FIELDS
         self.layout = tuple((name, shapes.get(name, (num_rows,)), dtype)
@@ -91,16 +95,20 @@ class StepInputBuilder:
     size and sequence length. A block table row may hold more of the request's own blocks
     than the step reads (never another request's)."""
 
-    def __init__(self, max_num_seqs: int, block_size: int, blocks_per_seq: int) -> None:
+    def __init__(self, max_num_seqs: int, block_size: int, blocks_per_seq: int,
+                 num_groups: int = 1) -> None:
         self.block_size, self.blocks_per_seq = block_size, blocks_per_seq
+        self.num_groups = num_groups  # KV groups: block tables [G, R, B] when G > 1
         # Per state slot: sampling_floats, and (top_k, seed, prompt length, step_extras).
         self._floats = np.zeros((max_num_seqs + 1, 8), np.float32)
         self._ints = np.zeros((max_num_seqs + 1, 4), np.int64)
-        # Per state slot: the block table of the request holding it, and how many of its
-        # blocks are written there. A request's blocks only grow while it holds its slot
-        # (freeing them releases the slot), so a step writes only the blocks added since the
-        # last one: the cost per step does not grow with the sequences' lengths.
-        self._tables = np.zeros((max_num_seqs + 1, blocks_per_seq), np.int32)
+        # Per KV group and state slot: the block table of the request holding it, and how
+        # many of its blocks are written there. A request's blocks only grow while it holds
+        # its slot (freeing them releases the slot), so a step writes only the blocks added
+        # since the last one: the cost per step does not grow with the sequences' lengths.
+        # (A block a window group releases stays in its table: its keys are outside every
+        # later query's window, so no attention weighs them.)
+        self._tables = np.zeros((num_groups, max_num_seqs + 1, blocks_per_seq), np.int32)
         self._written = np.zeros(max_num_seqs + 1, np.int64)
         self._arange = np.arange(0)  # grown to the largest step seen (rows or tokens)
         self._ones = np.ones(0, np.int32)
@@ -124,7 +132,7 @@ class StepInputBuilder:
         step = self._packed.get((num_tokens, num_rows))
         if step is None:
             step = self._packed[num_tokens, num_rows] = PackedStep(
-                num_tokens, num_rows, self.blocks_per_seq)
+                num_tokens, num_rows, self.blocks_per_seq, self.num_groups)
             if len(self._arange) < max(num_tokens, num_rows):
                 self._arange = np.arange(max(num_tokens, num_rows), dtype=np.int32)
             if len(self._ones) < num_rows:
@@ -175,14 +183,16 @@ class StepInputBuilder:
             slot = r.state_slot
             self._floats[slot] = r.sampling_floats
             self._ints[slot] = (r.sampling_top_k, r.seed, r.num_prompt_tokens, r.step_extras)
-            tables[slot, : written[slot]] = 0
+            tables[:, slot, : written[slot]] = 0
             written[slot] = 0
         # The blocks this step reads that are not in the table yet.
         needed = (kv_lens + block_size - 1) // block_size
         for row in (needed > written[slots]).nonzero()[0].tolist():
             ids, slot = reqs[row].block_ids, int(slots[row])
-            tables[slot, written[slot]: len(ids)] = ids[written[slot]:]
-            written[slot] = len(ids)
+            done = written[slot]
+            for g, group_ids in enumerate(ids):
+                tables[g, slot, done: len(group_ids)] = group_ids[done:]
+            written[slot] = len(ids[0])
         floats, static = self._floats[slots].T, self._ints[slots].T
         a["state_slots"][:n] = slots
         a["top_k"][:n] = static[0]  # SamplingParams keeps top_k within int32
@@ -191,12 +201,14 @@ class StepInputBuilder:
         a["presence_penalty"][:n], a["frequency_penalty"][:n] = floats[3], floats[4]
         a["repetition_penalty"][:n] = floats[5]
         a["wants_logprobs"][:n], a["has_bias"][:n] = floats[6], floats[7]  # 0.0 / 1.0
-        step_tables = tables.take(slots, axis=0, out=a["block_tables"][:n])
+        groups, num_rows = self.num_groups, a["cu_q_lens"].shape[0] - 1
+        step_tables = tables.take(slots, axis=1, out=a["block_tables"].reshape(
+            groups, num_rows, -1)[:, :n])
 
         # Token positions of the whole step.
         a["positions"][:total] = pos
-        a["slot_mapping"][:total] = step_tables[rows, pos // block_size] * block_size + \
-            pos % block_size
+        a["slot_mapping"].reshape(groups, -1)[:, :total] = \
+            step_tables[:, rows, pos // block_size] * block_size + pos % block_size
         # Proposals too are written past the known tokens; a step holds placeholders (as
         # its inputs) or proposals, never both: asynchronous steps do not speculate.
         placeholder = pos >= known[rows]

@@ -12,6 +12,15 @@ the free queue is kept in LRU order (least recently freed first), and a request 
 blocks tail first, so the tail of a prefix is evicted before its head. A new request starts
 with the longest run of cached blocks matching its leading blocks.
 
+Groups (config/kv_groups.py): with sliding-window layers, a request holds one block list
+per group (request.block_ids[g], all of one length, block i holding positions i*S..),
+drawn from the one pool. A window group's list keeps only the blocks its next queries can
+see: when the request is given room, blocks wholly before the window of its next query are
+released (their entries become the null block 0) and never allocated. A block is named per
+group (a group's blocks hold other layers' KV than another's); a prefix hit is the longest
+run of leading blocks whose full groups' blocks are all cached and whose window groups'
+blocks are cached within the window of the first position left to compute.
+
 Two kinds of request never read the cache (they still register their blocks for others):
 - prompt_logprobs: every prompt position must be computed to be scored;
 - any penalty (presence, frequency, repetition): the device-side penalty state is built from
@@ -66,7 +75,8 @@ class BlockPool:
         # Free blocks, least recently freed first. An OrderedDict so that a cache hit on a
         # free block takes it out in O(1) (the pool can hold ~100k blocks).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
-        self.cached: dict[bytes, int] = {}  # hash -> block, for full blocks with known KV
+        # hash (or (group, hash): KVCacheManager._key) -> block, for full blocks with known KV
+        self.cached: dict = {}
         self.block_hash: dict[int, bytes] = {}  # the reverse map
 
     @property
@@ -108,7 +118,7 @@ class BlockPool:
                 del self._free[block]
             self.ref_counts[block] += 1
 
-    def register(self, block: int, digest: bytes) -> None:
+    def register(self, block: int, digest) -> None:
         """Name a full block by its hash, unless another block already holds that hash (the
         same prefix computed twice): the duplicate stays unnamed and is reused first."""
         if digest not in self.cached and block not in self.block_hash:
@@ -128,11 +138,14 @@ class BlockPool:
 
 class KVCacheManager:
     """Gives each request the blocks its computed tokens need, finds its cached prefix, and
-    takes the blocks back. enable_caching=False: no hashing, lookups or registration."""
+    takes the blocks back. enable_caching=False: no hashing, lookups or registration.
+    windows: per KV group, None (full attention) or its sliding window (KVGroups.windows)."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
+                 windows: tuple = (None,)) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.windows = tuple(windows)
         self.pool = BlockPool(num_blocks)
         self.queries = 0
         self.hits = 0
@@ -145,7 +158,7 @@ class KVCacheManager:
 
     @property
     def capacity_tokens(self) -> int:
-        """Tokens the usable blocks hold (block 0 is the null block)."""
+        """Tokens the usable blocks hold (block 0 is the null block), in one group."""
         return (self.pool.num_blocks - 1) * self.block_size
 
     @property
@@ -159,6 +172,12 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def _first_kept(self, group: int, position: int) -> int:
+        """The first block group g needs for queries from `position` on (0 for a full
+        group; the block of the earliest key a window still sees)."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, position - window + 1) // self.block_size
+
     # ---- prefix cache -------------------------------------------------------------------
     def update_block_hashes(self, request: Request) -> list[bytes]:
         """Extend request.block_hashes to cover every full block of its tokens (prompt and
@@ -171,22 +190,52 @@ class KVCacheManager:
             hashes.append(parent)
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> list[int]:
+    @staticmethod
+    def _key(group: int, digest: bytes):
+        """A block's name in the pool: its hash (group 0), or (group, hash)."""
+        return digest if group == 0 else (group, digest)
+
+    def get_computed_blocks(self, request: Request) -> list:
         """The longest run of cached blocks matching the leading full blocks of a request
-        that holds none yet. At least the last token is left to compute (its logits are
-        needed), so at most (num_tokens - 1) // block_size blocks. Takes no reference:
-        pass the result to allocate_slots."""
+        that holds none yet, one entry per block: its id (one group), or a tuple of its id
+        in each group (0 where a window group no longer needs it). At least the last token
+        is left to compute (its logits are needed), so at most (num_tokens - 1) //
+        block_size blocks. Takes no reference: pass the result to allocate_slots."""
         if (not self.enable_caching or request.num_computed_tokens or request.block_ids
                 or not request.reads_prefix_cache):
             return []
         limit = (request.num_tokens - 1) // self.block_size
-        blocks = []
-        for digest in self.update_block_hashes(request)[:limit]:
-            block = self.pool.cached.get(digest)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks
+        hashes = self.update_block_hashes(request)[:limit]
+        cached = self.pool.cached
+        if len(self.windows) == 1 and self.windows[0] is None:
+            blocks = []
+            for digest in hashes:
+                block = cached.get(digest)
+                if block is None:
+                    break
+                blocks.append(block)
+            return blocks
+        n = len(hashes)
+        for g, window in enumerate(self.windows):  # full groups: a run from the start
+            if window is None:
+                run = 0
+                while run < n and self._key(g, hashes[run]) in cached:
+                    run += 1
+                n = run
+        changed = True
+        while changed:  # window groups: every block in the window before n; n only shrinks
+            changed = False
+            for g, window in enumerate(self.windows):
+                while window is not None and n > 0:
+                    lo = self._first_kept(g, n * self.block_size)
+                    missing = [i for i in range(n - 1, lo - 1, -1)
+                               if self._key(g, hashes[i]) not in cached]
+                    if not missing:
+                        break
+                    n, changed = missing[0], True
+        return [tuple(cached[self._key(g, hashes[i])]
+                      if i >= self._first_kept(g, n * self.block_size) else 0
+                      for g in range(len(self.windows))) for i in range(n)]
 
     def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Count one admitted lookup (queries: the tokens looked up; hits: those served)."""
@@ -196,10 +245,10 @@ class KVCacheManager:
 
     # ---- allocation ---------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: Sequence[int] = ()) -> bool:
+                       computed_blocks: Sequence = ()) -> bool:
         """Make room for num_new_tokens more computed tokens, after computed_blocks (cache
         hits from get_computed_blocks, for a request that holds no blocks yet). False, with
-        nothing changed, if the pool cannot.
+        nothing changed but blocks behind a window released, if the pool cannot.
 
         On success the request's newly full blocks are registered under their hashes: their
         tokens are known and their KV is written in this step, before any later step reads
@@ -207,9 +256,9 @@ class KVCacheManager:
         the step's KV before its attention reads the cache.
         """
         size = self.block_size
-        if not computed_blocks:  # the common case: room in its blocks, nothing to name
+        if not computed_blocks and request.block_ids:  # the common case: room, nothing to name
             total = request.num_computed_tokens + num_new_tokens
-            if total <= len(request.block_ids) * size and (not self.enable_caching or min(
+            if total <= len(request.block_ids[0]) * size and (not self.enable_caching or min(
                     total, request.num_tokens) // size <= request.num_registered_blocks):
                 return True
         if not self._allocate(request, num_new_tokens, computed_blocks):
@@ -218,25 +267,44 @@ class KVCacheManager:
         return True
 
     def _allocate(self, request: Request, num_new_tokens: int,
-                  computed_blocks: Sequence[int]) -> bool:
-        size = self.block_size
-        num_hit = len(computed_blocks) * size
-        total = request.num_computed_tokens + num_hit + num_new_tokens
-        missing = self.blocks_needed(total) - len(request.block_ids) - len(computed_blocks)
+                  computed_blocks: Sequence) -> bool:
+        size, groups = self.block_size, len(self.windows)
+        lists = request.block_ids or [[] for _ in range(groups)]  # set once it succeeds
+        if computed_blocks and isinstance(computed_blocks[0], tuple):  # one id per group
+            hits = [list(column) for column in zip(*computed_blocks)]
+        else:
+            hits = [list(computed_blocks)] if groups == 1 else [[] for _ in range(groups)]
+        start = request.num_computed_tokens + len(computed_blocks) * size  # first new query
+        total = start + num_new_tokens
+        need = self.blocks_needed(total)
+        if request.block_ids:
+            self._drop_behind_windows(request, start)
+        held = len(lists[0]) + len(computed_blocks)
+        first = [max(held, self._first_kept(g, start)) for g in range(groups)]
+        missing = sum(max(0, need - f) for f in first)
         if computed_blocks:
             # Free hits leave the free queue when touched: count them out first, so that a
             # failure leaves everything (the LRU order included) as it was.
-            evictable = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
+            touched = [b for column in hits for b in column if b]
+            evictable = sum(1 for b in touched if self.pool.ref_counts[b] == 0)
             if missing > self.pool.num_free - evictable:
                 return False
-            self.pool.touch(computed_blocks)
-            request.block_ids.extend(computed_blocks)
+            self.pool.touch(touched)
+            request.block_ids, request.dropped_blocks = lists, [0] * groups
+            for blocks, column in zip(lists, hits):
+                blocks.extend(column)
             request.num_registered_blocks = len(computed_blocks)
         if missing > 0:
-            blocks = self.pool.allocate(missing)
-            if blocks is None:
+            new = self.pool.allocate(missing)
+            if new is None:
                 return False
-            request.block_ids.extend(blocks)
+            if not request.block_ids:
+                request.block_ids, request.dropped_blocks = lists, [0] * groups
+            for g, blocks in enumerate(lists):
+                count = max(0, need - first[g])
+                blocks.extend([0] * (need - count - len(blocks)))  # behind the window
+                blocks.extend(new[:count])
+                new = new[count:]
         # Only blocks of known tokens are named: not those holding proposals (speculative
         # decoding writes their KV too, but they may be rejected).
         num_full = min(total, request.num_tokens) // self.block_size
@@ -244,17 +312,32 @@ class KVCacheManager:
             self._register(request, num_full)
         return True
 
+    def _drop_behind_windows(self, request: Request, start: int) -> None:
+        """Release each window group's blocks wholly before the window of the query at
+        `start` (oldest first: they are evicted first); their entries become 0."""
+        for g, window in enumerate(self.windows):
+            if window is None:
+                continue
+            blocks, first = request.block_ids[g], request.dropped_blocks[g]
+            end = min(self._first_kept(g, start), len(blocks))
+            if end > first:
+                self.pool.release([b for b in blocks[first:end] if b])
+                blocks[first:end] = [0] * (end - first)
+                request.dropped_blocks[g] = end
+
     def _register(self, request: Request, num_full: int) -> None:
         hashes = self.update_block_hashes(request)
-        for i in range(request.num_registered_blocks, num_full):
-            self.pool.register(request.block_ids[i], hashes[i])
+        for g, blocks in enumerate(request.block_ids):
+            for i in range(request.num_registered_blocks, num_full):
+                if blocks[i]:
+                    self.pool.register(blocks[i], self._key(g, hashes[i]))
         request.num_registered_blocks = num_full
 
     def _set_room(self, request: Request) -> None:
         # request.kv_room: the computed-token count up to which allocate_slots has nothing to
         # do for it (its blocks hold them and no block fills): the scheduler's check before
         # it calls. Kept with every change to its blocks and registered count.
-        room = len(request.block_ids) * self.block_size
+        room = len(request.block_ids[0]) * self.block_size if request.block_ids else 0
         if self.enable_caching:
             room = min(room, (request.num_registered_blocks + 1) * self.block_size - 1)
         request.kv_room = room
@@ -263,8 +346,11 @@ class KVCacheManager:
         # Tail first: the blocks at the end of a prefix are the least likely to be shared,
         # so they should be evicted first. (Without caching the order does not matter; it
         # stays as it always was.)
-        self.pool.release(request.block_ids[::-1] if self.enable_caching else request.block_ids)
+        for blocks in request.block_ids:
+            blocks = [b for b in blocks if b]
+            self.pool.release(blocks[::-1] if self.enable_caching else blocks)
         request.block_ids = []
+        request.dropped_blocks = []
         request.num_registered_blocks = 0
         request.kv_room = 0
 

@@ -71,7 +71,11 @@ class Request:
         # scheduling schedules the next step before they come): its next input may be one.
         self.num_placeholders = 0
         self.steps_in_flight = 0  # scheduled steps holding it that are not folded in yet
-        self.block_ids: list[int] = []
+        # Its KV blocks: one list per KV group (kv_cache_manager.py), all of one length;
+        # [] while it holds none. dropped_blocks: per group, the leading entries released
+        # behind a sliding window.
+        self.block_ids: list[list[int]] = []
+        self.dropped_blocks: list[int] = []
         # Prefix caching: the hash chain of every full block of token_ids (grows as blocks
         # fill, outputs included), and how many leading blocks are registered in the cache.
         self.block_hashes: list[bytes] = []

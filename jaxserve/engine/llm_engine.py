@@ -17,6 +17,7 @@ import numpy as np
 from jaxserve.backends.protocol import Runner
 from jaxserve.backends.selection import create_runner
 from jaxserve.config.engine_config import EngineConfig
+from jaxserve.config.kv_groups import describe_groups
 from jaxserve.core.input_builder import grammar_masks, prompt_score_targets
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request, RequestStatus
@@ -51,15 +52,18 @@ class LLMEngine(FailureIsolation, EngineInterface):
         self.eos_token_ids = self.processor.eos_token_ids
         self.runner = runner if runner is not None else create_runner(config, rank)
         blocks, size = self.runner.num_blocks, config.cache.block_size
-        self.kv_manager = KVCacheManager(blocks, size,
+        groups = self.runner.kv_groups
+        self.kv_manager = KVCacheManager(blocks, size, windows=groups.windows,
                                          enable_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.speculative)
         max_len = config.model.max_model_len
+        layers = len(groups.layer_slot)  # tokens: of every layer (a block holds num_slots)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at "
-                    "max_model_len=%d: %.2f; prefix caching %s", blocks - 1, size,
-                    (blocks - 1) * size, blocks * self.runner.bytes_per_block / 2**20, max_len,
-                    (blocks - 1) / self.runner.blocks_per_seq,
-                    "on" if config.cache.enable_prefix_caching else "off")
+                    "max_model_len=%d: %.2f; prefix caching %s%s", blocks - 1, size,
+                    (blocks - 1) * size * groups.num_slots // layers,
+                    blocks * self.runner.bytes_per_block / 2**20, max_len,
+                    (blocks - 1) / groups.blocks_held(max_len, size),
+                    "on" if config.cache.enable_prefix_caching else "off", describe_groups(groups))
         if config.model.sampling_defaults:
             logger.info("Default sampling parameters from the model's generation_config.json: "
                         "%s (a request's own values win; generation_config='vllm' / "

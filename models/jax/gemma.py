@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.models.gemma_arch import GemmaArch
-from jaxserve.models.jax.llama import MLP, Attention, reference_attend
+from jaxserve.models.jax.llama import MLP, Attention, KVSlots, reference_attend
 from jaxserve.models.jax.quantized import matmul
 from jaxserve.models.llama_arch import rope_attention_factor, rope_inv_freq
 
@@ -77,16 +77,16 @@ class GemmaForCausalLM(nnx.Module):
         if not arch.tie_word_embeddings:
             self.lm_head = nnx.Param(jnp.zeros((arch.vocab_size, arch.hidden_size), dtype))
 
-    def __call__(self, kv_caches: list, batch, attend: Callable = None):
-        """Returns (updated per-layer caches, final hidden states [T, D]); attend as in
-        LlamaForCausalLM, with soft_cap= too."""
+    def __call__(self, kv_caches: list, batch, attend: Callable = None, groups=None):
+        """Returns (updated per-layer caches, final hidden states [T, D]); attend and
+        groups as in LlamaForCausalLM, with soft_cap= too."""
         attend = attend or reference_attend
         embed = self.embed[...]
         x = embed[batch.token_ids] * jnp.asarray(self.arch.embed_scale, embed.dtype)
         positions = batch.positions.astype(jnp.float32)[:, None]
         rope = {}  # one (cos, sin) [T, H] per distinct base: full layers, sliding layers
-        new_caches = []
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+        caches = KVSlots(kv_caches, batch, groups)
+        for i, layer in enumerate(self.layers):
             layer_arch = self.arch.layer_rope(i)
             key = (layer_arch.rope_theta, layer_arch.rope_scaling)
             if key not in rope:
@@ -95,9 +95,9 @@ class GemmaForCausalLM(nnx.Module):
                 factor = rope_attention_factor(layer_arch)
                 rope[key] = ((jnp.cos(emb) * factor).astype(x.dtype),
                              (jnp.sin(emb) * factor).astype(x.dtype))
-            x, kv_cache = layer(x, *rope[key], kv_cache, batch, attend)
-            new_caches.append(kv_cache)
-        return new_caches, self.norm(x)
+            x, kv_cache = layer(x, *rope[key], *caches.of_layer(i), attend)
+            caches.update(i, kv_cache)
+        return caches.caches, self.norm(x)
 
     def logits(self, hidden):
         """hidden: [X, D] -> f32[X, V], soft-capped when the model says so (Gemma 2)."""

@@ -10,6 +10,7 @@ attends through one entry point.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -24,6 +25,30 @@ from jaxserve.models.llama_arch import (  # noqa: F401
     rope_attention_factor,
     rope_inv_freq,
 )
+
+
+class KVSlots:
+    """A step's KV caches as the layers read and write them. Without KV groups: one cache
+    per layer and the batch as it is. With them (config/kv_groups.py), one cache per slot:
+    layer i uses slot groups.layer_slot[i] with its group's block table and slot mapping
+    (the batch carries them as [G, R, B] and [G, T]); layers sharing a slot write disjoint
+    blocks, each in turn into the tensor the one before it returned."""
+
+    def __init__(self, kv_caches, batch, groups=None) -> None:
+        self.caches, self.groups = list(kv_caches), groups
+        self.batches = [batch] if groups is None else [
+            dataclasses.replace(batch, block_tables=batch.block_tables[g],
+                                slot_mapping=batch.slot_mapping[g])
+            for g in range(groups.num_groups)]
+
+    def of_layer(self, i: int) -> tuple:
+        """(layer i's cache, its batch)."""
+        if self.groups is None:
+            return self.caches[i], self.batches[0]
+        return self.caches[self.groups.layer_slot[i]], self.batches[self.groups.layer_group[i]]
+
+    def update(self, i: int, kv_cache) -> None:
+        self.caches[i if self.groups is None else self.groups.layer_slot[i]] = kv_cache
 
 
 def apply_rope(x, cos, sin):
@@ -122,11 +147,13 @@ class LlamaForCausalLM(nnx.Module):
         if not arch.tie_word_embeddings:
             self.lm_head = nnx.Param(jnp.zeros((arch.vocab_size, arch.hidden_size), dtype))
 
-    def __call__(self, kv_caches: list, batch, attend: Callable = None):
+    def __call__(self, kv_caches: list, batch, attend: Callable = None, groups=None):
         """Returns (updated per-layer (k, v) caches, final hidden states [T, D]).
 
         attend(q, k, v, kv_cache, batch, scale=, sliding_window=) -> (out, kv_cache) writes a
-        layer's new K/V and attends (backends/jax/attend.py; the reference when not given)."""
+        layer's new K/V and attends (backends/jax/attend.py; the reference when not given).
+        groups: the KV groups (config/kv_groups.py) when layers share cache tensors; then
+        kv_caches holds one per slot and the batch a block table per group (KVSlots)."""
         attend = attend or reference_attend
         x = self.embed[...][batch.token_ids]
         inv_freq = rope_inv_freq(self.arch)  # a compile-time constant
@@ -134,11 +161,11 @@ class LlamaForCausalLM(nnx.Module):
         emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, H]
         factor = rope_attention_factor(self.arch)  # YaRN's mscale, else 1
         cos, sin = (jnp.cos(emb) * factor).astype(x.dtype), (jnp.sin(emb) * factor).astype(x.dtype)
-        new_caches = []
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, kv_cache = layer(x, cos, sin, kv_cache, batch, attend)
-            new_caches.append(kv_cache)
-        return new_caches, self.norm(x)
+        caches = KVSlots(kv_caches, batch, groups)
+        for i, layer in enumerate(self.layers):
+            x, kv_cache = layer(x, cos, sin, *caches.of_layer(i), attend)
+            caches.update(i, kv_cache)
+        return caches.caches, self.norm(x)
 
     def logits(self, hidden):
         """hidden: [X, D] -> f32[X, V]."""

@@ -69,6 +69,7 @@ from jaxserve.backends.jax.weights import load_params, place, random_params
 from jaxserve.backends.protocol import PaddingStats, RunnerStats, StepResult
 from jaxserve.config import kv_sizing
 from jaxserve.config.engine_config import EngineConfig
+from jaxserve.config.kv_groups import kv_groups_for
 from jaxserve.config.mesh import (
     AXES,
     KV_CACHE_SPEC,
@@ -172,8 +173,9 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.blocks_per_seq = kv_sizing.blocks_per_seq(config.model.max_model_len,
                                                        self.block_size)
+        self.kv_groups = kv_groups_for(config)  # layers sharing block tables and tensors
         self.inputs = StepInputBuilder(config.scheduler.max_num_seqs, self.block_size,
-                                       self.blocks_per_seq)
+                                       self.blocks_per_seq, self.kv_groups.num_groups)
         # Before sizing the KV cache, so that the device's bytes in use count it.
         self.penalty_state = PenaltyState.zeros(config.scheduler.max_num_seqs + 1,
                                                 self.arch.vocab_size, self.replicated)
@@ -185,7 +187,7 @@ class ModelRunner:
                         out_shardings=NamedSharding(self.mesh, PartitionSpec(*KV_CACHE_SPEC)))
         scales = self._calibrate_kv_scales() if kv_quant.is_quantized(kv_cache_dtype) else None
         self.kv_caches = [(zeros(), zeros()) + (scales[i] if scales else ())
-                          for i in range(self.arch.num_layers)]
+                          for i in range(self.kv_groups.num_slots)]
         self._step = jax.jit(self._step_fn, donate_argnums=(1, 2), static_argnames=("layout",))
         self._score = jax.jit(self._score_fn)
         self._set_bias = jax.jit(set_bias_row, donate_argnums=0)
@@ -216,7 +218,7 @@ class ModelRunner:
         """KV bytes of one block on each device (its share of the kv heads)."""
         element = kv_sizing.cache_element(self.config.model.dtype,
                                           self.config.cache.kv_cache_dtype)
-        return kv_sizing.bytes_per_block(self.arch.num_layers, self.block_size,
+        return kv_sizing.bytes_per_block(self.kv_groups.num_slots, self.block_size,
                                          self.plan.kv_heads_per_device, self.arch.head_dim,
                                          element)
 
@@ -231,16 +233,18 @@ class ModelRunner:
 
     def _num_kv_blocks(self) -> int:
         """kv_sizing's budget on this device (what is in use already counts: the weights)."""
-        stats = self.local_device.memory_stats() or {}
+        stats, config = self.local_device.memory_stats() or {}, self.config
+        held = functools.partial(self.kv_groups.blocks_held, config.model.max_model_len,
+                                 self.block_size)  # (chunk): blocks a sequence holds at most
         budget = kv_sizing.kv_budget(
-            self.config.cache, self.bytes_per_block, device_limit=stats.get("bytes_limit"),
+            config.cache, self.bytes_per_block, device_limit=stats.get("bytes_limit"),
             in_use=stats.get("bytes_in_use", 0),
-            max_seq_blocks=self.config.scheduler.max_num_seqs * self.blocks_per_seq + 1)
+            max_seq_blocks=config.scheduler.max_num_seqs * held() + 1)
         blocks = budget.blocks
         if self.channel is not None:  # every host must build the same cache shape
             blocks = self.channel.share(blocks)
-        kv_sizing.check_holds_one_sequence(blocks, self.block_size,
-                                           self.config.model.max_model_len)
+        kv_sizing.check_holds_one_sequence(blocks, self.block_size, config.model.max_model_len,
+                                           held(config.scheduler.max_num_batched_tokens))
         return int(blocks)
 
     # ---- device functions ---------------------------------------------------------------
@@ -253,7 +257,8 @@ class ModelRunner:
             feed > 0, penalty_state.last_tokens[feed], batch.token_ids))
         sampling = SamplingInputs(**arrays)
         model = nnx.merge(self.graphdef, params)
-        kv_caches, hidden = model(kv_caches, batch, self.attend)
+        groups = self.kv_groups if self.kv_groups.num_groups > 1 else None
+        kv_caches, hidden = model(kv_caches, batch, self.attend, groups)
         hidden = jax.lax.with_sharding_constraint(hidden, self.replicated)  # [T, D]
         seq, _, valid = token_layout(batch, batch.token_ids.shape[0])
         # The penalty rows are only read by requests with penalties, which are in the
@@ -313,7 +318,8 @@ class ModelRunner:
 
     def _layout(self, num_tokens: int, num_rows: int) -> Layout:
         batch, sampling = build_step_inputs(SchedulerOutput([], [], []), num_tokens, num_rows,
-                                            self.block_size, self.blocks_per_seq)
+                                            self.block_size, self.blocks_per_seq,
+                                            self.kv_groups.num_groups)
         return layout_of({**batch, **sampling})
 
     def _step_result_like(self, num_tokens: int, num_rows: int):

@@ -44,6 +44,7 @@ from jaxserve.backends.torch.sampler import (
 )
 from jaxserve.config import kv_sizing
 from jaxserve.config.engine_config import TORCH_ATTENTION_BACKENDS, EngineConfig
+from jaxserve.config.kv_groups import kv_groups_for
 from jaxserve.core.input_builder import StepInputBuilder, build_step_inputs
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.kernels_triton import ref
@@ -203,6 +204,8 @@ class TorchRunner:
                                                        self.block_size)
         self.inputs = StepInputBuilder(config.scheduler.max_num_seqs, self.block_size,
                                        self.blocks_per_seq)
+        # One group (kv_groups_for): a window on every layer (Mistral) frees blocks behind it
+        self.kv_groups = kv_groups_for(config)
         hf = config.model.hf_config
         arch = with_max_model_len(model_family(hf).arch_from_hf(hf), config.model.max_model_len)
         self.arch = arch
