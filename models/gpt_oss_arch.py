@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.backends.checkpoint import Piece  # numpy only, like this module
 from jaxserve.models import llama_arch, mixtral_arch, mxfp4
 from jaxserve.models.llama_arch import LlamaArch
 from jaxserve.models.mixtral_arch import MixtralArch
+from jaxserve.models.pieces import Piece
 
 QUANT_METHODS = (None, "mxfp4")  # quantization_config.quant_method values that load
 

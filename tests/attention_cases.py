@@ -165,9 +165,19 @@ MATRIX = [
 
 
 # Attention sinks (GPT-OSS) on every kind of batch, one windowed: (kind, sliding_window,
-# dtype), run by each implementation's tests in padded buckets.
+# dtype), run by each implementation's tests in padded buckets; the kernels (interpret
+# mode) run SLOW_SINK_CASES with -m slow only (the suite's time budget).
 SINK_CASES = [("decode", None, "float32"), ("prefill", None, "bfloat16"),
               ("mixed", None, "float32"), ("mixed", 20, "bfloat16")]
+SLOW_SINK_CASES = SINK_CASES[1:3]
+
+
+def kernel_sink_cases():
+    """SINK_CASES as pytest params, SLOW_SINK_CASES marked slow."""
+    import pytest
+
+    return [pytest.param(*case, marks=pytest.mark.slow) if case in SLOW_SINK_CASES else case
+            for case in SINK_CASES]
 
 
 def random_sinks(rng, num_heads: int):

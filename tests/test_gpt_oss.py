@@ -170,6 +170,7 @@ def test_bfloat16_stays_close_to_float32(tiny_checkpoints, checkpoint_script):
     assert (tokens["bfloat16"] == tokens["float32"]).mean() >= 0.75
 
 
+@pytest.mark.slow  # four meshes in a subprocess: the suite's time budget
 def test_greedy_tokens_do_not_depend_on_the_mesh(tiny_checkpoints):
     """1x2 splits the 2 kv heads, the sinks with the query heads and every expert's width;
     1x4 replicates the kv heads; 1x4:ep puts 2 whole experts (and their biases) on each

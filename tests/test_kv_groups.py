@@ -132,7 +132,7 @@ def track_peak(kv: KVCacheManager) -> list[int]:
     return peak
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_gemma3_tokens_do_not_change_while_it_holds_fewer_blocks(dtype, tiny_checkpoints,
                                                                  checkpoint_script):
     """The tiny Gemma 3 (5 window-48 layers, 1 full) with chunked prefill, 16-token blocks

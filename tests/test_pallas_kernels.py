@@ -22,6 +22,7 @@ from attention_cases import (
     MATRIX,
     SINK_CASES,
     assert_close,
+    kernel_sink_cases,
     make_case,
     numpy_attention,
     padded_case,
@@ -77,7 +78,7 @@ def test_matrix(kind, block_size, ratio, head_dim, dtype, kernel):
     check(kernel, padded_case(rng, kind, block_size, ratio, head_dim, dtype), dtype)
 
 
-@pytest.mark.parametrize("kind,window,dtype", SINK_CASES)
+@pytest.mark.parametrize("kind,window,dtype", kernel_sink_cases())
 def test_attention_sinks(kind, window, dtype, kernel):
     """GPT-OSS's sinks on decode, prefill, mixed and windowed padded buckets, NaN in every
     unused page; GQA 4 (padding heads' rows carry no sink)."""
@@ -87,9 +88,10 @@ def test_attention_sinks(kind, window, dtype, kernel):
           sliding_window=window)
 
 
-@pytest.mark.parametrize("kernel,sizes", [("tpu", BlockSizes(64, 16)),
-                                          ("gpu", BlockSizes(1, 8, kv_splits=2)),
-                                          ("gpu", BlockSizes(32, 4, kv_splits=4))],
+@pytest.mark.parametrize("kernel,sizes", [
+    pytest.param("tpu", BlockSizes(64, 16), marks=pytest.mark.slow),
+    ("gpu", BlockSizes(1, 8, kv_splits=2)),
+    pytest.param("gpu", BlockSizes(32, 4, kv_splits=4), marks=pytest.mark.slow)],
                          ids=lambda x: str(x))
 def test_attention_sinks_across_tiles_and_splits(kernel, sizes):
     """A sink counted once when a query's keys are split over programs (flash-decoding) and

@@ -135,3 +135,15 @@ def test_bfloat16_greedy_stays_close_to_float32(tiny_phi3, checkpoint_script):
         tokens[dtype] = np.array([o.outputs[0].token_ids
                                   for o in llm.generate(prompts, params, use_tqdm=False)])
     assert (tokens["bfloat16"] == tokens["float32"]).mean() >= 0.75
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("folder", ["tiny_phi3", "tiny_longrope"])
+def test_greedy_tokens_do_not_depend_on_the_mesh(folder, request):
+    """The fused qkv and gate_up tensors split into sharded parameters, partial rotary and
+    LongRoPE on meshes: 1x2 splits the 2 kv heads, 1x4 replicates them (8 fake CPU
+    devices, in a subprocess)."""
+    from test_mesh import mesh_runs
+
+    runs = mesh_runs(request.getfixturevalue(folder), ["1x1", "1x2", "1x4"])
+    assert runs["1x2"]["tokens"] == runs["1x1"]["tokens"] == runs["1x4"]["tokens"]

@@ -19,6 +19,7 @@ import textwrap
 import threading
 
 import numpy as np
+import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.backends.jax.compile_stats import compilation_count, executable_loads
@@ -85,6 +86,7 @@ def test_a_source_change_that_keeps_the_hlo_loads_instead_of_compiling(tiny_chec
     assert len(sorted((tmp_path / "executables").glob("*.idx"))) == len(indexes) + 1
 
 
+@pytest.mark.slow  # two cold engines: the suite's time budget
 def test_models_that_differ_only_in_unread_parameters_get_their_own_entries(tiny_checkpoint,
                                                                              tmp_path):
     """Prompt scoring reads only the embeddings and the head: two models whose other

@@ -29,6 +29,7 @@ from attention_cases import (
     MATRIX,
     SINK_CASES,
     assert_close,
+    kernel_sink_cases,
     make_case,
     numpy_attention,
     padded_case,
@@ -117,7 +118,7 @@ def test_window_and_soft_cap(options, impl):
     check(impl, (q * 4, k_cache, v_cache, batch), "float32", **options)
 
 
-@pytest.mark.parametrize("kind,window,dtype", SINK_CASES)
+@pytest.mark.parametrize("kind,window,dtype", kernel_sink_cases())
 def test_attention_sinks(kind, window, dtype, impl):
     """GPT-OSS's sinks on decode, prefill, mixed and windowed padded buckets (GQA 3, so
     padding heads' rows carry no sink)."""
@@ -126,7 +127,8 @@ def test_attention_sinks(kind, window, dtype, impl):
     check(impl, case, dtype, sinks=random_sinks(rng, case[0].shape[1]), sliding_window=window)
 
 
-@pytest.mark.parametrize("sizes", [BlockSizes(1, 16, 4), BlockSizes(8, 128, 2)], ids=str)
+@pytest.mark.parametrize("sizes", [BlockSizes(1, 16, 4), pytest.param(
+    BlockSizes(8, 128, 2), marks=pytest.mark.slow)], ids=str)
 def test_attention_sinks_with_split_kv(sizes):
     """Each sink counted once when a query block's keys are split over programs."""
     rng = np.random.default_rng(sizes.kv_splits)

@@ -59,3 +59,13 @@ def test_prompt_logprobs_match_transformers_past_the_original_context(backend, y
     prompts = checkpoint_script.check_prompts()[-3:]
     model = assert_prompt_logprobs_match_hf(yarn_qwen2, prompts, backend=backend)
     assert model.model.rotary_emb.rope_type == "yarn"
+
+
+@pytest.mark.slow
+def test_greedy_tokens_do_not_depend_on_the_mesh(yarn_qwen2):
+    """Tensor parallelism with YaRN's frequencies and attention factor: 1x2 splits the 2 kv
+    heads, 1x4 replicates them (8 fake CPU devices, in a subprocess)."""
+    from test_mesh import mesh_runs
+
+    runs = mesh_runs(yarn_qwen2, ["1x1", "1x2", "1x4"])
+    assert runs["1x2"]["tokens"] == runs["1x1"]["tokens"] == runs["1x4"]["tokens"]

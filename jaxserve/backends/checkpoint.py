@@ -15,7 +15,6 @@ instead of loading garbage.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import struct
 from collections.abc import Callable, Iterator
@@ -24,6 +23,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
+
+from jaxserve.models.pieces import Piece
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -224,17 +225,6 @@ def parameter_values(folder: str | Path, path_of: Callable, shapes: dict[tuple, 
         names = ", ".join(".".join(map(str, p)) for p in missing[:5])
         raise ValueError(f"The checkpoint in {folder} lacks {len(missing)} weights the model "
                          f"needs, e.g. {names}.")
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """path_of's answer for one stored piece of a tensor kept as several: `tensor` is
-    combine({piece name: array}) once every piece in `pieces` has arrived."""
-
-    tensor: str  # the combined tensor's name, which path_of maps
-    piece: str  # this piece's name, e.g. "blocks"
-    pieces: tuple  # every piece's name
-    combine: Callable  # {piece: array} -> array
 
 
 def _combine(pending: dict, target: Piece, array, where: str):

@@ -62,6 +62,10 @@ class KVGroups:
         """Whether some group frees blocks behind its window."""
         return any(w is not None for w in self.windows)
 
+    def tokens_held(self, num_blocks: int, block_size: int) -> int:
+        """The tokens num_blocks blocks hold in every layer (a block holds num_slots)."""
+        return num_blocks * block_size * self.num_slots // len(self.layer_slot)
+
     def blocks_held(self, num_tokens: int, block_size: int, chunk: int = 1) -> int:
         """Blocks (of k layers each) one sequence of num_tokens holds at most while it
         computes `chunk` tokens a step (1: decoding): ceil(n / S) per full group, and per

@@ -109,7 +109,7 @@ class Plan:
     @property
     def kv_tokens(self) -> int:
         """Tokens the usable blocks hold in every layer."""
-        return self.usable_blocks * self.block_size * self.groups.num_slots // self.num_layers
+        return self.groups.tokens_held(self.usable_blocks, self.block_size)
 
     @property
     def blocks_per_seq(self) -> int:

@@ -93,7 +93,9 @@ class StepInputBuilder:
     state slot (settings written when the slot is handed out, SchedulerOutput.new_rows;
     blocks as they are added), so the cost per decode row stays a few attribute reads at any batch
     size and sequence length. A block table row may hold more of the request's own blocks
-    than the step reads (never another request's)."""
+    than the step reads, and a window group's row the ids of blocks it released behind
+    its window (which may be another request's by then: no query's window reaches them,
+    so they are read masked, never weighed or written)."""
 
     def __init__(self, max_num_seqs: int, block_size: int, blocks_per_seq: int,
                  num_groups: int = 1) -> None:
