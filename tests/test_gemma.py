@@ -3,7 +3,6 @@ the models in bfloat16. Greedy parity with HF transformers is in test_parity.py.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
@@ -67,24 +66,10 @@ def test_unsupported_activation_is_refused_by_name():
 @pytest.mark.parametrize("arch,backend", [("gemma2", "jax"), ("gemma3", "jax"),
                                           ("gemma2", "torch")])
 def test_bfloat16_stays_close_to_float32(arch, backend, tiny_checkpoints, checkpoint_script):
-    """Real checkpoints are bfloat16: the bf16 model scores the prompts close to the float32
-    one and mostly picks the same first greedy tokens."""
-    folder = str(tiny_checkpoints[arch])
-    prompts = checkpoint_script.check_prompts()[:6]
-    engine = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=512,
-                  precompile=False, backend=backend)
-    scores, tokens = {}, {}
-    for dtype in ("float32", "bfloat16"):
-        llm = LLM(folder, dtype=dtype, **engine)
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4,
-                                                    ignore_eos=True, prompt_logprobs=0),
-                            use_tqdm=False)
-        scores[dtype] = np.concatenate([[entry[token].logprob for entry, token in zip(
-            o.prompt_logprobs[1:], prompt[1:])] for o, prompt in zip(outs, prompts)])
-        tokens[dtype] = np.array([o.outputs[0].token_ids for o in outs])
-    assert np.isfinite(scores["bfloat16"]).all()
-    assert np.abs(scores["bfloat16"] - scores["float32"]).mean() < 0.2
-    assert (tokens["bfloat16"] == tokens["float32"]).mean() >= 0.75
+    from score_helpers import assert_bfloat16_close_to_float32
+
+    assert_bfloat16_close_to_float32(tiny_checkpoints[arch], checkpoint_script.check_prompts()[:6],
+                                     backend=backend)
 
 
 @pytest.mark.parametrize("arch", ["gemma2", pytest.param("gemma3", marks=pytest.mark.slow)])

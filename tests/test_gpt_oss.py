@@ -154,20 +154,10 @@ def test_prompt_logprobs_match_transformers(tiny_checkpoints, checkpoint_script)
 
 
 def test_bfloat16_stays_close_to_float32(tiny_checkpoints, checkpoint_script):
-    folder = str(tiny_checkpoints["gpt_oss"])
-    prompts = checkpoint_script.check_prompts()[:6]
-    scores, tokens = {}, {}
-    for dtype in ("float32", "bfloat16"):
-        llm = LLM(folder, dtype=dtype, max_model_len=256, max_num_seqs=8, precompile=False)
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4,
-                                                    ignore_eos=True, prompt_logprobs=0),
-                            use_tqdm=False)
-        scores[dtype] = np.concatenate([[entry[token].logprob for entry, token in zip(
-            o.prompt_logprobs[1:], prompt[1:])] for o, prompt in zip(outs, prompts)])
-        tokens[dtype] = np.array([o.outputs[0].token_ids for o in outs])
-    assert np.isfinite(scores["bfloat16"]).all()
-    assert np.abs(scores["bfloat16"] - scores["float32"]).mean() < 0.2
-    assert (tokens["bfloat16"] == tokens["float32"]).mean() >= 0.75
+    from score_helpers import assert_bfloat16_close_to_float32
+
+    assert_bfloat16_close_to_float32(tiny_checkpoints["gpt_oss"],
+                                     checkpoint_script.check_prompts()[:6])
 
 
 @pytest.mark.slow  # four meshes in a subprocess: the suite's time budget
