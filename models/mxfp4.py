@@ -4,13 +4,14 @@ A weight [..., rows, cols] is stored as `*_blocks` u8[..., rows, cols / 32, 16] 
 two e2m1 values, the low nibble first) and `*_scales` u8[..., rows, cols / 32] (one e8m0
 exponent per 32 values, biased by 127): value = FP4[nibble] * 2 ** (scale - 127).
 GPT-OSS stores each expert's weight as [out, in]; dequantize returns the [in, out] layout
-of the unquantized checkpoint tensor (transformers' convert_moe_packed_tensors does the
-same). quantize is its inverse for values on the grid, used by tests to write MXFP4
+of the unquantized checkpoint tensor in bfloat16 (transformers' convert_moe_packed_tensors
+does the same). quantize is its inverse for values on the grid, used by tests to write MXFP4
 folders.
 """
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 # e2m1 values by nibble: sign bit 3, then exponent and mantissa
@@ -20,21 +21,30 @@ BLOCK = 32  # values per shared exponent
 
 
 def dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """f32[..., cols, rows] from blocks u8[..., rows, G, 16] and scales u8[..., rows, G]
-    (cols = 32 G): the stored [out, in] weight, transposed to [in, out]."""
+    """bf16[..., cols, rows] from blocks u8[..., rows, G, 16] and scales u8[..., rows, G]
+    (cols = 32 G): the stored [out, in] weight, transposed to [in, out]. Every e2m1 value
+    times a power of two is exact in bfloat16 (its exponent range is float32's); computed
+    one leading slice (expert) at a time, so the float32 work stays one expert's size."""
     blocks, scales = np.asarray(blocks), np.asarray(scales)
     if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
         raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and "
                          f"{scales.dtype}.")
-    if blocks.shape[-1] != BLOCK // 2 or blocks.shape[:-1] != scales.shape:
+    if blocks.ndim < 3 or blocks.shape[-1] != BLOCK // 2 or blocks.shape[:-1] != scales.shape:
         raise ValueError(f"MXFP4 blocks {blocks.shape} do not match scales {scales.shape}: "
                          "blocks are [..., rows, groups, 16] and scales [..., rows, groups].")
-    values = np.empty(blocks.shape[:-1] + (BLOCK,), np.float32)
-    values[..., 0::2] = FP4_VALUES[blocks & 0x0F]
-    values[..., 1::2] = FP4_VALUES[blocks >> 4]
-    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
-    values = values.reshape(scales.shape[:-1] + (scales.shape[-1] * BLOCK,))
-    return np.ascontiguousarray(np.swapaxes(values, -1, -2))
+    lead, (rows, groups) = scales.shape[:-2], scales.shape[-2:]
+    out = np.empty(lead + (groups * BLOCK, rows), ml_dtypes.bfloat16)
+    flat_blocks = blocks.reshape((-1, rows, groups, BLOCK // 2))
+    flat_scales = scales.reshape((-1, rows, groups))
+    flat_out = out.reshape((-1, groups * BLOCK, rows))
+    for i in range(flat_out.shape[0]):
+        values = np.empty((rows, groups, BLOCK), np.float32)
+        values[..., 0::2] = FP4_VALUES[flat_blocks[i] & 0x0F]
+        values[..., 1::2] = FP4_VALUES[flat_blocks[i] >> 4]
+        with np.errstate(over="ignore"):  # exponents past float32's give inf, as in HF
+            values = np.ldexp(values, flat_scales[i].astype(np.int32)[..., None] - 127)
+        flat_out[i] = values.reshape(rows, groups * BLOCK).T
+    return out
 
 
 def quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -102,7 +102,7 @@ def write_mxfp4_folders(source, tmp_path):
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             blocks, scales = mxfp4.quantize(value)
             packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
-            plain[name] = mxfp4.dequantize(blocks, scales)
+            plain[name] = mxfp4.dequantize(blocks, scales).astype(np.float32)
         else:
             packed[name] = plain[name] = value
     folders = []
@@ -132,14 +132,27 @@ def test_an_mxfp4_folder_gives_the_dequantized_folders_tokens(tiny_checkpoints, 
                                                                 abs=1e-5)
 
 
-def test_a_missing_mxfp4_piece_is_named(tiny_checkpoints, tmp_path):
+@pytest.mark.parametrize("fault,match", [
+    ("missing", "only the blocks of tensor .*layers.1.mlp.experts.down_proj"),
+    ("short", "model.safetensors: .*down_proj_scales.*MXFP4 blocks .* do not match scales"),
+    ("signed", "MXFP4 blocks and scales must be uint8"),
+])
+def test_a_broken_mxfp4_piece_is_named(fault, match, tiny_checkpoints, tmp_path):
+    """A piece missing, of the wrong shape or dtype: a ValueError naming the file, the
+    tensor and the fault, before anything is served."""
     from safetensors.numpy import load_file, save_file
 
     packed, _ = write_mxfp4_folders(tiny_checkpoints["gpt_oss"], tmp_path)
     tensors = load_file(str(packed / "model.safetensors"))
-    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+    if fault == "missing":
+        del tensors[name]
+    elif fault == "short":
+        tensors[name] = np.ascontiguousarray(tensors[name][..., :1])
+    else:
+        tensors[name] = tensors[name].astype(np.int8)
     save_file(tensors, str(packed / "model.safetensors"))
-    with pytest.raises(ValueError, match="only the blocks of tensor .*layers.1.mlp.experts"):
+    with pytest.raises(ValueError, match=match):
         LLM(str(packed), dtype="float32", max_model_len=64, precompile=False)
 
 
