@@ -90,3 +90,20 @@ def test_bench_spec_decode_compares_plain_and_ngram(tiny_checkpoints, tmp_path):
         assert data[name]["outputs_identical"]
         assert data[name]["ngram"]["proposed"] > 0
         assert data[name]["ngram"]["recompilations"] == 0
+
+
+@pytest.mark.slow  # two engines, each running its workload twice
+def test_bench_hybrid_kv_counts_both_layouts(tmp_path):
+    """The Gemma 3-shaped model with window layers holding their window and holding
+    everything: both finish every request, and the windowed one holds more sequences of
+    max_model_len in the same KV budget."""
+    report = tmp_path / "report.json"
+    out = run_script("bench_hybrid_kv.py", "--layers", "6", "--hidden", "64", "--window", "32",
+                     "--max-model-len", "256", "--kv-mib", "1", "--requests", "6", "--prompt",
+                     "96", "--output", "8", "--json", str(report))
+    assert "ratios" in out.stdout
+    data = json.loads(report.read_text())
+    plain, hybrid = data["runs"]
+    assert not plain["hybrid"] and hybrid["hybrid"] and hybrid["groups"] == ["None"] + ["32"] * 5
+    assert data["ratios"]["capacity"] > 2
+    assert plain["output_tok_s"] > 0 and hybrid["output_tok_s"] > 0
