@@ -77,6 +77,31 @@ def kv_budget(cache: CacheConfig, per_block: int, *, device_limit: int | None, i
     return KVBudget(int(blocks), int(budget), source)
 
 
+def device_bytes_per_block(config, groups, kv_heads_per_device: int, head_dim: int) -> int:
+    """bytes_per_block of an engine of `config` (an EngineConfig) whose blocks hold
+    groups.num_slots layers (config/kv_groups.py), on one device."""
+    return bytes_per_block(groups.num_slots, config.cache.block_size, kv_heads_per_device,
+                           head_dim, cache_element(config.model.dtype,
+                                                   config.cache.kv_cache_dtype))
+
+
+def device_blocks(config, groups, per_block: int, *, device_limit: int | None, in_use: int,
+                  share=None) -> int:
+    """The KV blocks of one device of an engine of `config`: kv_budget (capped on the host
+    at what max_num_seqs sequences of max_model_len hold, KVGroups.blocks_held), agreed
+    across hosts by share(blocks) when given, and checked to hold one sequence of
+    max_model_len while a step computes max_num_batched_tokens of it."""
+    model_len, size = config.model.max_model_len, config.cache.block_size
+    held = groups.blocks_held(model_len, size)
+    blocks = kv_budget(config.cache, per_block, device_limit=device_limit, in_use=in_use,
+                       max_seq_blocks=config.scheduler.max_num_seqs * held + 1).blocks
+    if share is not None:
+        blocks = share(blocks)
+    check_holds_one_sequence(blocks, size, model_len, groups.blocks_held(
+        model_len, size, config.scheduler.max_num_batched_tokens))
+    return int(blocks)
+
+
 def check_holds_one_sequence(blocks: int, block_size: int, max_model_len: int,
                              held: int | None = None) -> None:
     """ValueError unless the cache holds one sequence of max_model_len (plus the null

@@ -157,9 +157,13 @@ class KVCacheManager:
         return (usable - self.pool.num_free) / usable
 
     @property
+    def usable_blocks(self) -> int:
+        return self.pool.num_blocks - 1  # block 0 is the null block
+
+    @property
     def capacity_tokens(self) -> int:
-        """Tokens the usable blocks hold (block 0 is the null block), in one group."""
-        return (self.pool.num_blocks - 1) * self.block_size
+        """Tokens the usable blocks hold in one group's layers."""
+        return self.usable_blocks * self.block_size
 
     @property
     def hit_rate(self) -> float:

@@ -59,8 +59,8 @@ class LLMEngine(FailureIsolation, EngineInterface):
         max_len = config.model.max_model_len
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at "
                     "max_model_len=%d: %.2f; prefix caching %s%s", blocks - 1, size,
-                    groups.tokens_held(blocks - 1, size),
-                    blocks * self.runner.bytes_per_block / 2**20, max_len,
+                    groups.tokens_held(blocks - 1, size), blocks * self.runner.bytes_per_block
+                    / 2**20, max_len,
                     (blocks - 1) / groups.blocks_held(max_len, size),
                     "on" if config.cache.enable_prefix_caching else "off", describe_groups(groups))
         if config.model.sampling_defaults:
@@ -115,8 +115,7 @@ class LLMEngine(FailureIsolation, EngineInterface):
         return EngineStats(
             running=len(scheduler.running), waiting=len(scheduler.waiting),
             unfinished_requests=len(self._tracked), kv_usage=kv.usage,
-            kv_capacity_tokens=self.runner.kv_groups.tokens_held(kv.pool.num_blocks - 1,
-                                                                 kv.block_size),
+            kv_capacity_tokens=self.runner.kv_groups.tokens_held(kv.usable_blocks, kv.block_size),
             prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits,
             preemptions=scheduler.num_preemptions, compilations=runner.compilations,
             compiling=runner.compiling, warm_up_done=runner.warm_up_done,

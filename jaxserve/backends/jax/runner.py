@@ -216,11 +216,8 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         """KV bytes of one block on each device (its share of the kv heads)."""
-        element = kv_sizing.cache_element(self.config.model.dtype,
-                                          self.config.cache.kv_cache_dtype)
-        return kv_sizing.bytes_per_block(self.kv_groups.num_slots, self.block_size,
-                                         self.plan.kv_heads_per_device, self.arch.head_dim,
-                                         element)
+        return kv_sizing.device_bytes_per_block(self.config, self.kv_groups,
+                                                self.plan.kv_heads_per_device, self.arch.head_dim)
 
     def _calibrate_kv_scales(self) -> list[tuple[jax.Array, jax.Array]]:
         """A quantized cache's (k_scale, v_scale) f32[K'] per layer (kv_quant's
@@ -232,20 +229,13 @@ class ModelRunner:
         return [(place(k, split), place(v, split)) for k, v in scales]
 
     def _num_kv_blocks(self) -> int:
-        """kv_sizing's budget on this device (what is in use already counts: the weights)."""
-        stats, config = self.local_device.memory_stats() or {}, self.config
-        held = functools.partial(self.kv_groups.blocks_held, config.model.max_model_len,
-                                 self.block_size)  # (chunk): blocks a sequence holds at most
-        budget = kv_sizing.kv_budget(
-            config.cache, self.bytes_per_block, device_limit=stats.get("bytes_limit"),
-            in_use=stats.get("bytes_in_use", 0),
-            max_seq_blocks=config.scheduler.max_num_seqs * held() + 1)
-        blocks = budget.blocks
-        if self.channel is not None:  # every host must build the same cache shape
-            blocks = self.channel.share(blocks)
-        kv_sizing.check_holds_one_sequence(blocks, self.block_size, config.model.max_model_len,
-                                           held(config.scheduler.max_num_batched_tokens))
-        return int(blocks)
+        """kv_sizing's budget on this device (what is in use already counts: the weights);
+        with several hosts, every host builds the same cache shape."""
+        stats = self.local_device.memory_stats() or {}
+        return kv_sizing.device_blocks(
+            self.config, self.kv_groups, self.bytes_per_block,
+            device_limit=stats.get("bytes_limit"), in_use=stats.get("bytes_in_use", 0),
+            share=self.channel.share if self.channel is not None else None)
 
     # ---- device functions ---------------------------------------------------------------
     def _step_fn(self, params, kv_caches, penalty_state, packed, layout: Layout):

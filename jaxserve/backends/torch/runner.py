@@ -237,10 +237,8 @@ class TorchRunner:
     # ---- sizing -------------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
-        element = kv_sizing.cache_element(self.config.model.dtype,
-                                          self.config.cache.kv_cache_dtype)
-        return kv_sizing.bytes_per_block(self.arch.num_layers, self.block_size,
-                                         self.arch.num_kv_heads, self.arch.head_dim, element)
+        return kv_sizing.device_bytes_per_block(self.config, self.kv_groups,
+                                                self.arch.num_kv_heads, self.arch.head_dim)
 
     def _calibrate_kv_scales(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A quantized cache's (k_scale, v_scale) f32[K] per layer, from the model's keys
@@ -267,12 +265,8 @@ class TorchRunner:
         if self.device.type == "cuda":
             _, limit = torch.cuda.mem_get_info(self.device)
             in_use = torch.cuda.memory_allocated(self.device)
-        budget = kv_sizing.kv_budget(
-            self.config.cache, self.bytes_per_block, device_limit=limit, in_use=in_use or 0,
-            max_seq_blocks=self.config.scheduler.max_num_seqs * self.blocks_per_seq + 1)
-        kv_sizing.check_holds_one_sequence(budget.blocks, self.block_size,
-                                           self.config.model.max_model_len)
-        return int(budget.blocks)
+        return kv_sizing.device_blocks(self.config, self.kv_groups, self.bytes_per_block,
+                                       device_limit=limit, in_use=in_use or 0)
 
     # ---- the Runner protocol ------------------------------------------------------------
     def warm_up(self, background: bool = False) -> None:
