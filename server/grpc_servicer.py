@@ -42,6 +42,7 @@ from jaxserve.server.grpc_requests import (
     prompt_of,
     sampling_params,
 )
+from jaxserve.server.loads import scheduler_load
 
 logger = logging.getLogger(__name__)
 
@@ -281,15 +282,11 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"dp_rank={request.dp_rank}: this engine reports one data-"
                                 "parallel rank, 0.")
-        stats = self.async_engine.stats
-        capacity = stats.kv_capacity_tokens
-        load = pb.SchedulerLoad(
-            dp_rank=0, num_running_reqs=stats.running, num_waiting_reqs=stats.waiting,
-            num_total_reqs=stats.running + stats.waiting,
-            num_used_tokens=round(stats.kv_usage * capacity), max_total_num_tokens=capacity,
-            token_usage=stats.kv_usage, cache_hit_rate=stats.prefix_cache_hit_rate,
-            utilization=stats.running / self.engine.config.scheduler.max_num_seqs,
-            max_running_requests=self.engine.config.scheduler.max_num_seqs)
+        engine = self.async_engine
+        stats = engine.stats
+        load = scheduler_load(stats, max_num_seqs=self.engine.config.scheduler.max_num_seqs,
+                              gen_throughput=engine.generation_rate.rate(),
+                              waiting_prompt_tokens=engine.waiting_prompt_tokens(stats.waiting))
         return pb.GetLoadsResponse(
             timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(),
             version=VERSION, dp_rank_count=1, loads=[load])
