@@ -12,6 +12,7 @@ import sys
 
 from jaxserve.config.engine_args import EngineArgs
 from jaxserve.config.engine_config import SUPPORTED_DTYPES
+from jaxserve.hosts_cli import add_distributed_args, join_hosts, multi_host
 from jaxserve.parsers.tools import PARSERS
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -25,45 +26,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     # main parser's value when it is not given here.
     parser.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS,
                         help="logging level (default: INFO)")
-
-
-def add_distributed_args(parser: argparse.ArgumentParser) -> None:
-    """Multi-host flags (backends/jax/distributed.py): the same command runs on every host."""
-    parser.add_argument("--coordinator", default=None,
-                        help="multi-host: host 0's HOST:PORT, where the hosts meet")
-    parser.add_argument("--num-hosts", type=int, default=None, help="multi-host: host count")
-    parser.add_argument("--host-id", type=int, default=None,
-                        help="multi-host: this host's index, 0 serves and schedules")
-    parser.add_argument("--multi-host", action="store_true",
-                        help="multi-host with the hosts found by JAX itself (a Cloud TPU pod "
-                        "slice, or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / "
-                        "JAX_PROCESS_ID)")
-
-
-def _multi_host(args: argparse.Namespace) -> bool:
-    """Whether the multi-host flags are given."""
-    return args.multi_host or (args.coordinator, args.num_hosts, args.host_id) != (
-        None, None, None)
-
-
-def _join_hosts(args: argparse.Namespace, model: str | None, precompile: bool | str) -> bool:
-    """Multi-host: join the other hosts; on a host other than 0, run host 0's steps until it
-    stops. True when this process was such a worker (its work is done)."""
-    if not _multi_host(args):
-        return False
-    if args.backend == "torch":
-        raise ValueError("Multi-host serving runs the JAX backend; the torch backend runs on "
-                         "one device. Drop --backend torch or the multi-host flags.")
-    from jaxserve.backends.jax.distributed import initialize, is_leader
-    from jaxserve.backends.selection import run_worker
-    from jaxserve.config.model_path import resolve_model
-
-    initialize(args.coordinator, args.num_hosts, args.host_id)
-    if is_leader():
-        return False
-    run_worker(engine_config(args, resolve_model(model, logging.getLogger("jaxserve")),
-                             precompile))
-    return True
 
 
 def engine_config(args: argparse.Namespace, model: str, precompile: bool | str = True,
@@ -136,8 +98,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty, seed=args.sample_seed, stop=args.stop,
         ignore_eos=args.ignore_eos, logprobs=args.logprobs)
-    if _join_hosts(args, args.model, False):
-        return 0  # a worker host: it ran host 0's steps until host 0 finished
+    join_hosts(args, args.model, False, engine_config)  # (other hosts end here)
     llm = LLM.from_engine_args(EngineArgs.from_cli(args))  # model None: the built-in model
     try:
         if args.chat:
@@ -284,13 +245,12 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_n=args.max_n, max_prompts=args.max_prompts_per_request)
     args.request_limits = dataclasses.asdict(limits)
     grpc_config = _grpc_config(args, server_config)
-    if _join_hosts(args, args.model, "background"):
-        return 0  # a worker host: it ran host 0's steps until host 0 stopped
+    join_hosts(args, args.model, "background", engine_config)  # (other hosts end here)
     from jaxserve.engine.core_client import EngineCoreClient, engine_process_by_default
 
-    if not _multi_host(args) and (args.engine_process if args.engine_process is not None
+    if not multi_host(args) and (args.engine_process if args.engine_process is not None
                                   else engine_process_by_default()):
-        from jaxserve.engine.core_process import engine_from_args
+        from jaxserve.engine.data_parallel import engine_from_args
 
         engine = EngineCoreClient(engine_from_args, (EngineArgs.from_cli(args), model,
                                                      "background"), log_level=args.log_level)
@@ -392,41 +352,55 @@ def _chat_template(value: str | None) -> str | None:
 
 
 def _plan_parser(sub) -> None:
+    from jaxserve.config.accelerators import PRESETS, preset  # host-side: no jax
+    from jaxserve.config.plan import parse_bytes
+
     p = sub.add_parser(
         "plan", help="per-device memory, KV blocks and compile buckets, without loading weights",
         description="Print what the engine would place on each device for a model folder "
-        "(only its config.json is read), a mesh and a per-device memory size: weight and KV "
-        "bytes, KV blocks, concurrency at max_model_len, compile buckets. Runs on the CPU; no "
-        "accelerator is touched. Defaults are the engine's on an accelerator.")
+        "(only its config.json is read), a mesh and a device (a preset such as v5e-8, or a "
+        "per-device memory size): weight and KV bytes, KV blocks, concurrency at "
+        "max_model_len, compile buckets; the meshes a multi-device preset can take; what "
+        "would fit when the configuration does not. Runs on the CPU; no accelerator is "
+        "touched. Defaults are the engine's on an accelerator.")
     _add_model_positional(p)
     add_engine_args(p)
-    p.add_argument("--device-memory", required=True, type=_device_memory, metavar="SIZE",
-                   help="memory of one device: 16GiB or 16G (binary), 80GB (decimal), 16e9 "
-                   "(bytes)")
+    device = p.add_mutually_exclusive_group(required=True)
+    device.add_argument("--device", type=_arg_type(preset), metavar="NAME",
+                        help=f"what you rent: {', '.join(d.name for d in PRESETS)}")
+    device.add_argument("--device-memory", type=_arg_type(parse_bytes), metavar="SIZE",
+                        help="memory of one device: 16GiB or 16G (binary), 80GB (decimal), "
+                        "16e9 (bytes)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(func=_run_plan)
 
 
-def _device_memory(text: str) -> int:
-    from jaxserve.config.plan import parse_bytes  # no jax at import
-
-    try:
-        return parse_bytes(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+def _arg_type(parse):
+    """parse as an argparse type: its ValueError's message becomes argparse's error."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return convert
 
 
 def _run_plan(args: argparse.Namespace) -> int:
     # The plan is arithmetic on config.json (the families' numpy parameter tables): it never
     # imports jax, so it cannot claim an accelerator that a running server may be using.
     from jaxserve.config.model_path import resolve_model
-    from jaxserve.config.plan import format_plan, make_plan, plan_dict
+    from jaxserve.config.plan_advice import format_report, plan_report, report_dict
 
     model = resolve_model(_model_of(args), logging.getLogger("jaxserve.plan"))
     config = engine_config(args, model, on_accelerator=True)
-    plan = make_plan(config, args.device_memory)
-    print(json.dumps(plan_dict(plan), indent=2) if args.json else format_plan(plan))
-    return 0
+    memory = args.device.memory_bytes if args.device else args.device_memory
+    mesh_given = (args.mesh is not None or args.tensor_parallel_size != 1
+                  or args.data_parallel_size != 1)
+    report = plan_report(config, memory, args.device, mesh_given=mesh_given)
+    if report.plan is None:
+        print(f"error: {report.error}", file=sys.stderr, flush=True)
+    print(json.dumps(report_dict(report), indent=2) if args.json else format_report(report))
+    return 0 if report.plan is not None else 2
 
 
 def _convert_parser(sub) -> None:

@@ -43,6 +43,28 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{name} must be a power of two >= 1, got {value}.")
 
 
+@dataclasses.dataclass(frozen=True)
+class TileRule:
+    """A TPU generation's inputs to the tile table (jaxserve/config/accelerators.py holds them
+    per generation, as KernelTiles): L = keys_per_chunk keys per inner step, query tiles of
+    min_rows..max_tile_rows rows, and the scoped VMEM Mosaic gives the kernel (None: its
+    default). The defaults are the kernel's tiles on a device the table does not know."""
+
+    keys_per_chunk: int = 128
+    min_rows: int = 8
+    max_tile_rows: int = 256
+    vmem_limit_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("keys_per_chunk", "min_rows", "max_tile_rows"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"TileRule.{name} must be a power of two >= 1, got {value}.")
+        if self.vmem_limit_bytes is not None and self.vmem_limit_bytes <= 0:
+            raise ValueError(f"TileRule.vmem_limit_bytes must be > 0, got "
+                             f"{self.vmem_limit_bytes}.")
+
+
 def div(a, b):
     """a // b for integers a >= 0: truncating division, which Mosaic and Triton lower without
     the sign fix-up of floor division (Mosaic's sign op needs a real TPU to lower)."""
@@ -88,14 +110,15 @@ def ungroup_output(out, num_tokens: int, num_heads: int, group_p: int):
 def default_block_sizes(num_tokens: int, num_rows: int, block_size: int, *,
                         min_rows: int = 8, max_tile_rows: int = 256,
                         group_p: int = 1, num_kv_heads: int = 1,
-                        target_programs: int = 0) -> BlockSizes:
+                        target_programs: int = 0, keys_per_chunk: int = 128) -> BlockSizes:
     """The tile table, from the step's static (T, R) bucket.
 
     About one token per row (decode-heavy): the smallest tile whose M = TQ * Gp still fills
     `min_rows` matrix rows, since each extra token in a tile is another sequence whose pages
     the tile walks with its rows masked. Many tokens per row (prefill-heavy): big tiles, so
-    one page read serves many queries. Keys per chunk: 128 (256 for long-context decodes
-    would help bandwidth; 128 keeps the VMEM/SRAM footprint small for every head_dim).
+    one page read serves many queries. Keys per chunk: keys_per_chunk (128 by default: it
+    keeps the VMEM/SRAM footprint small for every head_dim; a TPU generation with a 256-wide
+    MXU takes 256, TileRule), at least one page.
     With target_programs > 0 (GPU), kv_splits spreads a small batch's contexts over enough
     programs to fill the device."""
     per_row = max(1, num_tokens // max(1, num_rows))
@@ -103,7 +126,7 @@ def default_block_sizes(num_tokens: int, num_rows: int, block_size: int, *,
     q_tokens = min(q_tokens, 1 << (num_tokens - 1).bit_length(), max_tile_rows // group_p)
     q_tokens = max(q_tokens, -(-min_rows // group_p), 1)
     q_tokens = 1 << (q_tokens - 1).bit_length()
-    pages = max(1, 128 // block_size)
+    pages = max(1, keys_per_chunk // block_size)
     splits = 1
     if target_programs:
         tiles = -(-num_tokens // q_tokens) * num_kv_heads

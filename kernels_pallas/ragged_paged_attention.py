@@ -34,6 +34,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxserve.kernels_pallas.kernel_layout import (
     MASK_VALUE,
     BlockSizes,
+    TileRule,
     TileWalk,
     default_block_sizes,
     div,
@@ -50,15 +51,20 @@ from jaxserve.kernels_pallas.ref import values
 def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
                            sinks=None, kv_dtype=None, interpret: bool = False,
-                           block_sizes: BlockSizes | None = None):
+                           block_sizes: BlockSizes | None = None,
+                           tiling: TileRule | None = None):
     """q: [T, N, H]; k_cache, v_cache: [P, S, K, H] of kv_dtype values (default q's dtype)
-    or their bits; sinks: f32[N] or None; returns [T, N, H] (ref.py's contract)."""
+    or their bits; sinks: f32[N] or None; returns [T, N, H] (ref.py's contract).
+    tiling: the TPU generation's tile rule and VMEM budget (default TileRule()); block_sizes
+    overrides its tiles for this call."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_rows, width = batch.block_tables.shape
     group_p = padded_group(num_heads, num_kv_heads)
-    sizes = block_sizes or default_block_sizes(num_tokens, num_rows, block_size,
-                                               group_p=group_p)
+    rule = tiling or TileRule()
+    sizes = block_sizes or default_block_sizes(
+        num_tokens, num_rows, block_size, min_rows=rule.min_rows,
+        max_tile_rows=rule.max_tile_rows, group_p=group_p, keys_per_chunk=rule.keys_per_chunk)
     tq = sizes.q_tokens
     num_tiles = -(-num_tokens // tq)
     qg = group_queries(q, num_kv_heads, group_p, num_tiles * tq)  # [K, Tp*Gp, H]
@@ -87,7 +93,8 @@ def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
                             pltpu.VMEM((rows, 128), jnp.float32),
                             pltpu.VMEM((rows, head_dim), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                             vmem_limit_bytes=rule.vmem_limit_bytes),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="ragged_paged_attention",
     )

@@ -331,6 +331,12 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
             reason = engine.dead_reason or "the engine loop has stopped"
             return APIError(503, f"{reason[:1].upper()}{reason[1:]}.",
                             code="engine_dead").response()
+        stats = engine.stats
+        if stats.replicas_lost:  # still serving, on fewer data-parallel replicas
+            return {"status": "degraded", "replicas": stats.replicas,
+                    "replicas_serving": stats.replicas - len(stats.replicas_lost),
+                    "replicas_lost": [{"replica": rank, "reason": why}
+                                      for rank, why in stats.replicas_lost]}
         return Response(status_code=200)
 
     @app.get("/ready")

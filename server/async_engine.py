@@ -24,6 +24,7 @@ from jaxserve.engine.admission import EngineRequest
 from jaxserve.engine.llm_engine import EngineDeadError, LLMEngine
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.stats import EngineStats
+from jaxserve.server.loads import RollingRate
 from jaxserve.server.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,7 @@ class AsyncLLMEngine:
         self._logged_tokens = (0, 0)
         self._logged_compiles = self._stats.compilations
         self._logged_spec = (0, 0, 0)  # speculative decoding: drafts, proposed, accepted
+        self.generation_rate = RollingRate()  # tokens generated per second (gRPC GetLoads)
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -154,6 +156,22 @@ class AsyncLLMEngine:
     def num_in_flight(self) -> int:
         with self._lock:
             return len(self._streams)
+
+    def waiting_prompt_tokens(self, sequences: int) -> int:
+        """The prompt tokens of the youngest requests with no token out yet that hold at
+        most `sequences` sequences (the engine's waiting count): the engine starts requests
+        first come first served, so the older ones without a token are in prefill."""
+        with self._lock:
+            streams = list(self._streams.values())
+        tokens = 0
+        for stream in reversed(streams):  # (submission order: the youngest last)
+            if stream.first_token is not None:
+                continue
+            if stream.n > sequences:
+                break
+            sequences -= stream.n
+            tokens += stream.num_prompt_tokens
+        return tokens
 
     def _notify(self) -> None:
         """Wake the engine thread: idle, or in a step() that waits for an engine core."""
@@ -379,6 +397,7 @@ class AsyncLLMEngine:
 
     # ---- metrics and logs ---------------------------------------------------------------
     def _record_tokens(self, stream: _Stream, new: int, now: float) -> None:
+        self.generation_rate.add(new, now)
         if self.metrics:
             self.metrics.generation_tokens.inc(new)
             if stream.first_token is None:
@@ -414,7 +433,9 @@ class AsyncLLMEngine:
             self.metrics.update_gauges(running=stats.running, waiting=stats.waiting,
                                        kv_usage=stats.kv_usage, preemptions=stats.preemptions,
                                        prefix_cache=(stats.prefix_cache_queries,
-                                                     stats.prefix_cache_hits))
+                                                     stats.prefix_cache_hits),
+                                       replicas=(stats.replicas - len(stats.replicas_lost),
+                                                 len(stats.replicas_lost)))
             self.metrics.update_spec_decode(stats.spec_drafts, stats.spec_draft_tokens,
                                             stats.spec_accepted_tokens,
                                             stats.spec_accepted_per_pos)

@@ -23,6 +23,7 @@
 | jaxserve:xla_compilations_total (every XLA compile in the engine's process) | counter |
 | jaxserve:executable_cache_loads_total (buckets loaded from disk, not compiled) | counter |
 | jaxserve:warm_up_done (1 once every bucket is compiled) | gauge |
+| jaxserve:data_parallel_replicas{state=serving|lost} (lost: its host died) | gauge |
 
 Every series carries the label model_name; the jaxserve: series describe the process. Gauges are set from the engine loop after every
 step, and return to 0 when the engine is idle. Histogram buckets are vLLM's (v1 metrics), so
@@ -123,6 +124,12 @@ class EngineMetrics:
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
         self.gpu_cache_usage = gauge("vllm:gpu_cache_usage_perc",
                                      "Same as vllm:kv_cache_usage_perc (older name).")
+        replicas = Gauge("jaxserve:data_parallel_replicas",
+                         "Data-parallel replicas serving, and lost (their host died).",
+                         ["model_name", "state"], registry=r)
+        self.replicas = {state: replicas.labels(model_name=model_name, state=state)
+                         for state in ("serving", "lost")}
+        self.replicas["serving"].set(1)
         self.preemptions = counter("vllm:num_preemptions", "Preemptions (recompute).")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens admitted.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
@@ -190,8 +197,12 @@ class EngineMetrics:
         self._tokens = [0, 0]
 
     def update_gauges(self, *, running: int, waiting: int, kv_usage: float,
-                      preemptions: int, prefix_cache: tuple[int, int] = (0, 0)) -> None:
-        """prefix_cache: the engine's running totals (queries, hits), in tokens."""
+                      preemptions: int, prefix_cache: tuple[int, int] = (0, 0),
+                      replicas: tuple[int, int] = (1, 0)) -> None:
+        """prefix_cache: the engine's running totals (queries, hits), in tokens; replicas:
+        data-parallel replicas (serving, lost)."""
+        self.replicas["serving"].set(replicas[0])
+        self.replicas["lost"].set(replicas[1])
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(kv_usage)

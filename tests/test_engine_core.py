@@ -16,8 +16,7 @@ from jaxserve import SamplingParams
 from jaxserve.config.engine_args import EngineArgs
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.engine.core_client import EngineCoreClient
-from jaxserve.engine.core_process import engine_from_args
-from jaxserve.engine.data_parallel import create_engine
+from jaxserve.engine.data_parallel import create_engine, engine_from_args
 from jaxserve.engine.failures import EngineDeadError
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.server.async_engine import AsyncLLMEngine

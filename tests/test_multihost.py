@@ -1,27 +1,87 @@
-"""Multi-host: two processes joined by jax.distributed (CPU, gloo collectives, one device
-each) serve one model split over both (--mesh 1x2); host 0 schedules and broadcasts every
-step, host 1 follows. The greedy tokens must equal a single process's."""
+"""Multi-host: processes joined by jax.distributed (CPU, gloo collectives, fake devices) run
+one model as the mesh lays it over them: one replica split over both hosts (--mesh 1x2,
+host 0 sends each step to host 1), or data-parallel replicas each on one host (--mesh 2x4,
+4x2: host 0 routes requests, host 1 runs its replicas' engines and sends their tokens back),
+or replicas that each span two hosts. The greedy tokens must equal a single process's, and
+a host that dies takes only its replicas."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
+import httpx
 import pytest
 
 from jaxserve import LLM, SamplingParams
 
-PROMPTS = ["def fibonacci(n):", "while True:", "import os\nimport sys\n\nclass Config:"]
+PROMPTS = ["def fibonacci(n):", "while True:", "import os\nimport sys\n\nclass Config:",
+           "for i in range("]
 NEW_TOKENS = 10
+ENGINE = ["--max-model-len", "128", "--max-num-seqs", "2", "--max-num-batched-tokens", "16"]
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_hosts(command: list[str], num_hosts: int, devices_per_host: int,
+                log_level: str = "WARNING") -> list[subprocess.Popen]:
+    """The same command on num_hosts processes (host 0 last in the list), each with its own
+    fake CPU devices; each in a process group of its own."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_host}")
+    cluster = ["--coordinator", f"127.0.0.1:{free_port()}", "--num-hosts", str(num_hosts)]
+    base = [sys.executable, "-m", "jaxserve.cli", "--log-level", log_level]
+    return [subprocess.Popen(base + command + cluster + ["--host-id", str(i)], env=env,
+                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             start_new_session=True)
+            for i in reversed(range(num_hosts))]
+
+
+def finish(hosts: list[subprocess.Popen], timeout: float = 600) -> list[tuple[str, str]]:
+    try:
+        results = [host.communicate(timeout=timeout) for host in hosts]
+    finally:
+        for host in hosts:
+            kill(host)
+    for host, (_, err) in zip(hosts, results):
+        assert host.returncode == 0, err[-3000:]
+    return results
+
+
+def kill(host: subprocess.Popen) -> None:
+    try:
+        os.killpg(host.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def generated(stdout: str) -> list[list[int]]:
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    return [json.loads(line)["outputs"][0]["token_ids"] for line in lines]
+
+
+def single_process(folder: str, dtype: str = "float32") -> list[list[int]]:
+    llm = LLM(folder, dtype=dtype, max_model_len=128, max_num_seqs=2,
+              max_num_batched_tokens=16, precompile=False)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def generate_command(folder: str, mesh: str, dtype: str = "float32") -> list[str]:
+    return ["generate", "--model", folder, "--dtype", dtype, *ENGINE, "--mesh", mesh,
+            "--max-tokens",
+            str(NEW_TOKENS), "--ignore-eos", "--json", *PROMPTS]
 
 
 # "orbax": the same from a `jaxserve convert` folder, each process restoring only the slices
@@ -33,29 +93,98 @@ def test_two_processes_match_one(source, mesh_checkpoints, tmp_path):
         from jaxserve.backends.jax.orbax_checkpoint import convert
 
         folder = str(convert(folder, tmp_path / "orbax"))
-    engine = ["--model", folder, "--dtype", "float32", "--max-model-len", "128",
-              "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--mesh", "1x2"]
-    cluster = ["--coordinator", f"127.0.0.1:{free_port()}", "--num-hosts", "2"]
-    command = [sys.executable, "-m", "jaxserve.cli", "--log-level", "WARNING", "generate",
-               *engine, *cluster, "--max-tokens", str(NEW_TOKENS), "--ignore-eos", "--json",
-               *PROMPTS]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    hosts = [subprocess.Popen(command + ["--host-id", str(i)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in (1, 0)]
+    results = finish(start_hosts(generate_command(folder, "1x2"), 2, 1))
+    assert not generated(results[0][0])  # host 1 prints nothing
+    assert generated(results[1][0]) == single_process(folder)
+
+
+# 2x4: one replica per host; 4x2: two per host; 2x2 over four hosts of one device: each
+# replica spans two hosts, the second led by host 2 (host 0 routes to it, host 3 follows it);
+# 2x1 in bfloat16: one device per replica, so the same computation as one device's.
+@pytest.mark.parametrize("mesh, num_hosts, devices, dtype", [
+    ("2x4", 2, 4, "float32"), pytest.param("4x2", 2, 4, "float32", marks=pytest.mark.slow),
+    pytest.param("2x2", 4, 1, "float32", marks=pytest.mark.slow),
+    pytest.param("2x1", 2, 1, "bfloat16", marks=pytest.mark.slow)])
+def test_data_parallel_over_hosts(mesh, num_hosts, devices, dtype, mesh_checkpoints):
+    folder = str(mesh_checkpoints["llama"])
+    replicas = int(mesh.split("x")[0])
+    command = generate_command(folder, mesh, dtype)
+    results = finish(start_hosts(command, num_hosts, devices, "INFO"))
+    assert generated(results[-1][0]) == single_process(folder, dtype)
+    # Every replica led by another host ran steps there (four prompts, least-loaded).
+    log = "".join(err for _, err in results[:-1])
+    steps = {int(r): int(n) for r, n in re.findall(r"Replica (\d+): stopped after (\d+) steps",
+                                                   log)}
+    model = int(mesh.split("x")[1])
+    led_elsewhere = {r for r in range(replicas) if r * model // devices != 0}  # lead host
+    assert set(steps) == led_elsewhere and all(steps.values()), log[-3000:]
+
+
+def test_a_lost_host_leaves_the_other_replica_serving(mesh_checkpoints):
+    """--mesh 2x2 over two hosts of two devices; host 1 (replica 1) is killed while a
+    stream runs on each replica: replica 1's request fails, replica 0's finishes, /health
+    names the lost replica, and every later request is served by replica 0."""
+    folder = str(mesh_checkpoints["llama"])
+    port = free_port()
+    command = ["serve", "--model", folder, "--dtype", "float32", *ENGINE, "--mesh", "2x2",
+               "--port", str(port), "--no-engine-process"]
+    hosts = start_hosts(command, 2, 2)
+    url = f"http://127.0.0.1:{port}"
     try:
-        results = [host.communicate(timeout=600) for host in hosts]
+        deadline = time.monotonic() + 300
+        while True:
+            assert hosts[1].poll() is None, hosts[1].communicate()[1][-3000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(1)
+        body = {"model": folder, "prompt": "def fibonacci(n):", "max_tokens": 100,
+                "temperature": 0.0, "ignore_eos": True, "stream": True}
+        started = [threading.Event(), threading.Event()]
+        ends: list = [None, None]
+
+        def stream(i: int) -> None:
+            reason = None
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    started[i].set()
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        reason = "error"
+                    elif chunk["choices"][0].get("finish_reason"):
+                        reason = chunk["choices"][0]["finish_reason"]
+            ends[i] = reason
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for event in started:
+            assert event.wait(120)
+        kill(hosts[0])  # host 1
+        for thread in threads:
+            thread.join(120)
+        assert sorted(ends, key=str) == ["error", "length"], ends
+
+        health = httpx.get(f"{url}/health", timeout=10)
+        assert health.status_code == 200
+        report = health.json()
+        assert report["status"] == "degraded" and report["replicas_serving"] == 1
+        assert [lost["replica"] for lost in report["replicas_lost"]] == [1]
+        plain = dict(body, stream=False, max_tokens=5)
+        for _ in range(3):
+            response = httpx.post(f"{url}/v1/completions", json=plain, timeout=60)
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["finish_reason"] == "length"
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert re.search(r'jaxserve:data_parallel_replicas\{[^}]*state="lost"[^}]*\} 1\.0',
+                         metrics), metrics[-2000:]
+        hosts[1].send_signal(signal.SIGINT)
+        assert hosts[1].wait(120) == 0
     finally:
         for host in hosts:
-            host.kill()
-    for host, (_, err) in zip(hosts, results):
-        assert host.returncode == 0, err[-3000:]
-    lines = [line for line in results[1][0].splitlines() if line.startswith("{")]
-    got = [json.loads(line)["outputs"][0]["token_ids"] for line in lines]
-    assert not [line for line in results[0][0].splitlines() if line.startswith("{")]  # host 1
-
-    llm = LLM(folder, dtype="float32", max_model_len=128, max_num_seqs=2,
-              max_num_batched_tokens=16, precompile=False)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    assert got == want
+            kill(host)

@@ -11,6 +11,7 @@ rejects what the hardware compilers would not take (shapes, ops, memory spaces).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -31,8 +32,9 @@ from attention_cases import (
 from jax import export
 
 from jaxserve.backends.jax.batch import Batch
+from jaxserve.config.accelerators import ACCELERATORS
 from jaxserve.kernels_pallas import gpu_ragged_paged_attention, ragged_paged_attention
-from jaxserve.kernels_pallas.kernel_layout import BlockSizes, default_block_sizes
+from jaxserve.kernels_pallas.kernel_layout import BlockSizes, TileRule, default_block_sizes
 
 KERNELS = {"tpu": ragged_paged_attention.ragged_paged_attention,
            "gpu": gpu_ragged_paged_attention.ragged_paged_attention}
@@ -194,3 +196,85 @@ def test_lowers_for_the_hardware(platform, kernel_name, shape):
     assert target in module
     assert exported.out_avals[0].shape == args[0].shape
 
+
+
+# ------------------------------------------------------------ lowering per TPU generation
+# What JAX checks without the chip: jax.export takes a platform ("tpu"), never a generation.
+# Pallas's Python lowering reads the generation only from an AbstractMesh's AbstractDevice
+# (jax.sharding.use_abstract_mesh), and only for a few ops this kernel does not use: its
+# exported module is byte-identical under every generation's device (checked by hand with
+# JAX 0.10.2). Only the tiles and VMEM budget of config/accelerators.py differ, so the test
+# below lowers each generation's tiles under its device. The generation's own compiler
+# (Mosaic in libtpu: MXU dtypes, tiled layouts, DMA sizes, the VMEM budget) runs on the CPU
+# only through libtpu's compile-only TPU targets (jax.experimental.topologies), which the
+# -m slow test after it uses when libtpu is installed (the [tpu] extra's libtpu==0.0.42.*;
+# `PYTHONPATH=<a folder holding libtpu> pytest -m slow -k generation` without installing it
+# into the environment, where it would make every jax start-up probe for a TPU).
+
+GENERATIONS = [row for row in ACCELERATORS if row.platform == "tpu"]
+KERNEL_GENERATIONS = [row for row in GENERATIONS if row.kernel]
+
+
+def _one_per_tiling(rows):
+    """Each row as a param; rows whose tiles an earlier row already has run with -m slow."""
+    seen = set()
+    for row in rows:
+        marks = [pytest.mark.slow] if row.tiles in seen else []
+        seen.add(row.tiles)
+        yield pytest.param(row, marks=marks, id=row.name.replace(" ", "-"))
+
+
+def _tiling(row) -> TileRule:
+    return TileRule(**dataclasses.asdict(row.tiles))
+
+
+@pytest.mark.parametrize("row", list(_one_per_tiling(KERNEL_GENERATIONS)))
+def test_lowers_with_each_generation_tiles(row):
+    device = jax.sharding.AbstractDevice(device_kind=row.device_kinds[0], num_cores=1,
+                                         platform="tpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    args = abstract_case(256, 256, 32, 4, 128, 16, 4096, 128, jnp.bfloat16)
+    fn = jax.jit(functools.partial(KERNELS["tpu"], scale=1 / math.sqrt(128),
+                                   tiling=_tiling(row)))
+    with jax.sharding.use_abstract_mesh(mesh):
+        exported = export.export(fn, platforms=["tpu"])(*args)
+    assert "tpu_custom_call" in exported.mlir_module()
+
+
+# generation -> a compile-only topology of libtpu (its first device is compiled for)
+TOPOLOGIES = {"TPU v2": "v2:2x2", "TPU v3": "v3:2x2", "TPU v4": "v4:2x2x1",
+              "TPU v5e": "v5e:2x2", "TPU v5p": "v5p:2x2x1", "TPU v6e": "v6e:2x2",
+              "TPU v7x": "tpu7x:2x2x1"}
+BF16_LAYOUT = pytest.mark.xfail(strict=True, reason=(
+    "Mosaic refuses the bf16 kernel on every generation: the per-kv-head page DMA "
+    "(k_hbm.at[page, :, kv_head, :]) slices K, the second-minor dimension of the "
+    "[P, S, K, H] cache, which bf16's tiled HBM layout packs in tiles of 2 or more rows "
+    "('Offsets along tiled dimensions must be aligned to tiles'); float32 compiles"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row, dtype", [
+    pytest.param(row, dtype, id=f"{row.name.replace(' ', '-')}-{dtype}",
+                 marks=[BF16_LAYOUT] if row.kernel and dtype == "bfloat16" else [])
+    for row in GENERATIONS for dtype in ("float32", "bfloat16")])
+def test_compiles_for_each_generation_with_libtpu(row, dtype):
+    """Mosaic's real compile for the generation, on the CPU: the kernel compiles where the
+    table says it runs (with the generation's tiles) and is refused on v2 and v3."""
+    pytest.importorskip("libtpu")
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    topology = topologies.get_topology_desc(platform="tpu",
+                                            topology_name=TOPOLOGIES[row.name])
+    device = topology.devices[0]
+    assert device.device_kind in row.device_kinds
+    placed = NamedSharding(Mesh(np.array([device]), ("x",)), PartitionSpec())
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed),
+                        abstract_case(256, 256, 8, 1, 128, 16, 4096, 128, jnp.dtype(dtype)))
+    fn = jax.jit(functools.partial(KERNELS["tpu"], scale=1 / math.sqrt(128),
+                                   tiling=_tiling(row) if row.tiles else None))
+    if row.kernel:
+        fn.lower(*args).compile()
+    else:
+        with pytest.raises(Exception, match="Mosaic failed to compile"):
+            fn.lower(*args).compile()

@@ -53,14 +53,36 @@ def create_runner(config: EngineConfig, rank: int = 0) -> Runner:
     return ModelRunner(config, replica_mesh(config, rank))
 
 
-def run_worker(config: EngineConfig) -> None:
-    """A multi-host run's non-zero host (distributed.py): build the runner and run host 0's
-    steps until it stops."""
+def replica_hosts(config: EngineConfig) -> list[list[int]]:
+    """Per data-parallel replica, the processes (hosts) that run it, its lead host first:
+    [[0]] * D in one process; on several hosts, the JAX backend's layout
+    (backends/jax/distributed.py)."""
+    size = config.parallel.data_parallel_size
+    if config.backend == "torch" or not multi_host():
+        return [[0] for _ in range(size)]
+    from jaxserve.backends.jax import distributed
+
+    return distributed.replica_hosts(size, config.parallel.mesh.model)
+
+
+def multi_host() -> bool:
+    """Whether this process is one of several hosts joined by jax.distributed."""
     import jax
 
-    runner = create_runner(config)
-    if config.precompile:
-        runner.warm_up(background=config.precompile == "background")
-    logger.info("Host %d: following host 0's steps.", jax.process_index())
-    steps = runner.follow()
-    logger.info("Host %d: host 0 stopped after %d steps.", jax.process_index(), steps)
+    return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
+def process_index() -> int:
+    """This host's index among the joined hosts (0 when alone)."""
+    if not multi_host():
+        return 0
+    import jax
+
+    return jax.process_index()
+
+
+def host_links():
+    """The connections between the joined hosts (distributed.HostLinks)."""
+    from jaxserve.backends.jax import distributed
+
+    return distributed.links()

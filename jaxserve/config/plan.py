@@ -131,9 +131,20 @@ class Plan:
         return self.usable_blocks / self.blocks_held
 
 
+class DoesNotFit(ValueError):
+    """The weights, or one sequence's KV cache, do not fit; shortfall says what and by how
+    much (the message adds what would help: plan_advice.suggest computes the numbers)."""
+
+    def __init__(self, shortfall: str, hints: str = "", brief: str = "") -> None:
+        super().__init__(f"{shortfall} {hints}".strip())
+        self.shortfall = shortfall
+        self.brief = brief or shortfall  # one line: what does not fit, in numbers
+
+
 def make_plan(config: EngineConfig, device_memory_bytes: int) -> Plan:
-    """The plan of `config` on devices of `device_memory_bytes` each. ValueError (saying what
-    would help) when the weights do not fit, or the KV cache cannot hold one sequence."""
+    """The plan of `config` on devices of `device_memory_bytes` each. DoesNotFit (a
+    ValueError saying what would help) when the weights do not fit, or the KV cache cannot
+    hold one sequence."""
     if device_memory_bytes <= 0:
         raise ValueError(f"device memory must be > 0 bytes, got {device_memory_bytes}.")
     hf, dtype = config.model.hf_config, config.model.dtype
@@ -155,10 +166,15 @@ def make_plan(config: EngineConfig, device_memory_bytes: int) -> Plan:
     kv = kv_sizing.kv_budget(cache, per_block, device_limit=device_memory_bytes, in_use=used)
     blocks, budget, source = kv.blocks, kv.budget_bytes, kv.source
     if used + max(blocks, needed) * per_block > usable:
-        raise ValueError(_no_fit_message(config, device_memory_bytes, used,
-                                         max(blocks, needed) * per_block))
-    kv_sizing.check_holds_one_sequence(blocks, cache.block_size, config.model.max_model_len,
-                                       held)
+        raise DoesNotFit(*_no_fit_message(config, device_memory_bytes, used,
+                                          max(blocks, needed) * per_block))
+    try:
+        kv_sizing.check_holds_one_sequence(blocks, cache.block_size,
+                                           config.model.max_model_len, held)
+    except ValueError as err:  # num_kv_blocks or kv_cache_memory_bytes too small
+        raise DoesNotFit(str(err), brief=f"the KV cache's {blocks:,} blocks hold less than "
+                         f"one sequence of max_model_len={config.model.max_model_len} "
+                         f"({needed:,} blocks)") from None
     return Plan(
         model=config.model.model, architecture=resolve_architecture(hf), dtype=dtype,
         quantization=config.model.quantization, kv_cache_dtype=cache.kv_cache_dtype, mesh=mesh,
@@ -186,8 +202,10 @@ def _bytes_per_block(hf: dict, sharding: ShardingPlan, block_size: int, element:
                                      sharding.kv_heads_per_device, arch.head_dim, element)
 
 
-def _no_fit_message(config: EngineConfig, memory: int, used: int, kv: int) -> str:
-    """Why one replica's weights and KV cache do not fit on its devices, and what would."""
+def _no_fit_message(config: EngineConfig, memory: int, used: int,
+                    kv: int) -> tuple[str, str, str]:
+    """Why one replica's weights and KV cache do not fit on its devices, what would, and
+    the why in one line (DoesNotFit's three parts)."""
     cache, mesh = config.cache, config.parallel.mesh
     hf, dtype = config.model.hf_config, config.model.dtype
     element = kv_sizing.cache_element(dtype, cache.kv_cache_dtype)
@@ -214,16 +232,21 @@ def _no_fit_message(config: EngineConfig, memory: int, used: int, kv: int) -> st
             break
     if dtype == "float32":
         hints.append("--dtype bfloat16 halves the weights and the KV cache")
+    if config.model.quantization is None:
+        hints.append("--quantization int8 stores the linear layers' weights in about half "
+                     "of bfloat16's bytes")
     if kv_sizing.ITEMSIZE[element] > 1:
         hints.append("--kv-cache-dtype fp8 (or int8) stores the KV cache in one byte per "
                      "element")
     if used <= usable:
         hints.append("a lower --max-model-len (or --num-kv-blocks)")
     hints.append("devices with more memory")
-    return (f"Mesh {mesh}: {what}. Each device of a replica needs {_size(used)} of {dtype} "
-            f"weights and sampler state and {_size(kv)} of KV cache, but {_size(memory)} x "
-            f"gpu_memory_utilization {cache.gpu_memory_utilization:g} = {_size(usable)} is "
-            f"usable. What helps: {'; '.join(hints)}.")
+    return (f"Mesh {mesh}: {what}. Each device of a replica needs {size_text(used)} of "
+            f"{dtype} weights and sampler state and {size_text(kv)} of KV cache, but "
+            f"{size_text(memory)} x gpu_memory_utilization {cache.gpu_memory_utilization:g} = "
+            f"{size_text(usable)} is usable.", f"What helps: {'; '.join(hints)}.",
+            f"{what} ({size_text(used)} of weights and sampler state + {size_text(kv)} of KV "
+            f"cache per device, {size_text(usable)} usable)")
 
 
 @functools.lru_cache(maxsize=32)
@@ -291,7 +314,7 @@ def parse_bytes(text: str) -> int:
     return value
 
 
-def _size(n: float) -> str:
+def size_text(n: float) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
@@ -327,8 +350,8 @@ def format_plan(plan: Plan) -> str:
         f"split        query heads {plan.num_heads} -> {plan.num_heads // s.model} per device; "
         f"kv heads {kv_split} -> {s.kv_heads_per_device} per device",
         f"             {mlp} per device; embeddings / lm_head split {embed}",
-        f"memory       {_size(plan.device_memory_bytes)} x gpu_memory_utilization "
-        f"{plan.gpu_memory_utilization:g} = {_size(plan.usable_memory_bytes)} usable per device",
+        f"memory       {size_text(plan.device_memory_bytes)} x gpu_memory_utilization "
+        f"{plan.gpu_memory_utilization:g} = {size_text(plan.usable_memory_bytes)} usable per device",
         "",
         f"{'weights per device':<20} {'parameters':>15} {'bytes':>15} {'':>10}  placement",
     ]
@@ -336,23 +359,23 @@ def format_plan(plan: Plan) -> str:
                  "partly split": f"partly split over {s.model}"}
     for g in plan.weights:
         lines.append(f"  {labels[g.name]:<18} {g.params:>15,} {g.bytes_per_device:>15,} "
-                     f"{_size(g.bytes_per_device):>10}  "
+                     f"{size_text(g.bytes_per_device):>10}  "
                      f"{placement[g.split] if s.model > 1 else 'one device'}")
     used = plan.weight_bytes_per_device
     state = plan.sampler_state_bytes
     lines += [
-        f"  {'total':<18} {plan.num_params:>15,} {used:>15,} {_size(used):>10}",
-        f"{'sampler state':<20} {'':>15} {state:>15,} {_size(state):>10}  "
+        f"  {'total':<18} {plan.num_params:>15,} {used:>15,} {size_text(used):>10}",
+        f"{'sampler state':<20} {'':>15} {state:>15,} {size_text(state):>10}  "
         f"{plan.max_num_seqs + 1} rows x vocabulary x "
         f"{kv_sizing.SAMPLER_STATE_BYTES_PER_ENTRY} B + 1 bit (penalties, logit bias, grammar)",
         "",
         f"KV cache per device  {plan.bytes_per_token:,} B per token (2 x {plan.num_layers} "
         f"layers x {_count(s.kv_heads_per_device, 'kv head')} x {plan.head_dim} x "
         f"{kv_sizing.ITEMSIZE[plan.kv_element]} B {plan.kv_element}); {plan.bytes_per_block:,} B "
-        f"({_size(plan.bytes_per_block)}) per block of {plan.block_size} tokens"
+        f"({size_text(plan.bytes_per_block)}) per block of {plan.block_size} tokens"
         + ("" if plan.kv_cache_dtype == "auto"
            else "; plus a float32 scale per layer and kv head"),
-        f"  budget             {plan.kv_budget_bytes:,} B ({_size(plan.kv_budget_bytes)}), "
+        f"  budget             {plan.kv_budget_bytes:,} B ({size_text(plan.kv_budget_bytes)}), "
         + ("usable memory - weights - sampler state"
            if plan.kv_budget_source == "device memory"
            else f"from {plan.kv_budget_source}"),
@@ -376,7 +399,7 @@ def _count(n: int, noun: str) -> str:
 def summary_line(plan: Plan) -> str:
     """One line for the start-up log."""
     return (f"Plan: mesh {plan.mesh} ({plan.mesh.num_devices} devices), per device: weights "
-            f"{_size(plan.weight_bytes_per_device)}, KV {_size(plan.bytes_per_block)}/block, "
+            f"{size_text(plan.weight_bytes_per_device)}, KV {size_text(plan.bytes_per_block)}/block, "
             f"{plan.usable_blocks:,} blocks = {plan.kv_tokens:,} tokens; max concurrency at "
             f"max_model_len={plan.max_model_len}: {plan.concurrency:.2f}; "
             f"{len(plan.step_buckets)} compile buckets")

@@ -87,13 +87,18 @@ class EngineCoreClient(EngineInterface):
         if kind == "failed":
             self._process.join(5)
             raise payload
-        self.config = payload
         try:
-            self.processor = InputProcessor.for_config(self.config)
+            self._start(payload)
         except BaseException:
             self._commands.send(("close",))
             self._process.join(30)
             raise
+
+    def _start(self, config) -> None:
+        """What follows the core's "ready" (its EngineConfig): the admission path, the
+        mirrors, and the reader thread."""
+        self.config = config
+        self.processor = InputProcessor.for_config(self.config)
         self.tokenizer, self.eos_token_ids = self.processor.tokenizer, \
             self.processor.eos_token_ids
         self.runner = None  # on the core's side
@@ -166,13 +171,14 @@ class EngineCoreClient(EngineInterface):
     def has_unfinished_requests(self) -> bool:
         return bool(self._tracked)
 
-    def step(self, final_only: bool = False, wanted=None) -> list[RequestOutput]:
-        """Fold in what the core sent since the last call (waiting a little for its next
-        message when nothing came) and build the outputs of the requests it changed, as
-        LLMEngine.step. Raises EngineDeadError once the core has died."""
+    def step(self, final_only: bool = False, wanted=None,
+             wait: float = _STEP_WAIT_S) -> list[RequestOutput]:
+        """Fold in what the core sent since the last call (waiting up to `wait` seconds for
+        its next message when nothing came) and build the outputs of the requests it
+        changed, as LLMEngine.step. Raises EngineDeadError once the core has died."""
         with self._news_ready:
-            if not self._news and self._dead is None:
-                self._news_ready.wait(_STEP_WAIT_S)
+            if not self._news and self._dead is None and wait > 0:
+                self._news_ready.wait(wait)
             news, self._news = self._news, []
         if not news and self._dead is not None:
             raise EngineDeadError(self._dead)
@@ -221,6 +227,13 @@ class EngineCoreClient(EngineInterface):
             self._send(("close",))
         except EngineDeadError:
             pass
+        self._stop_core()
+        # Nothing compiles in a process that has exited (it left without waiting).
+        self._stats = dataclasses.replace(self._stats, compiling=0)
+        self.processor.grammars.close()
+
+    def _stop_core(self) -> None:
+        """After "close" was sent: wait for the core process to exit (kill it after 30 s)."""
         with self._process_lock:
             self._process.join(30)
         if self._process.is_alive():
@@ -231,9 +244,6 @@ class EngineCoreClient(EngineInterface):
                 time.sleep(1.0)
             self._process.kill()
             self._process.join(5)
-        # Nothing compiles in a process that has exited (it left without waiting).
-        self._stats = dataclasses.replace(self._stats, compiling=0)
-        self.processor.grammars.close()
 
     @property
     def pid(self) -> int | None:
@@ -253,10 +263,7 @@ class EngineCoreClient(EngineInterface):
             try:
                 message = self._results.recv()
             except (EOFError, OSError):
-                with self._process_lock:  # (two threads must not wait for it at once)
-                    self._process.join(5)
-                reason = (f"the engine core process exited (exit code "
-                          f"{self._process.exitcode})")
+                reason = self._exit_reason()
                 break
             if message[0] == "dead":
                 reason = f"the engine core stopped: {message[1]}"
@@ -272,11 +279,23 @@ class EngineCoreClient(EngineInterface):
                 with self._news_ready:
                     self._news.append((ids, tokens, records))
                     self._news_ready.notify_all()
+                self._on_news()
         if not self._closed:
             logger.error("%s", reason)
         with self._news_ready:
             self._dead = self._dead or reason
             self._news_ready.notify_all()
+        self._on_news()
+
+    def _exit_reason(self) -> str:
+        """Why the core's pipe closed (its process exited)."""
+        with self._process_lock:  # (two threads must not wait for it at once)
+            self._process.join(5)
+        return f"the engine core process exited (exit code {self._process.exitcode})"
+
+    def _on_news(self) -> None:
+        """The reader thread got news or saw the core die (a data-parallel front end
+        listening to several cores hooks this)."""
 
     def _apply(self, record) -> TrackedRequest | None:
         """One request's news into its mirror, as LLMEngine folds a step in: each token

@@ -90,17 +90,6 @@ def run_engine_core(commands, results, factory, args: tuple, log_level: str) -> 
             os._exit(0)
 
 
-def engine_from_args(engine_args, model: str, precompile: bool | str):
-    """`serve`'s engine (config.engine_args.EngineArgs for a resolved model folder), built
-    in the core process: the accelerator is looked at only here, so only this process
-    ever holds it."""
-    from jaxserve.backends.selection import on_accelerator
-    from jaxserve.engine.data_parallel import create_engine
-
-    return create_engine(engine_args.engine_config(
-        model, on_accelerator=on_accelerator(engine_args.backend), default_precompile=precompile))
-
-
 class EngineCore:
     """Steps an engine (interface.EngineInterface with advance()) and sends each step's
     news to the front end, taking its commands between steps."""

@@ -15,16 +15,27 @@ One engine per rank rather than one scheduler over all ranks: each replica's bat
 and buckets are exactly those of a single-replica engine, so nothing in the scheduler, the
 block manager or the runner knows about data parallelism, and a replica's requests never
 wait for another replica's step.
+
+On several hosts (backends/jax/distributed.py) the replicas whose lead host is another host
+are RemoteReplicas (remote_replica.py): engine cores stepping on their own hosts, whose news
+this front end collects without waiting on any one of them. A replica that is lost (its
+host died: its connection broke; or its devices failed: EngineDeadError) fails the requests
+it had, is never routed to again, and is reported in the stats (/health, /metrics); the
+front end goes on with the others, and is dead only when every replica is lost.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 
 from jaxserve.config.engine_config import EngineConfig
+from jaxserve.engine.failures import EngineDeadError
 from jaxserve.engine.interface import EngineInterface
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.remote_replica import RemoteReplica
 from jaxserve.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -37,83 +48,195 @@ def create_engine(config: EngineConfig):
     return DataParallelEngine(config)
 
 
+def engine_from_args(engine_args, model: str, precompile: bool | str):
+    """`serve`'s engine (config.engine_args.EngineArgs for a resolved model folder), built
+    in the core process: the accelerator is looked at only here, so only this process
+    ever holds it."""
+    from jaxserve.backends.selection import on_accelerator
+
+    return create_engine(engine_args.engine_config(
+        model, on_accelerator=on_accelerator(engine_args.backend), default_precompile=precompile))
+
+
 class DataParallelEngine(EngineInterface):
     def __init__(self, config: EngineConfig, replicas: list | None = None) -> None:
-        """replicas: the engines (tests pass stand-ins); one LLMEngine per data rank."""
+        """replicas: the engines (tests pass stand-ins); one per data rank: an LLMEngine
+        here, or a RemoteReplica for one led by another host."""
         self.config = config
         size = config.parallel.data_parallel_size
-        if replicas is None:
-            replicas = []
-            for rank in range(size):
-                logger.info("Data-parallel replica %d of %d", rank + 1, size)
-                replicas.append(LLMEngine(config, rank=rank))
-        self.replicas = replicas
+        self._news = threading.Event()  # a remote replica sent news (or was lost)
+        self.replicas = replicas if replicas is not None else self._build_replicas(size)
         # Every replica runs the same model with the same limits: replica 0's tokenizer,
         # admission path and runner (for its sizes) stand for all of them.
         first = self.replicas[0]
         self.tokenizer, self.processor = first.tokenizer, first.processor
         self.runner, self.eos_token_ids = first.runner, first.eos_token_ids
-        self._owner: dict[str, LLMEngine] = {}
+        self._owner: dict[str, int] = {}  # request id -> the rank of its replica
         self.routed = [0] * size  # requests sent to each replica so far
+        self.lost: dict[int, str] = {}  # rank -> why the replica was lost
+
+    def _build_replicas(self, size: int) -> list:
+        """This host's replicas first (the other hosts build theirs meanwhile), then a
+        connection to each replica another host leads, in rank order."""
+        from jaxserve.backends import selection
+
+        layout = selection.replica_hosts(self.config)
+        replicas: list = [None] * size
+        for rank, hosts in enumerate(layout):
+            if hosts[0] == 0:
+                logger.info("Data-parallel replica %d of %d", rank + 1, size)
+                replicas[rank] = LLMEngine(self.config, rank=rank)
+        for rank, hosts in enumerate(layout):
+            if hosts[0] != 0:
+                logger.info("Data-parallel replica %d of %d: on host %s, waiting until it is "
+                            "ready", rank + 1, size, "/".join(map(str, hosts)))
+                connection = selection.host_links().connect(hosts[0], f"core:{rank}")
+                replicas[rank] = RemoteReplica(connection, f"replica {rank} (host {hosts[0]})",
+                                               on_news=self._news.set)
+        return replicas
 
     # ---- the EngineInterface: each call goes to every replica, or to a request's owner ---
     def stats(self) -> EngineStats:
-        """The replicas' snapshots merged (take it on the thread that steps the engine)."""
-        return EngineStats.merge([replica.stats() for replica in self.replicas])
+        """The live replicas' snapshots merged, with the lost ones named (take it on the
+        thread that steps the engine)."""
+        live = self._live()
+        merged = EngineStats.merge([self.replicas[r].stats() for r in live]) if live \
+            else EngineStats()
+        return dataclasses.replace(merged, replicas=len(self.replicas),
+                                   replicas_lost=tuple(sorted(self.lost.items())))
 
     def reset_prefix_cache(self) -> None:
-        for replica in self.replicas:
-            replica.reset_prefix_cache()
+        for rank in self._live():
+            self.replicas[rank].reset_prefix_cache()
 
     def close(self) -> None:
         for replica in self.replicas:
             replica.close()
 
+    def check_health(self) -> None:
+        """Notice remote replicas lost while idle; EngineDeadError once every replica is
+        lost."""
+        for rank in self._live():
+            replica = self.replicas[rank]
+            if not _is_remote(replica):
+                continue  # (a local engine reports its death from step())
+            try:
+                replica.check_health()
+            except EngineDeadError as err:
+                self._lose(rank, err)
+        self._check_alive()
+
+    def wake(self) -> None:
+        self._news.set()  # (only a remote replica's step waits: for its news)
+
     def add_processed(self, request) -> None:
-        """Queue an admitted request (admission.EngineRequest) on the least-loaded replica."""
+        """Queue an admitted request (admission.EngineRequest) on the least-loaded live
+        replica."""
         if request.request_id in self._owner:
             raise ValueError(f"request_id {request.request_id!r} is already in use.")
-        rank = min(range(len(self.replicas)),
-                   key=lambda i: self.replicas[i].num_unfinished_requests)
-        self.replicas[rank].add_processed(request)
-        self._owner[request.request_id] = self.replicas[rank]
+        self._check_alive()
+        live = self._live()
+        rank = min(live, key=lambda i: self.replicas[i].num_unfinished_requests)
+        try:
+            self.replicas[rank].add_processed(request)
+        except EngineDeadError as err:  # lost since it last stepped: the next one takes it
+            if not _is_remote(self.replicas[rank]):
+                raise
+            self._lose(rank, err)
+            return self.add_processed(request)
+        self._owner[request.request_id] = rank
         self.routed[rank] += 1
 
     def abort_request(self, request_id: str, report: bool = True) -> RequestOutput | None:
-        replica = self._owner.pop(request_id, None)
-        return replica.abort_request(request_id, report) if replica is not None else None
+        rank = self._owner.pop(request_id, None)
+        if rank is None or rank in self.lost:
+            return None
+        try:
+            return self.replicas[rank].abort_request(request_id, report)
+        except EngineDeadError as err:
+            if not _is_remote(self.replicas[rank]):
+                raise
+            self._lose(rank, err)
+            return None
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._owner)
 
     def step(self, final_only: bool = False, wanted=None) -> list[RequestOutput]:
-        """One step of every replica that has work; their outputs together."""
+        """One step of every replica that has work; their outputs together (those of a
+        replica lost meanwhile: its requests, failed)."""
         outputs = []
-        for replica in self._begin_steps():
-            outputs.extend(replica.step(final_only, wanted))
+        for rank, replica, remote in self._begin_steps():
+            if not remote:  # (this host's devices failing ends the front end, as alone)
+                outputs.extend(replica.step(final_only, wanted))
+                continue
+            try:
+                outputs.extend(replica.step(final_only, wanted, wait=0))
+            except EngineDeadError as err:
+                outputs.extend(self._lose(rank, err))
         for output in outputs:
             if output.finished:
                 self._owner.pop(output.request_id, None)
+        self._check_alive()
         return outputs
 
     def advance(self) -> list:
-        """One step of every replica that has work, without outputs (see EngineInterface)."""
+        """One step of every replica that has work, without outputs (see EngineInterface;
+        replicas of this process only: an engine core does not run over several hosts)."""
         changed = []
-        for replica in self._begin_steps():
+        for _, replica, _ in self._begin_steps():
             changed.extend(replica.advance())
         for tracked in changed:
             if tracked.finished:  # (a failed request's choices are finished too)
                 self._owner.pop(tracked.request_id, None)
         return changed
 
-    def _begin_steps(self) -> list[LLMEngine]:
-        """The replicas that have work, each one's next step launched (asynchronous
-        scheduling) before any replica's host work on the step it follows."""
-        busy = [r for r in self.replicas if r.has_unfinished_requests()]
-        for replica in busy:
-            replica.begin_step()
+    def _begin_steps(self) -> list[tuple[int, EngineInterface, bool]]:
+        """(rank, replica, remote) of the live replicas that have work, each local one's
+        next step launched (asynchronous scheduling) before any replica's host work on the
+        step it follows. With only remote replicas busy, waits a little for their news."""
+        busy = [(rank, self.replicas[rank], _is_remote(self.replicas[rank]))
+                for rank in self._live() if self.replicas[rank].has_unfinished_requests()]
+        for _, replica, remote in busy:
+            if not remote:
+                replica.begin_step()
+        if busy and all(remote for _, _, remote in busy):
+            self._news.wait(_REMOTE_WAIT_S)
+        self._news.clear()
         return busy
 
     def load(self) -> list[int]:
-        """Unfinished requests per replica."""
-        return [r.num_unfinished_requests for r in self.replicas]
+        """Unfinished requests per replica (0 for a lost one)."""
+        return [0 if r in self.lost else self.replicas[r].num_unfinished_requests
+                for r in range(len(self.replicas))]
+
+    # ---- lost replicas ------------------------------------------------------------------
+    def _live(self) -> list[int]:
+        return [r for r in range(len(self.replicas)) if r not in self.lost]
+
+    def _lose(self, rank: int, err: Exception) -> list[RequestOutput]:
+        """Stop routing to a remote replica that can no longer step; its requests' last
+        outputs (failed)."""
+        if rank in self.lost:
+            return []
+        self.lost[rank] = str(err)
+        replica = self.replicas[rank]
+        logger.error("Data-parallel replica %d is lost (%s); %d of %d replicas serve.", rank,
+                     err, len(self.replicas) - len(self.lost), len(self.replicas))
+        outputs = replica.fail_all()
+        for request_id in [i for i, r in self._owner.items() if r == rank]:
+            del self._owner[request_id]
+        return outputs
+
+    def _check_alive(self) -> None:
+        if len(self.lost) == len(self.replicas):
+            raise EngineDeadError("every data-parallel replica is lost: " + "; ".join(
+                f"replica {rank}: {why}" for rank, why in sorted(self.lost.items())))
+
+
+_REMOTE_WAIT_S = 0.05  # the longest a step waits for news when only remote replicas work
+
+
+def _is_remote(replica) -> bool:
+    """A replica another host runs, which can be lost alone."""
+    return isinstance(replica, RemoteReplica)

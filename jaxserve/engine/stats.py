@@ -30,6 +30,9 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # Data parallelism: replicas in all, and (rank, why) of those lost (their host died).
+    replicas: int = 1
+    replicas_lost: tuple[tuple[int, str], ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:

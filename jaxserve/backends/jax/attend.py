@@ -5,7 +5,9 @@ Both halves run per `model` shard inside one shard_map: each device holds the qu
 (mesh.py replicates kv heads up to one per device when there are fewer), so the scatter and
 the attention kernel never see another device's heads and need no collective. Everything in
 the batch is replicated. On a one-device mesh the shard_map is skipped. attention_for picks
-the ragged paged attention implementation for an attention_backend setting and platform.
+the ragged paged attention implementation for an attention_backend setting, platform and
+device kind (config/accelerators.py: TPU v2/v3 cannot run the TPU kernel; v4 and newer get
+it with their generation's tiles and VMEM budget).
 
 A quantized cache (kv_cache_dtype fp8 / int8) comes per layer as (k_cache, v_cache, k_scale,
 v_scale), the scales f32[K'] split over `model` like the cache's kv heads: the step's keys
@@ -16,6 +18,7 @@ values.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -24,6 +27,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxserve.backends.jax.kv_quant import attend_quantized
+from jaxserve.config.accelerators import Accelerator, accelerator_for
 from jaxserve.config.engine_config import JAX_ATTENTION_BACKENDS
 from jaxserve.config.mesh import KV_CACHE_SPEC, MODEL
 from jaxserve.kernels_pallas import cpu_attention, ref
@@ -73,14 +77,18 @@ def make_attend(attention_fn: Callable, mesh: Mesh, kv_dtype=None) -> Callable:
     return attend
 
 
-def attention_for(backend: str, platform: str, head_dim: int | None = None) -> Callable:
-    """The ragged paged attention for an attention_backend setting on a JAX platform.
+def attention_for(backend: str, platform: str, head_dim: int | None = None,
+                  device_kind: str | None = None) -> Callable:
+    """The ragged paged attention for an attention_backend setting on a JAX device
+    (its .platform and .device_kind).
 
     auto takes the platform's Pallas kernel on TPU and GPU, the XLA:CPU-tuned cpu_attention on
-    the CPU, and the reference elsewhere (also on a GPU for a head_dim its kernel cannot
-    tile). Every choice computes the reference's function (tests/test_ref_attention.py and the
-    kernel tests check them against it). Raises ValueError for pallas on a platform (or
-    head_dim) without a kernel.
+    the CPU, and the reference elsewhere: also on a TPU generation the kernel cannot run on
+    (v2, v3: one log line says why) and on a GPU for a head_dim its kernel cannot tile. On a
+    TPU generation the table knows, the kernel gets that generation's tiles and VMEM budget;
+    on an unknown device_kind, its defaults. Every choice computes the reference's function
+    (tests/test_ref_attention.py and the kernel tests check them against it). Raises
+    ValueError for pallas on a platform, generation or head_dim without a kernel.
     """
     if backend not in JAX_ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(JAX_ATTENTION_BACKENDS)}, "
@@ -91,6 +99,16 @@ def attention_for(backend: str, platform: str, head_dim: int | None = None) -> C
             f"attention_backend='pallas' needs a TPU or GPU, but the engine runs on {platform}. "
             "Use 'interpret' (the TPU kernel in Pallas interpret mode; 'interpret-gpu' for the "
             "GPU kernel; both slow), 'reference' (the pure-JAX reference) or 'auto'.")
+    device = accelerator_for(platform, device_kind) if kernel else None
+    if device is not None and not device.kernel and backend in ("auto", "pallas"):
+        if backend == "pallas":
+            raise ValueError(
+                f"attention_backend='pallas': {device.name} cannot run the {kernel.upper()} "
+                f"Pallas kernel: {device.kernel_note}. Use 'auto' or 'reference' (the pure-JAX "
+                "reference attention).")
+        logger.info("Attention: %s: %s; using the reference attention (attention_backend=%s "
+                    "on %s).", device.name, device.kernel_note, backend, platform)
+        return ref.ragged_paged_attention
     if kernel == "gpu" and head_dim is not None and backend in ("auto", "pallas"):
         from jaxserve.kernels_pallas import gpu_ragged_paged_attention
 
@@ -106,14 +124,18 @@ def attention_for(backend: str, platform: str, head_dim: int | None = None) -> C
         impl = "reference"
     else:
         impl = "gpu" if backend == "interpret-gpu" else "tpu"
-    fn, name = _implementation(impl, interpret=backend.startswith("interpret"))
+    interpret = backend.startswith("interpret")
+    tiled = device if impl == "tpu" and not interpret and device is not None else None
+    fn, name = _implementation(impl, interpret=interpret, device=tiled)
     logger.info("Attention: %s (attention_backend=%s on %s).", name, backend, platform)
     return fn
 
 
-def _implementation(impl: str, *, interpret: bool) -> tuple[Callable, str]:
+def _implementation(impl: str, *, interpret: bool,
+                    device: Accelerator | None = None) -> tuple[Callable, str]:
     """One implementation and its name for the log. The Pallas kernel modules are imported
-    only when chosen, so that the other implementations never depend on them."""
+    only when chosen, so that the other implementations never depend on them. device: the
+    TPU generation whose tiles the TPU kernel takes (None: the kernel's defaults)."""
     if impl == "cpu":
         return cpu_attention.ragged_paged_attention, "cpu_attention, the XLA:CPU-tuned pure JAX"
     if impl == "reference":
@@ -123,5 +145,15 @@ def _implementation(impl: str, *, interpret: bool) -> tuple[Callable, str]:
     else:
         from jaxserve.kernels_pallas import gpu_ragged_paged_attention as kernel
     mode = "in Pallas interpret mode (slow)" if interpret else "compiled"
-    return (functools.partial(kernel.ragged_paged_attention, interpret=interpret),
+    options = {"interpret": interpret}
+    if device is not None and device.tiles is not None:
+        from jaxserve.kernels_pallas.kernel_layout import TileRule
+
+        tiles = device.tiles
+        options["tiling"] = TileRule(**dataclasses.asdict(tiles))
+        budget = ("Mosaic's default VMEM" if tiles.vmem_limit_bytes is None
+                  else f"{tiles.vmem_limit_bytes >> 20} MiB of VMEM")
+        mode += (f", with {device.name}'s tiles ({tiles.keys_per_chunk} keys per chunk, "
+                 f"{tiles.min_rows}-{tiles.max_tile_rows} query rows, {budget})")
+    return (functools.partial(kernel.ragged_paged_attention, **options),
             f"the {impl.upper()} Pallas kernel ({kernel.__name__}), {mode}")

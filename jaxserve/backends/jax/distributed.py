@@ -1,35 +1,54 @@
-"""Multi-host serving: every host runs the same device steps; host 0 owns the scheduler.
+"""Multi-host serving: the hosts joined by jax.distributed, the replicas laid over them, and
+the connections between them.
 
-`jaxserve serve --coordinator HOST:PORT --num-hosts N --host-id I` (or JAX's own
-environment, e.g. on a Cloud TPU pod slice where jax.distributed finds everything itself)
-joins the N processes with jax.distributed. The mesh then spans every host's devices. Host 0
-runs the engine (scheduler, detokenizer, HTTP server); every other host runs
-`backends.selection.run_worker`: it builds the same runner (weights load on each host from its own copy of the model folder,
-each device taking its slice) and then, step after step, receives the step host 0 is about
-to run (its (T, R) bucket, the packed int32 inputs, the prompt-scoring targets) and runs the
-same compiled function on them, so the collectives inside the step line up on all hosts.
+`jaxserve serve --coordinator HOST:PORT --num-hosts N --host-id I` (or `--multi-host`: JAX's
+own environment, e.g. a Cloud TPU pod slice, where jax.distributed finds everything itself)
+joins the N processes. `--mesh DxM` then lays D replicas of M devices over every host's
+devices, host by host (replica_hosts): a replica lies within one host (M divides a host's
+device count; a host may hold several) or spans whole hosts (a host's count divides M).
 
-The inputs travel by StepChannel: a fixed-size header, then the buffers it announces, each
-sent with multihost_utils.broadcast_one_to_all (a collective on the devices themselves).
+Host 0 runs the front end (HTTP/gRPC, admission, DataParallelEngine's least-loaded routing).
+A replica is run by its lead host, the first of its hosts: host 0's own replicas are engines
+in host 0's process; every other lead host runs its replicas' engines (scheduler and runner)
+and serves each to host 0 as an engine core over a connection (engine/remote_replica.py, the
+engine core process's protocol), so each replica's host work runs on its own host. A host
+of a replica that spans hosts but does not lead it follows its lead host's steps
+(ModelRunner.follow): it receives each step the lead host is about to run (its (T, R)
+bucket, the packed int32 inputs, the prompt-scoring targets) through a StepChannel and runs
+the same compiled function on them, so the collectives inside the step line up.
+
+The connections are multiprocessing.connection sockets authenticated with a key host 0 draws
+and shares through jax.distributed's key-value store, where every host also publishes the
+address it listens on (HostLinks). jax.distributed runs with recoverability on: a host that
+dies is a lost replica for the others (host 0 stops routing to it), not the end of the job.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import pickle
+import secrets
+import socket
+from multiprocessing.connection import Client, Connection, Listener
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 logger = logging.getLogger(__name__)
 
-_STOP, _STEP = 0, 1
+_KEY = "jaxserve/"  # jax.distributed key-value store entries
+_LOOKUP_TIMEOUT_MS = 15 * 60 * 1000  # how long a host waits for another's address
+_STOP = None  # StepChannel's message to stop following
+
+_links: HostLinks | None = None
 
 
 def initialize(coordinator: str | None, num_hosts: int | None, host_id: int | None) -> None:
-    """Join the hosts (before anything touches a JAX backend). With no arguments, JAX reads
-    its environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a
-    TPU pod's metadata)."""
+    """Join the hosts (before anything touches a JAX backend) and open this host's listening
+    socket. With no arguments, JAX reads its environment (JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a TPU pod's metadata)."""
+    global _links
     given = [coordinator is not None, num_hosts is not None, host_id is not None]
     if any(given) and not all(given):
         raise ValueError("multi-host needs all of --coordinator HOST:PORT, --num-hosts N and "
@@ -38,64 +57,173 @@ def initialize(coordinator: str | None, num_hosts: int | None, host_id: int | No
         raise ValueError(f"--host-id must be in [0, {num_hosts}), got {host_id}.")
     # CPU hosts need gloo for cross-process collectives; accelerators ignore this setting.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # A host that dies takes its replicas with it, not the job (host 0 keeps serving).
+    jax.config.update("jax_enable_recoverability", True)
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_hosts,
                                process_id=host_id)
-    logger.info("Host %d of %d joined; %d devices in all, %d here.", jax.process_index(),
-                jax.process_count(), jax.device_count(), jax.local_device_count())
+    _links = HostLinks.open(coordinator)
+    logger.info("Host %d of %d joined; %d devices in all, %d here; listening on %s:%d.",
+                jax.process_index(), jax.process_count(), jax.device_count(),
+                jax.local_device_count(), *_links.address)
+
+
+def leave() -> None:
+    """End a host other than 0 once its replicas are done: exit the process at once. With
+    recoverability on, host 0 does not wait for the others when it stops, so a host that
+    disconnected from the coordination service in the usual way (JAX's exit handler) could
+    find it gone, which aborts the process."""
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def is_leader() -> bool:
+    """Whether this process is host 0 (the front end), or the only one."""
     return jax.process_index() == 0
 
 
+def links() -> HostLinks:
+    if _links is None:
+        raise RuntimeError("the hosts are not joined (distributed.initialize)")
+    return _links
+
+
+def ordered_devices() -> list:
+    """Every device, host by host (replicas are laid over them in this order)."""
+    return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+
+
+def replica_hosts(num_replicas: int, model: int) -> list[list[int]]:
+    """Per replica (of `model` devices each, laid over ordered_devices()), its hosts' process
+    indices, its lead host first. ValueError when a replica would share a host with another
+    replica while spanning hosts."""
+    devices = ordered_devices()
+    per_host = {}
+    for d in devices:
+        per_host[d.process_index] = per_host.get(d.process_index, 0) + 1
+    layout = []
+    for rank in range(num_replicas):
+        hosts = sorted({d.process_index for d in devices[rank * model:(rank + 1) * model]})
+        if len(hosts) > 1 and sum(per_host[h] for h in hosts) != model:
+            counts = sorted(set(per_host.values()))
+            raise ValueError(
+                f"--mesh {num_replicas}x{model} over hosts of {counts} devices would split a "
+                f"host between replica {rank} and another: a replica must lie within one host "
+                "(its device count divides a host's) or span whole hosts (a host's count "
+                "divides it).")
+        layout.append(hosts)
+    return layout
+
+
+def step_channel(mesh) -> StepChannel | None:
+    """The StepChannel of a replica's mesh that spans hosts (None within one host)."""
+    hosts = sorted({d.process_index for d in mesh.devices.flat})
+    if len(hosts) == 1:
+        return None
+    return StepChannel(links(), f"steps:{min(d.id for d in mesh.devices.flat)}", hosts)
+
+
+class HostLinks:
+    """This host's listening socket and the way to every other host's: host 0 connects to a
+    lead host for each replica it serves, a lead host to the other hosts of its replica. A
+    connection's first message names its purpose; accept() returns the one asked for and
+    keeps others that came first."""
+
+    def __init__(self, listener: Listener, address: tuple[str, int], authkey: bytes) -> None:
+        self._listener, self.address, self._authkey = listener, address, authkey
+        self._waiting: dict[str, Connection] = {}
+
+    @classmethod
+    def open(cls, coordinator: str | None) -> HostLinks:
+        from jax._src.distributed import global_state
+
+        store = global_state.client
+        if jax.process_index() == 0:
+            authkey = secrets.token_hex(32)
+            store.key_value_set(_KEY + "authkey", authkey)
+        else:
+            authkey = store.blocking_key_value_get(_KEY + "authkey", _LOOKUP_TIMEOUT_MS)
+        listener = Listener(("0.0.0.0", 0), authkey=authkey.encode())
+        address = (_reachable_ip(coordinator), listener.address[1])
+        store.key_value_set(f"{_KEY}host/{jax.process_index()}", f"{address[0]}:{address[1]}")
+        return cls(listener, address, authkey.encode())
+
+    def connect(self, host: int, purpose: str) -> Connection:
+        from jax._src.distributed import global_state
+
+        where = global_state.client.blocking_key_value_get(f"{_KEY}host/{host}",
+                                                           _LOOKUP_TIMEOUT_MS)
+        ip, port = where.rsplit(":", 1)
+        connection = Client((ip, int(port)), authkey=self._authkey)
+        connection.send(purpose)
+        return connection
+
+    def accept(self, purpose: str) -> Connection:
+        while purpose not in self._waiting:
+            connection = self._listener.accept()
+            self._waiting[connection.recv()] = connection
+        return self._waiting.pop(purpose)
+
+
+def _reachable_ip(coordinator: str | None) -> str:
+    """The address other hosts reach this one at: JAXSERVE_HOST_IP if set, else that of the
+    interface that routes to the coordinator (or this host name's)."""
+    if os.environ.get("JAXSERVE_HOST_IP"):
+        return os.environ["JAXSERVE_HOST_IP"]
+    target = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if target:
+        host = target.rsplit(":", 1)[0].strip("[]")
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((host, 9))  # (a datagram socket sends nothing on connect)
+                return probe.getsockname()[0]
+        except OSError:
+            pass
+    return socket.gethostbyname(socket.gethostname())
+
+
 class StepChannel:
-    """Host 0 -> all hosts: each step's bucket and inputs, or the order to stop."""
+    """A replica's lead host -> its other hosts: each step's bucket and inputs, or the order
+    to stop (one pickled message per step, sent to each host)."""
+
+    def __init__(self, host_links: HostLinks, purpose: str, hosts: list[int]) -> None:
+        """hosts: the replica's process indices, the lead host first."""
+        self.leads = jax.process_index() == hosts[0]
+        if self.leads:
+            self._peers = [host_links.connect(h, purpose) for h in hosts[1:]]
+        else:
+            self._source = host_links.accept(purpose)
 
     def send(self, num_tokens: int, num_rows: int, packed: np.ndarray,
              targets: np.ndarray | None, bias_rows: list[tuple[int, np.ndarray]],
              grammar_rows: list[tuple[int, np.ndarray]]) -> None:
         """bias_rows: [(sampler row, f32[V])]; grammar_rows: [(sampler row, i32[W])]: the
         sampler-state rows to write before the step."""
-        header = [_STEP, num_tokens, num_rows, packed.size,
-                  -1 if targets is None else targets.size]
-        for rows in (bias_rows, grammar_rows):
-            header += [len(rows), rows[0][1].size if rows else 0]
-        self._broadcast(np.array(header, np.int32))
-        self._broadcast(packed)
-        if targets is not None:
-            self._broadcast(targets)
-        for rows in (bias_rows, grammar_rows):
-            if rows:
-                self._broadcast(np.array([row for row, _ in rows], np.int32))
-                self._broadcast(np.stack([values for _, values in rows]))
+        self._send((num_tokens, num_rows, packed, targets, bias_rows, grammar_rows))
 
     def send_stop(self) -> None:
-        self._broadcast(np.array([_STOP, 0, 0, 0, -1, 0, 0, 0, 0], np.int32))
+        self._send(_STOP)
 
     def receive(self):
         """(num_tokens, num_rows, packed i32[X], targets i32[T] or None, bias rows, grammar
-        rows), or None: stop."""
-        header = self._broadcast(np.zeros(9, np.int32))
-        kind, num_tokens, num_rows, size, num_targets = header[:5]
-        if kind == _STOP:
+        rows), or None: stop (also when the lead host is gone)."""
+        try:
+            return self._source.recv()
+        except (EOFError, OSError):
+            logger.error("Host %d: the lead host of its replica is gone.", jax.process_index())
             return None
-        packed = self._broadcast(np.zeros(size, np.int32))
-        targets = self._broadcast(np.zeros(num_targets, np.int32)) if num_targets >= 0 else None
-        row_sets = []
-        for (count, width), dtype in zip((header[5:7], header[7:9]), (np.float32, np.int32)):
-            rows = []
-            if count:
-                ids = self._broadcast(np.zeros(count, np.int32))
-                values = self._broadcast(np.zeros((count, width), dtype))
-                rows = list(zip(ids.tolist(), values))
-            row_sets.append(rows)
-        return int(num_tokens), int(num_rows), packed, targets, *row_sets
 
     def share(self, value: int) -> int:
-        """Host 0's value of an integer, on every host (e.g. the KV block count)."""
-        return int(self._broadcast(np.array([value], np.int64))[0])
+        """The lead host's value of an integer, on every host (e.g. the KV block count)."""
+        if self.leads:
+            self._send(int(value))
+            return int(value)
+        return int(self._source.recv())
 
-    @staticmethod
-    def _broadcast(array: np.ndarray) -> np.ndarray:
-        return np.asarray(multihost_utils.broadcast_one_to_all(array))
-
+    def _send(self, message) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for peer in self._peers:
+            peer.send_bytes(data)

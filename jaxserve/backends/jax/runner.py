@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.backends.jax import kv_quant
+from jaxserve.backends.jax import distributed, kv_quant
 from jaxserve.backends.jax.accelerators import warn_if_cpu_fallback
 from jaxserve.backends.jax.attend import KV_SCALE_SPEC, attention_for, make_attend
 from jaxserve.backends.jax.batch import Batch, SamplingInputs
@@ -49,7 +49,6 @@ from jaxserve.backends.jax.compile_stats import (
     record_compile,
     record_load,
 )
-from jaxserve.backends.jax.distributed import StepChannel, is_leader
 from jaxserve.backends.jax.executable_cache import executable_cache_for
 from jaxserve.backends.jax.orbax_checkpoint import is_orbax_folder, restore_params
 from jaxserve.backends.jax.packing import Layout, layout_of, pack_device, unpack, unpack_host
@@ -107,15 +106,16 @@ class InFlightStep:
 
 def replica_mesh(config: EngineConfig, rank: int = 0) -> Mesh:
     """The (1, model) mesh of data-parallel replica `rank`: the rank-th run of `model`
-    devices. Checks first that the configured mesh fits the devices there are."""
+    devices (host by host on several hosts). Checks first that the configured mesh fits the
+    devices there are."""
     parallel = config.parallel
     devices = jax.devices()
     check_devices(parallel.mesh, len(devices), ModelDims.from_hf(config.model.hf_config),
                   parallel.expert_parallel)
-    if jax.process_count() > 1 and parallel.mesh.data != 1:
-        raise ValueError("A multi-host run is one replica over every host's devices: use "
-                         f"--mesh 1x{len(devices)}.")
     model = parallel.mesh.model
+    if jax.process_count() > 1:
+        distributed.replica_hosts(parallel.mesh.data, model)  # (checks the layout)
+        devices = distributed.ordered_devices()
     mine = devices[rank * model:(rank + 1) * model]
     return Mesh(np.array(mine).reshape(1, model), AXES)
 
@@ -133,7 +133,8 @@ class ModelRunner:
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.local_device = next(d for d in self.mesh.devices.flat
                                  if d.process_index == jax.process_index())
-        self.channel = StepChannel() if jax.process_count() > 1 else None
+        # A replica over several hosts: its lead host sends each step to the others.
+        self.channel = distributed.step_channel(self.mesh) if jax.process_count() > 1 else None
         hf = config.model.hf_config
         family = model_family(hf)
         self.plan = plan_sharding(ModelDims.from_hf(hf), self.mesh.shape[MODEL],
@@ -144,7 +145,8 @@ class ModelRunner:
         warn_if_cpu_fallback(self.mesh.devices.flat[0].platform)
         # Chosen first: a backend the platform cannot run fails before the weights load.
         self.attention_fn = attention_for(config.attention.backend,
-                                          self.mesh.devices.flat[0].platform, self.arch.head_dim)
+                                          self.mesh.devices.flat[0].platform, self.arch.head_dim,
+                                          self.mesh.devices.flat[0].device_kind)
         self.dtype, np_dtype = _DTYPES[config.model.dtype]
         options = {}
         if config.parallel.expert_parallel:  # whole experts per device, summed over `model`
@@ -427,7 +429,7 @@ class ModelRunner:
                      for req in map(out.requests.__getitem__, out.new_rows)
                      if req.constraints is not None and req.constraints.has_row]
         grammar_rows = list(grammar_masks or [])
-        if self.channel is not None:  # multi-host: the other hosts run the same step
+        if self.channel is not None:  # the replica's other hosts run the same step
             self.channel.send(num_tokens, num_rows, packed, targets, bias_rows, grammar_rows)
         return self._run(num_tokens, num_rows, packed, targets, bias_rows, grammar_rows)
 
@@ -462,7 +464,8 @@ class ModelRunner:
         return InFlightStep(result, scores, num_tokens, num_rows)
 
     def follow(self) -> int:
-        """A non-zero host's loop: run host 0's steps until it says stop; the step count."""
+        """The loop of a host that does not lead its replica: run the lead host's steps
+        until it says stop (or is gone); the step count."""
         steps = 0
         while (message := self.channel.receive()) is not None:
             jax.block_until_ready(self._run(*message).result)
@@ -471,10 +474,10 @@ class ModelRunner:
 
     def close(self) -> None:
         """Stop a background warm-up (builds not started are cancelled; one already
-        compiling runs to its end: see compiling); host 0 of a multi-host run: tell the
-        other hosts to stop following."""
+        compiling runs to its end: see compiling); the lead host of a replica over several
+        hosts: tell the others to stop following."""
         self.compiled.close()
-        if self.channel is not None and is_leader():
+        if self.channel is not None and self.channel.leads:
             self.channel.send_stop()
             self.channel = None
 

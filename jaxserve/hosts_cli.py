@@ -1,0 +1,51 @@
+"""The multi-host flags of `generate` and `serve`, and joining the hosts
+(backends/jax/distributed.py): the same command runs on every host; host 0 goes on as the
+front end, every other host runs the replicas it has devices of
+(engine/remote_replica.run_host) and exits when host 0 closes them."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def add_distributed_args(parser: argparse.ArgumentParser) -> None:
+    """Multi-host flags (backends/jax/distributed.py): the same command runs on every host."""
+    parser.add_argument("--coordinator", default=None,
+                        help="multi-host: host 0's HOST:PORT, where the hosts meet")
+    parser.add_argument("--num-hosts", type=int, default=None, help="multi-host: host count")
+    parser.add_argument("--host-id", type=int, default=None,
+                        help="multi-host: this host's index, 0 serves and schedules")
+    parser.add_argument("--multi-host", action="store_true",
+                        help="multi-host with the hosts found by JAX itself (a Cloud TPU pod "
+                        "slice, or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / "
+                        "JAX_PROCESS_ID)")
+
+
+def multi_host(args: argparse.Namespace) -> bool:
+    """Whether the multi-host flags are given."""
+    return args.multi_host or (args.coordinator, args.num_hosts, args.host_id) != (
+        None, None, None)
+
+
+def join_hosts(args: argparse.Namespace, model: str | None, precompile: bool | str,
+               engine_config) -> None:
+    """Multi-host: join the other hosts. Host 0 returns (and goes on as the front end); any
+    other host runs the replicas it has devices of until host 0 closes them, and exits the
+    process. engine_config: cli.engine_config (the flags' EngineConfig for a model folder).
+    Nothing without the multi-host flags."""
+    if not multi_host(args):
+        return
+    if args.backend == "torch":
+        raise ValueError("Multi-host serving runs the JAX backend; the torch backend runs on "
+                         "one device. Drop --backend torch or the multi-host flags.")
+    from jaxserve.backends.jax.distributed import initialize, is_leader, leave
+    from jaxserve.config.model_path import resolve_model
+    from jaxserve.engine.remote_replica import run_host
+
+    initialize(args.coordinator, args.num_hosts, args.host_id)
+    if is_leader():
+        return
+    run_host(engine_config(args, resolve_model(model, logging.getLogger("jaxserve")),
+                           precompile))
+    leave()
