@@ -5,7 +5,10 @@ batch for one kv head (M = TQ * Gp rows, see kernel_layout.py). It walks every s
 has tokens in its tile, and for each one the chunks of C pages that those tokens can see
 (up to the tile's last causal position, from the sliding window's start): a flat cursor
 (sequence, chunk), whose next chunk's pages are copied HBM -> VMEM by async DMA into the
-other half of a double buffer while the current chunk is computed. Block tables, query
+other half of a double buffer while the current chunk is computed. A page copy brings G kv
+heads (_heads_per_copy: 2 of a bf16 cache, 4 of a one-byte cache, whose HBM tiles pack that
+many kv-head rows per sublane, and a DMA may only start on a tile boundary; Mosaic refuses
+a single head's slice there), of which the program takes its own in VMEM. Block tables, query
 starts, context lengths and num_seqs are scalar-prefetch arguments in SMEM.
 
 Per chunk: scores [M, L] = q . k^T on the MXU with float32 accumulation, soft cap, a mask
@@ -80,7 +83,8 @@ def ragged_paged_attention(q, k_cache, v_cache, batch, *, scale: float,
         in_specs.append(pl.BlockSpec((None, rows, 128), lambda kh, qi, *_: (kh, 0, 0)))
         inputs.append(jnp.broadcast_to(sink_rows(sinks, num_kv_heads, group_p, tq)[..., None],
                                        (num_kv_heads, rows, 128)))
-    buffer = pltpu.VMEM((2, sizes.pages_per_chunk, block_size, head_dim), k_cache.dtype)
+    heads = _heads_per_copy(num_kv_heads, k_cache.dtype)
+    buffer = pltpu.VMEM((2, sizes.pages_per_chunk, block_size, heads, head_dim), k_cache.dtype)
     call = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -107,14 +111,16 @@ def _kernel(cu_ref, kv_lens_ref, tables_ref, num_seqs_ref,  # SMEM: i32[R+1], [R
             q_ref,  # [M, H]
             k_hbm, v_hbm,  # [P, S, K, H] in HBM
             *refs,  # (sink_ref f32[M, 128] if has_sinks), then the output and scratch:
-            # o_ref [M, H]; k_buf, v_buf VMEM [2, C, S, H]; sems: DMA semaphores [2 (k, v),
+            # o_ref [M, H]; k_buf, v_buf VMEM [2, C, S, G, H]; sems: DMA semaphores [2 (k, v),
             # 2 (slot)]; m_ref, l_ref VMEM f32[M, 128], every lane equal; acc_ref f32[M, H]
             q_tokens, group_p, pages_per_chunk, width, num_rows, scale, sliding_window,
             soft_cap, has_sinks, kv_dtype):
     sink_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
     o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
     kv_head = pl.program_id(0)
-    block_size = k_buf.shape[2]
+    block_size, heads = k_buf.shape[2], k_buf.shape[3]
+    # The first of the G kv heads each page copy brings (0 when G = K: all of them).
+    first_head = 0 if heads == k_hbm.shape[2] else div(kv_head, heads) * heads
     chunk_len = pages_per_chunk * block_size
     walk = TileWalk(cu_ref, kv_lens_ref, num_seqs_ref[0], num_rows, pl.program_id(1) * q_tokens,
                     q_tokens, chunk_len, sliding_window)
@@ -130,10 +136,10 @@ def _kernel(cu_ref, kv_lens_ref, tables_ref, num_seqs_ref,  # SMEM: i32[R+1], [R
             index = c * pages_per_chunk + j
             page = tables_ref[s * width + jnp.minimum(index, width - 1)]
             yield index < num_pages, (
-                pltpu.make_async_copy(k_hbm.at[page, :, kv_head, :], k_buf.at[slot, j],
-                                      sems.at[0, slot]),
-                pltpu.make_async_copy(v_hbm.at[page, :, kv_head, :], v_buf.at[slot, j],
-                                      sems.at[1, slot]))
+                pltpu.make_async_copy(k_hbm.at[page, :, pl.ds(first_head, heads), :],
+                                      k_buf.at[slot, j], sems.at[0, slot]),
+                pltpu.make_async_copy(v_hbm.at[page, :, pl.ds(first_head, heads), :],
+                                      v_buf.at[slot, j], sems.at[1, slot]))
 
     def start(s, c, slot):
         for exists, pair in copies(s, c, slot):
@@ -145,8 +151,8 @@ def _kernel(cu_ref, kv_lens_ref, tables_ref, num_seqs_ref,  # SMEM: i32[R+1], [R
 
     def compute(s, c, slot):
         # Bits on the CPU; a quantized cache's one-byte values become q's dtype here.
-        k = values(k_buf[slot], kv_dtype).astype(q_ref.dtype).reshape(chunk_len, -1)
-        v = values(v_buf[slot], kv_dtype).astype(q_ref.dtype).reshape(chunk_len, -1)
+        k = _own_head(k_buf, slot, kv_head - first_head, kv_dtype, q_ref.dtype, chunk_len)
+        v = _own_head(v_buf, slot, kv_head - first_head, kv_dtype, q_ref.dtype, chunk_len)
         v = zero_dead_keys(v, c, chunk_len, kv_lens_ref[s])
         mask = walk.mask(s, c, q_ref.shape[0], group_p)
         state = (m_ref[...][:, :1], l_ref[...][:, :1], acc_ref[...])
@@ -197,3 +203,24 @@ def _when(condition, dmas, method: str):
     def _():
         for dma in dmas:
             getattr(dma, method)()
+
+
+def _heads_per_copy(num_kv_heads: int, dtype) -> int:
+    """G: the kv heads one page copy brings. The cache's tiled HBM layout packs
+    4 / itemsize rows of its second-minor dimension (K) per sublane, and a DMA may only
+    start a slice of it on such a boundary: a bf16 cache is copied two heads at a time, a
+    one-byte cache four (all K heads when K is not a multiple of that)."""
+    pack = max(1, 4 // jnp.dtype(dtype).itemsize)
+    return pack if num_kv_heads % pack == 0 else num_kv_heads
+
+
+def _own_head(buf, slot, index, kv_dtype, dtype, chunk_len: int):
+    """The program's kv head (index of G in the copied pages), [L, H] of dtype, from
+    buf [2, C, S, G, H]: each head sliced statically, then the program's selected."""
+    heads = buf.shape[3]
+    pages = buf[slot]  # [C, S, G, H]
+    chosen = None
+    for i in range(heads):
+        one = values(pages[:, :, i, :], kv_dtype).astype(jnp.float32)
+        chosen = one if chosen is None else jnp.where(index == i, one, chosen)
+    return chosen.astype(dtype).reshape(chunk_len, -1)

@@ -178,14 +178,15 @@ def kernel_jaxpr(tiling: TileRule | None) -> str:
 @pytest.mark.parametrize("kind", ["TPU v6 lite", "TPU v5 lite"])
 def test_the_kernel_receives_the_generation_tiles(kind, caplog):
     """The chosen partial's tiling reaches the pallas_call: its K/V chunk buffers
-    [2, C, S, H] hold keys_per_chunk keys, and Mosaic gets the VMEM budget."""
+    [2, C, S, G, H] (G = 1 kv head here) hold keys_per_chunk keys, and Mosaic gets the VMEM
+    budget."""
     fn = choose("auto", FakeDevice("tpu", kind), caplog)
     tiles = accelerator_for("tpu", kind).tiles
     text = kernel_jaxpr(fn.keywords["tiling"])
-    assert f"[2,{tiles.keys_per_chunk // 16},16,128]" in text
+    assert f"[2,{tiles.keys_per_chunk // 16},16,1,128]" in text
     assert f"vmem_limit_bytes={tiles.vmem_limit_bytes}" in text
     default = kernel_jaxpr(None)  # an unknown kind: 128 keys, Mosaic's own VMEM limit
-    assert "[2,8,16,128]" in default and "vmem_limit_bytes=None" in default
+    assert "[2,8,16,1,128]" in default and "vmem_limit_bytes=None" in default
 
 
 def test_presets_are_built_from_the_table():

@@ -208,7 +208,7 @@ def test_lowers_for_the_hardware(platform, kernel_name, shape):
 # (Mosaic in libtpu: MXU dtypes, tiled layouts, DMA sizes, the VMEM budget) runs on the CPU
 # only through libtpu's compile-only TPU targets (jax.experimental.topologies), which the
 # -m slow test after it uses when libtpu is installed (the [tpu] extra's libtpu==0.0.42.*;
-# `PYTHONPATH=<a folder holding libtpu> pytest -m slow -k generation` without installing it
+# `PYTHONPATH=<a folder holding libtpu> pytest -m slow -k libtpu` without installing it
 # into the environment, where it would make every jax start-up probe for a TPU).
 
 GENERATIONS = [row for row in ACCELERATORS if row.platform == "tpu"]
@@ -245,21 +245,10 @@ def test_lowers_with_each_generation_tiles(row):
 TOPOLOGIES = {"TPU v2": "v2:2x2", "TPU v3": "v3:2x2", "TPU v4": "v4:2x2x1",
               "TPU v5e": "v5e:2x2", "TPU v5p": "v5p:2x2x1", "TPU v6e": "v6e:2x2",
               "TPU v7x": "tpu7x:2x2x1"}
-BF16_LAYOUT = pytest.mark.xfail(strict=True, reason=(
-    "Mosaic refuses the bf16 kernel on every generation: the per-kv-head page DMA "
-    "(k_hbm.at[page, :, kv_head, :]) slices K, the second-minor dimension of the "
-    "[P, S, K, H] cache, which bf16's tiled HBM layout packs in tiles of 2 or more rows "
-    "('Offsets along tiled dimensions must be aligned to tiles'); float32 compiles"))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("row, dtype", [
-    pytest.param(row, dtype, id=f"{row.name.replace(' ', '-')}-{dtype}",
-                 marks=[BF16_LAYOUT] if row.kernel and dtype == "bfloat16" else [])
-    for row in GENERATIONS for dtype in ("float32", "bfloat16")])
-def test_compiles_for_each_generation_with_libtpu(row, dtype):
-    """Mosaic's real compile for the generation, on the CPU: the kernel compiles where the
-    table says it runs (with the generation's tiles) and is refused on v2 and v3."""
+def _compile_with_libtpu(row, args, **options):
+    """Mosaic's real compile of the TPU kernel for the generation of `row`, on the CPU."""
     pytest.importorskip("libtpu")
     from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -269,12 +258,40 @@ def test_compiles_for_each_generation_with_libtpu(row, dtype):
     device = topology.devices[0]
     assert device.device_kind in row.device_kinds
     placed = NamedSharding(Mesh(np.array([device]), ("x",)), PartitionSpec())
-    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed),
-                        abstract_case(256, 256, 8, 1, 128, 16, 4096, 128, jnp.dtype(dtype)))
-    fn = jax.jit(functools.partial(KERNELS["tpu"], scale=1 / math.sqrt(128),
-                                   tiling=_tiling(row) if row.tiles else None))
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed), args)
+    fn = jax.jit(functools.partial(KERNELS["tpu"], scale=1 / math.sqrt(args[0].shape[-1]),
+                                   tiling=_tiling(row) if row.tiles else None, **options))
+    return fn.lower(*args).compile()
+
+
+# 4 kv heads: a bf16 cache's page copies bring two heads (its HBM tiles pack two rows of
+# the kv-head dimension per sublane, and a copy may only start on such a boundary).
+@pytest.mark.slow
+@pytest.mark.parametrize("row, dtype", [
+    pytest.param(row, dtype, id=f"{row.name.replace(' ', '-')}-{dtype}")
+    for row in GENERATIONS for dtype in ("float32", "bfloat16")])
+def test_compiles_for_each_generation_with_libtpu(row, dtype):
+    """The kernel compiles where the table says it runs (with the generation's tiles) and
+    is refused on v2 and v3."""
+    args = abstract_case(256, 256, 32, 4, 128, 16, 4096, 128, jnp.dtype(dtype))
     if row.kernel:
-        fn.lower(*args).compile()
+        _compile_with_libtpu(row, args)
     else:
         with pytest.raises(Exception, match="Mosaic failed to compile"):
-            fn.lower(*args).compile()
+            _compile_with_libtpu(row, args)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", LOWERING, ids=lambda s: f"T{s[0]}-K{s[3]}-H{s[4]}-{s[8]}" + (
+    f"-{jnp.dtype(s[9]['kv_dtype']).name}" if "kv_dtype" in s[9] else ""))
+def test_lowering_cases_compile_with_libtpu(shape):
+    """Every case of the lowering test through Mosaic's compiler (TPU v6e): one, two and
+    four kv heads per page copy (f32, bf16, one-byte caches), head_dim 64, windows, sinks."""
+    *dims, dtype, options = shape
+    args = abstract_case(*dims, jnp.dtype(dtype))
+    if "kv_dtype" in options:
+        cache = jax.ShapeDtypeStruct(args[1].shape, options["kv_dtype"])
+        args = (args[0], cache, cache, args[3])
+    if options.get("sinks"):
+        options = {**options, "sinks": jnp.zeros((dims[2],), jnp.float32)}
+    _compile_with_libtpu(next(r for r in GENERATIONS if r.name == "TPU v6e"), args, **options)

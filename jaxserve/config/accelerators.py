@@ -50,7 +50,9 @@ class KernelTiles:
 
     def vmem_bytes(self, head_dim: int, itemsize: int = 4) -> int:
         """VMEM of the kernel's largest tile (max_tile_rows rows) at head_dim H with
-        elements of itemsize bytes: K and V chunk buffers, double-buffered, [2, L, H] each;
+        elements of itemsize bytes: K and V chunk buffers, double-buffered, [2, L, G, H]
+        each (a page copy brings G = 4 / itemsize kv heads of a 16- or 8-bit cache: the G
+        heads of a key take the 4 bytes of one float32 element, the default itemsize);
         the query and output tiles [M, H], double-buffered by the pipeline; the m, l and
         sink rows f32[M, 128]; the accumulator f32[M, H]; and the f32 scores, probabilities
         and mask of one chunk [M, L]."""
