@@ -84,6 +84,24 @@ def generate_command(folder: str, mesh: str, dtype: str = "float32") -> list[str
             str(NEW_TOKENS), "--ignore-eos", "--json", *PROMPTS]
 
 
+def test_replicas_are_laid_host_by_host():
+    """Within a host (several per host) or over whole hosts; never part of a host."""
+    from types import SimpleNamespace
+
+    from jaxserve.backends.jax.distributed import replica_hosts
+
+    def hosts(count, per_host):
+        return [SimpleNamespace(process_index=h, id=h * 100 + i)
+                for h in range(count) for i in range(per_host)]
+
+    assert replica_hosts(2, 4, hosts(2, 4)) == [[0], [1]]
+    assert replica_hosts(4, 2, hosts(2, 4)) == [[0], [0], [1], [1]]
+    assert replica_hosts(2, 2, hosts(4, 1)) == [[0, 1], [2, 3]]
+    assert replica_hosts(1, 8, hosts(2, 4)) == [[0, 1]]
+    with pytest.raises(ValueError, match="would split a host between replica 0 and another"):
+        replica_hosts(2, 3, hosts(3, 2))
+
+
 # "orbax": the same from a `jaxserve convert` folder, each process restoring only the slices
 # of its own device (test_orbax.py covers one process by default).
 @pytest.mark.parametrize("source", ["hf", pytest.param("orbax", marks=pytest.mark.slow)])

@@ -96,11 +96,11 @@ def ordered_devices() -> list:
     return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
 
 
-def replica_hosts(num_replicas: int, model: int) -> list[list[int]]:
-    """Per replica (of `model` devices each, laid over ordered_devices()), its hosts' process
-    indices, its lead host first. ValueError when a replica would share a host with another
-    replica while spanning hosts."""
-    devices = ordered_devices()
+def replica_hosts(num_replicas: int, model: int, devices=None) -> list[list[int]]:
+    """Per replica (of `model` devices each, laid over ordered_devices(), or `devices`), its
+    hosts' process indices, its lead host first. ValueError when a replica would share a
+    host with another replica while spanning hosts."""
+    devices = ordered_devices() if devices is None else devices
     per_host = {}
     for d in devices:
         per_host[d.process_index] = per_host.get(d.process_index, 0) + 1
@@ -147,7 +147,9 @@ class HostLinks:
         else:
             authkey = store.blocking_key_value_get(_KEY + "authkey", _LOOKUP_TIMEOUT_MS)
         listener = Listener(("0.0.0.0", 0), authkey=authkey.encode())
-        address = (_reachable_ip(coordinator), listener.address[1])
+        # (JAX found the coordinator itself when none was given: a TPU pod's metadata.)
+        address = (_reachable_ip(coordinator or global_state.coordinator_address),
+                   listener.address[1])
         store.key_value_set(f"{_KEY}host/{jax.process_index()}", f"{address[0]}:{address[1]}")
         return cls(listener, address, authkey.encode())
 
@@ -170,12 +172,11 @@ class HostLinks:
 
 def _reachable_ip(coordinator: str | None) -> str:
     """The address other hosts reach this one at: JAXSERVE_HOST_IP if set, else that of the
-    interface that routes to the coordinator (or this host name's)."""
+    interface that routes to the coordinator HOST:PORT (or this host name's)."""
     if os.environ.get("JAXSERVE_HOST_IP"):
         return os.environ["JAXSERVE_HOST_IP"]
-    target = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    if target:
-        host = target.rsplit(":", 1)[0].strip("[]")
+    if coordinator:
+        host = coordinator.rsplit(":", 1)[0].strip("[]")
         try:
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
                 probe.connect((host, 9))  # (a datagram socket sends nothing on connect)
