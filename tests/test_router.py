@@ -155,3 +155,31 @@ def test_router_spreads_requests_with_jaxserves_greedy_text(router, workers):
     errors = [line for line in workers[1].log().splitlines()
               if line.startswith(("ERROR", "CRITICAL")) or "Traceback" in line]
     assert not errors, "\n".join(errors[:10])
+
+
+def aborted(worker) -> float:
+    text = httpx.get(f"{worker.url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{")
+               and 'finished_reason="abort"' in line)
+
+
+def test_a_client_that_leaves_the_router_aborts_the_request_on_its_worker(router, workers):
+    """The router sends gRPC Abort when its client goes: the worker stops the request at
+    once (finish reason abort) instead of generating its 400 tokens."""
+    before = [aborted(w) for w in workers]
+    with client(router) as client_:
+        stream = client_.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=400,
+                                            temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+        next(iter(stream))  # the first token came: the request runs on a worker
+        stream.close()
+    deadline = time.monotonic() + 20
+    while sum(aborted(w) for w in workers) - sum(before) < 1:
+        assert time.monotonic() < deadline, "no worker saw the abort"
+        time.sleep(0.1)
+    for worker in workers:  # and nothing runs any more
+        with grpc.insecure_channel(f"127.0.0.1:{worker.grpc_port}") as channel:
+            load = pb_grpc.VllmEngineStub(channel).GetLoads(pb.GetLoadsRequest(),
+                                                            timeout=10).loads[0]
+        assert load.num_running_reqs == 0 and load.num_waiting_reqs == 0
