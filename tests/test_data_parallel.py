@@ -189,3 +189,46 @@ def test_submits_while_replicas_step_read_only_snapshots():
     finally:
         sys.setswitchinterval(interval)
         async_engine.stop()
+
+
+def test_a_lost_remote_replica_fails_its_requests_and_routing_skips_it(tiny_checkpoint):
+    """A replica on another host (a RemoteReplica over a connection) whose connection breaks:
+    its request ends with an error at the next step, the stats name it lost, and new
+    requests go to the replica that is left."""
+    import multiprocessing
+
+    from jaxserve.config.engine_args import EngineArgs
+    from jaxserve.engine.failures import EngineDeadError
+    from jaxserve.engine.remote_replica import RemoteReplica
+
+    config = EngineArgs(model=str(tiny_checkpoint), dtype="float32").engine_config(
+        str(tiny_checkpoint), on_accelerator=False, default_precompile=False)
+    here, there = multiprocessing.Pipe()
+    there.send(("ready", config))  # the remote host's engine core, standing in
+    local = FakeReplica(50, 0.5, 1)
+    remote = RemoteReplica(here, "replica 1 (host 1)")
+    engine = DataParallelEngine(types.SimpleNamespace(
+        parallel=types.SimpleNamespace(data_parallel_size=2)), replicas=[local, remote])
+    params = SamplingParams(max_tokens=4)
+    for i in range(2):  # one request on each replica
+        engine.add_processed(EngineRequest(f"r{i}", None, [1, 2, 3], params))
+    assert there.recv()[0] == "add" and engine.load() == [1, 1]
+    there.close()  # the remote host dies
+    deadline = time.monotonic() + 10
+    while True:  # (its reader thread sees the connection close)
+        try:
+            remote.check_health()
+        except EngineDeadError:
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    outputs = engine.step()
+    failed = next(o for o in outputs if o.request_id == "r1")
+    assert failed.finished and "replica 1 (host 1) was lost" in failed.error
+    assert [rank for rank, _ in engine.stats().replicas_lost] == [1]
+    assert engine.stats().replicas == 2
+    engine.add_processed(EngineRequest("r2", None, [1], params))
+    assert engine.load() == [2, 0] and engine.routed == [2, 1]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not local.requests

@@ -74,6 +74,7 @@ class DataParallelEngine(EngineInterface):
         self._owner: dict[str, int] = {}  # request id -> the rank of its replica
         self.routed = [0] * size  # requests sent to each replica so far
         self.lost: dict[int, str] = {}  # rank -> why the replica was lost
+        self._failed: list[RequestOutput] = []  # lost replicas' requests, for the next step
 
     def _build_replicas(self, size: int) -> list:
         """This host's replicas first (the other hosts build theirs meanwhile), then a
@@ -160,7 +161,7 @@ class DataParallelEngine(EngineInterface):
             return None
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._owner)
+        return bool(self._owner or self._failed)
 
     def step(self, final_only: bool = False, wanted=None) -> list[RequestOutput]:
         """One step of every replica that has work; their outputs together (those of a
@@ -173,7 +174,9 @@ class DataParallelEngine(EngineInterface):
             try:
                 outputs.extend(replica.step(final_only, wanted, wait=0))
             except EngineDeadError as err:
-                outputs.extend(self._lose(rank, err))
+                self._lose(rank, err)
+        outputs.extend(self._failed)
+        self._failed = []
         for output in outputs:
             if output.finished:
                 self._owner.pop(output.request_id, None)
@@ -214,19 +217,17 @@ class DataParallelEngine(EngineInterface):
     def _live(self) -> list[int]:
         return [r for r in range(len(self.replicas)) if r not in self.lost]
 
-    def _lose(self, rank: int, err: Exception) -> list[RequestOutput]:
+    def _lose(self, rank: int, err: Exception) -> None:
         """Stop routing to a remote replica that can no longer step; its requests' last
-        outputs (failed)."""
+        outputs (failed) come with the next step."""
         if rank in self.lost:
-            return []
+            return
         self.lost[rank] = str(err)
-        replica = self.replicas[rank]
         logger.error("Data-parallel replica %d is lost (%s); %d of %d replicas serve.", rank,
                      err, len(self.replicas) - len(self.lost), len(self.replicas))
-        outputs = replica.fail_all()
+        self._failed.extend(self.replicas[rank].fail_all())
         for request_id in [i for i, r in self._owner.items() if r == rank]:
             del self._owner[request_id]
-        return outputs
 
     def _check_alive(self) -> None:
         if len(self.lost) == len(self.replicas):
