@@ -82,15 +82,18 @@ class RollingRate:
 
 def scheduler_load(stats: EngineStats, *, max_num_seqs: int, gen_throughput: float,
                    waiting_prompt_tokens: int) -> pb.SchedulerLoad:
-    """GetLoads' one SchedulerLoad (rank 0) from the engine's snapshot. gen_throughput:
-    tokens per second (RollingRate.rate); waiting_prompt_tokens: the prompt tokens of the
-    requests that have not started (AsyncLLMEngine.waiting_prompt_tokens)."""
+    """GetLoads' one SchedulerLoad (rank 0) from the engine's snapshot: with data-parallel
+    replicas, all that serve seen as one (their queues and KV summed, their max_num_seqs
+    too). gen_throughput: tokens per second (RollingRate.rate); waiting_prompt_tokens: the
+    prompt tokens of the requests that have not started
+    (AsyncLLMEngine.waiting_prompt_tokens)."""
     capacity = stats.kv_capacity_tokens
+    serving = stats.replicas - len(stats.replicas_lost)
     hit_rate = stats.prefix_cache_hit_rate
     return pb.SchedulerLoad(
         dp_rank=0, num_running_reqs=stats.running, num_waiting_reqs=stats.waiting,
         num_total_reqs=stats.running + stats.waiting,
         num_used_tokens=round(stats.kv_usage * capacity), max_total_num_tokens=capacity,
         token_usage=stats.kv_usage, gen_throughput=gen_throughput, cache_hit_rate=hit_rate,
-        utilization=stats.kv_usage, max_running_requests=max_num_seqs,
+        utilization=stats.kv_usage, max_running_requests=max_num_seqs * serving,
         num_waiting_uncached_tokens=round(waiting_prompt_tokens * (1.0 - hit_rate)))

@@ -191,44 +191,80 @@ def test_submits_while_replicas_step_read_only_snapshots():
         async_engine.stop()
 
 
-def test_a_lost_remote_replica_fails_its_requests_and_routing_skips_it(tiny_checkpoint):
-    """A replica on another host (a RemoteReplica over a connection) whose connection breaks:
-    its request ends with an error at the next step, the stats name it lost, and new
-    requests go to the replica that is left."""
+def remote_and_local(folder):
+    """A DataParallelEngine over a stand-in local replica and a RemoteReplica whose core is
+    the other end of a pipe; one request on each (r0 local, r1 remote)."""
     import multiprocessing
 
     from jaxserve.config.engine_args import EngineArgs
-    from jaxserve.engine.failures import EngineDeadError
     from jaxserve.engine.remote_replica import RemoteReplica
 
-    config = EngineArgs(model=str(tiny_checkpoint), dtype="float32").engine_config(
-        str(tiny_checkpoint), on_accelerator=False, default_precompile=False)
+    config = EngineArgs(model=str(folder), dtype="float32").engine_config(
+        str(folder), on_accelerator=False, default_precompile=False)
     here, there = multiprocessing.Pipe()
     there.send(("ready", config))  # the remote host's engine core, standing in
     local = FakeReplica(50, 0.5, 1)
     remote = RemoteReplica(here, "replica 1 (host 1)")
     engine = DataParallelEngine(types.SimpleNamespace(
         parallel=types.SimpleNamespace(data_parallel_size=2)), replicas=[local, remote])
-    params = SamplingParams(max_tokens=4)
-    for i in range(2):  # one request on each replica
-        engine.add_processed(EngineRequest(f"r{i}", None, [1, 2, 3], params))
+    for i in range(2):
+        engine.add_processed(EngineRequest(f"r{i}", None, [1, 2, 3], SamplingParams(max_tokens=4)))
     assert there.recv()[0] == "add" and engine.load() == [1, 1]
-    there.close()  # the remote host dies
+    return engine, local, remote, there
+
+
+def wait_dead(remote) -> None:
+    """Until the reader thread of a RemoteReplica has seen its connection close."""
+    from jaxserve.engine.failures import EngineDeadError
+
     deadline = time.monotonic() + 10
-    while True:  # (its reader thread sees the connection close)
+    while True:
         try:
             remote.check_health()
         except EngineDeadError:
-            break
+            return
         assert time.monotonic() < deadline
         time.sleep(0.01)
+
+
+def test_a_lost_remote_replica_fails_its_requests_and_routing_skips_it(tiny_checkpoint):
+    """A replica on another host (a RemoteReplica over a connection) whose connection breaks:
+    its request ends with an error at the next step, the stats name it lost, and new
+    requests go to the replica that is left."""
+    engine, local, remote, there = remote_and_local(tiny_checkpoint)
+    # The core's last news: its counters so far.
+    there.send(("stats", [], [], [], (EngineStats(preemptions=4, prefix_cache_queries=7), 1,
+                                      0, {}, None)))
+    deadline = time.monotonic() + 10
+    while remote.stats().preemptions != 4:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    there.close()  # the remote host dies
+    wait_dead(remote)
     outputs = engine.step()
     failed = next(o for o in outputs if o.request_id == "r1")
     assert failed.finished and "replica 1 (host 1) was lost" in failed.error
-    assert [rank for rank, _ in engine.stats().replicas_lost] == [1]
-    assert engine.stats().replicas == 2
-    engine.add_processed(EngineRequest("r2", None, [1], params))
+    stats = engine.stats()
+    assert [rank for rank, _ in stats.replicas_lost] == [1] and stats.replicas == 2
+    # Counters keep the lost replica's last totals; the load is the replica that serves.
+    assert (stats.preemptions, stats.prefix_cache_queries) == (1 + 4, 10 + 7)
+    assert (stats.running, stats.waiting, stats.kv_usage) == (1, 0, 0.5)
+    engine.add_processed(EngineRequest("r2", None, [1], SamplingParams(max_tokens=4)))
     assert engine.load() == [2, 0] and engine.routed == [2, 1]
     while engine.has_unfinished_requests():
         engine.step()
     assert not local.requests
+
+
+def test_an_abort_on_a_lost_remote_replica_still_ends_the_request(tiny_checkpoint):
+    """Aborted after its replica's host died but before a step noticed: the abort's output
+    (what a stream waiting for it gets), and nothing more of it afterwards."""
+    engine, _, remote, there = remote_and_local(tiny_checkpoint)
+    there.close()
+    wait_dead(remote)
+    output = engine.abort_request("r1")
+    assert output is not None and output.finished
+    assert [c.finish_reason for c in output.outputs] == ["abort"]
+    assert not [o for o in engine.step() if o.request_id == "r1"]
+    engine.check_health()  # (as the server's loop does when idle): the loss is noticed
+    assert [rank for rank, _ in engine.stats().replicas_lost] == [1]

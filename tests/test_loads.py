@@ -12,7 +12,7 @@ from jaxserve.config.engine_config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.stats import EngineStats
 from jaxserve.server.async_engine import AsyncLLMEngine
-from jaxserve.server.loads import GEN_THROUGHPUT_WINDOW_S, RollingRate, scheduler_load
+from jaxserve.server.loads import RollingRate, scheduler_load
 
 
 class Clock:
@@ -78,7 +78,9 @@ def test_the_load_tracks_the_engine_snapshot():
     assert (idle.num_running_reqs, idle.num_waiting_reqs, idle.token_usage,
             idle.utilization, idle.num_used_tokens, idle.num_waiting_uncached_tokens) == \
         (0, 0, 0.0, 0.0, 0, 0)
-    assert GEN_THROUGHPUT_WINDOW_S > 0
+    # Data-parallel replicas, one of three lost: the two that serve, as one worker.
+    replicas = EngineStats(running=5, replicas=3, replicas_lost=((2, "its host died"),))
+    assert load(replicas).max_running_requests == 16
 
 
 @pytest.fixture(scope="module")

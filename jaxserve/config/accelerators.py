@@ -3,7 +3,7 @@
 
 One row per generation: HBM bytes and bandwidth per JAX device, whether the Pallas kernel
 can run there (and why not), the TPU kernel's tile inputs and VMEM budget, and the dtype
-the engine computes in. `attend.attention_for` reads it to choose the attention (TPU v2/v3
+its matmul units take (advisory: `plan` warns when the model's differs). `attend.attention_for` reads it to choose the attention (TPU v2/v3
 fall back to the reference attention; v4 and newer get the kernel with their tiles), and
 `jaxserve plan --device v5e-8` reads the presets built from it. An unknown device_kind has
 no row: the platform's defaults apply (the kernel's default tiles, memory from the
@@ -49,15 +49,15 @@ class KernelTiles:
     vmem_limit_bytes: int | None = None  # None: Mosaic's default for the generation
 
     def vmem_bytes(self, head_dim: int, itemsize: int = 4) -> int:
-        """VMEM of the kernel's largest tile (max_tile_rows rows) at head_dim H with
-        elements of itemsize bytes: K and V chunk buffers, double-buffered, [2, L, G, H]
-        each (a page copy brings G = 4 / itemsize kv heads of a 16- or 8-bit cache: the G
-        heads of a key take the 4 bytes of one float32 element, the default itemsize);
-        the query and output tiles [M, H], double-buffered by the pipeline; the m, l and
-        sink rows f32[M, 128]; the accumulator f32[M, H]; and the f32 scores, probabilities
-        and mask of one chunk [M, L]."""
+        """VMEM of the kernel's largest tile (max_tile_rows rows) at head_dim H, queries and
+        outputs of itemsize bytes: K and V chunk buffers, double-buffered, [2, L, G, H]
+        each, where a page copy's G kv heads (1 of a float32 cache, 2 of bf16, 4 of one
+        byte: 32 bits a key) are padded to a full tile of 8 32-bit sublanes, 32 bytes per
+        key and lane; the query and output tiles [M, H], double-buffered by the pipeline;
+        the m, l and sink rows f32[M, 128]; the accumulator f32[M, H]; and the f32 scores,
+        probabilities and mask of one chunk [M, L]."""
         rows, keys = self.max_tile_rows, self.keys_per_chunk
-        buffers = 2 * 2 * keys * head_dim * itemsize
+        buffers = 2 * 2 * keys * head_dim * 32
         tiles = 2 * 2 * rows * head_dim * itemsize
         state = 3 * rows * 128 * 4 + rows * head_dim * 4
         scores = 3 * rows * keys * 4
@@ -78,7 +78,9 @@ class Accelerator:
     kernel: bool = True  # the platform's Pallas attention kernel runs here
     kernel_note: str = ""  # why it cannot, when it cannot (the log line's reason)
     tiles: KernelTiles | None = None  # TPU: the kernel's tiles; None: its defaults
-    dtype: str = "bfloat16"  # what the engine computes in (the MXU / tensor cores' input)
+    # The generation's fast matmul input (MXU / tensor cores); advisory: `plan` warns when
+    # the model's dtype differs (the engine's comes from --dtype and the checkpoint).
+    dtype: str = "bfloat16"
     pattern: str | None = None  # a regex for device_kind spellings that vary (GPUs)
 
     def __post_init__(self) -> None:
@@ -103,8 +105,9 @@ _NO_MOSAIC = ("Mosaic cannot lower the TPU kernel here (no bf16 x bf16 -> f32 do
 # v4, v5e and v5p (128-column MXU): 128 keys per chunk, as the kernel's default; 16 MiB of
 # scoped VMEM, Mosaic's default there and all of v4's VMEM. v6e and TPU7x (256 columns):
 # 256 keys, 32 MiB (v6e's default scoped VMEM; half of TPU7x's 64 MiB). The largest tile
-# takes under 3 MiB at head_dim 256 (KernelTiles.vmem_bytes), so neither budget binds:
-# they are stated so that a change of tiles is checked against them
+# takes about 6 MiB (128 keys) and 11 MiB (256 keys) at head_dim 256, most of it the K/V
+# buffers' sublane padding (KernelTiles.vmem_bytes), so neither budget binds: they are
+# stated so that a change of tiles is checked against them
 # (tests/test_accelerators_table.py). Chosen from the hardware, not timed on it.
 _TILES_128 = KernelTiles(keys_per_chunk=128, vmem_limit_bytes=16 * MiB)
 _TILES_256 = KernelTiles(keys_per_chunk=256, vmem_limit_bytes=32 * MiB)

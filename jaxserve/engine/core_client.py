@@ -151,7 +151,8 @@ class EngineCoreClient(EngineInterface):
         tracked = self._tracked.pop(request_id, None)
         if tracked is None:
             return None
-        self._send(("abort", request_id))
+        with contextlib.suppress(EngineDeadError):  # (a core that is gone stopped it too)
+            self._send(("abort", request_id))
         if tracked in self._failed:
             self._failed.remove(tracked)
         if not report:
@@ -349,7 +350,8 @@ class EngineCoreClient(EngineInterface):
             if not child.finished:
                 child.status = RequestStatus.FINISHED_ERROR
         self._failed.append(tracked)
-        self._send(("abort", tracked.request_id))
+        with contextlib.suppress(EngineDeadError):  # (a core that is gone stopped it too)
+            self._send(("abort", tracked.request_id))
 
     def _send(self, message) -> None:
         if self._dead is not None:

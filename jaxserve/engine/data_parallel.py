@@ -74,6 +74,7 @@ class DataParallelEngine(EngineInterface):
         self._owner: dict[str, int] = {}  # request id -> the rank of its replica
         self.routed = [0] * size  # requests sent to each replica so far
         self.lost: dict[int, str] = {}  # rank -> why the replica was lost
+        self._lost_stats: dict[int, EngineStats] = {}  # rank -> its last snapshot
         self._failed: list[RequestOutput] = []  # lost replicas' requests, for the next step
 
     def _build_replicas(self, size: int) -> list:
@@ -98,11 +99,17 @@ class DataParallelEngine(EngineInterface):
 
     # ---- the EngineInterface: each call goes to every replica, or to a request's owner ---
     def stats(self) -> EngineStats:
-        """The live replicas' snapshots merged, with the lost ones named (take it on the
-        thread that steps the engine)."""
-        live = self._live()
-        merged = EngineStats.merge([self.replicas[r].stats() for r in live]) if live \
-            else EngineStats()
+        """The replicas' snapshots merged, with the lost ones named: counters over every
+        replica (a lost one's as it last reported), the load and KV of those that serve
+        (take it on the thread that steps the engine)."""
+        live = [self.replicas[r].stats() for r in self._live()]
+        parts = live + list(self._lost_stats.values())
+        merged = EngineStats.merge(parts) if parts else EngineStats()
+        if self.lost:
+            now = EngineStats.merge(live) if live else EngineStats()
+            merged = dataclasses.replace(merged, **{field: getattr(now, field) for field in (
+                "running", "waiting", "unfinished_requests", "kv_usage", "kv_capacity_tokens",
+                "compiling", "warm_up_done")})
         return dataclasses.replace(merged, replicas=len(self.replicas),
                                    replicas_lost=tuple(sorted(self.lost.items())))
 
@@ -223,6 +230,7 @@ class DataParallelEngine(EngineInterface):
         if rank in self.lost:
             return
         self.lost[rank] = str(err)
+        self._lost_stats[rank] = self.replicas[rank].stats()
         logger.error("Data-parallel replica %d is lost (%s); %d of %d replicas serve.", rank,
                      err, len(self.replicas) - len(self.lost), len(self.replicas))
         self._failed.extend(self.replicas[rank].fail_all())

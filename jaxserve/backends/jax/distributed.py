@@ -19,8 +19,9 @@ the same compiled function on them, so the collectives inside the step line up.
 
 The connections are multiprocessing.connection sockets authenticated with a key host 0 draws
 and shares through jax.distributed's key-value store, where every host also publishes the
-address it listens on (HostLinks). jax.distributed runs with recoverability on: a host that
-dies is a lost replica for the others (host 0 stops routing to it), not the end of the job.
+address it listens on (HostLinks). jax.distributed runs with recoverability on: a lead host
+that dies takes its replicas (host 0 stops routing to them), not the job. A host that only
+follows a replica is not watched: when it dies, its replica's steps fail or wait.
 """
 
 from __future__ import annotations
