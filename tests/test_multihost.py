@@ -119,8 +119,10 @@ def test_two_processes_match_one(source, mesh_checkpoints, tmp_path):
 # 2x4: one replica per host; 4x2: two per host; 2x2 over four hosts of one device: each
 # replica spans two hosts, the second led by host 2 (host 0 routes to it, host 3 follows it);
 # 2x1 in bfloat16: one device per replica, so the same computation as one device's.
+# (All -m slow: test_a_lost_host... runs data parallelism over two hosts by default.)
 @pytest.mark.parametrize("mesh, num_hosts, devices, dtype", [
-    ("2x4", 2, 4, "float32"), pytest.param("4x2", 2, 4, "float32", marks=pytest.mark.slow),
+    pytest.param("2x4", 2, 4, "float32", marks=pytest.mark.slow),
+    pytest.param("4x2", 2, 4, "float32", marks=pytest.mark.slow),
     pytest.param("2x2", 4, 1, "float32", marks=pytest.mark.slow),
     pytest.param("2x1", 2, 1, "bfloat16", marks=pytest.mark.slow)])
 def test_data_parallel_over_hosts(mesh, num_hosts, devices, dtype, mesh_checkpoints):
@@ -161,6 +163,20 @@ def test_a_lost_host_leaves_the_other_replica_serving(mesh_checkpoints):
             time.sleep(1)
         body = {"model": folder, "prompt": "def fibonacci(n):", "max_tokens": 100,
                 "temperature": 0.0, "ignore_eos": True, "stream": True}
+        # Two at once: one on each replica (least-loaded), the same greedy text.
+        plain = dict(body, stream=False, max_tokens=12)
+        texts: list = [None, None]
+
+        def complete(i: int) -> None:
+            response = httpx.post(f"{url}/v1/completions", json=plain, timeout=120)
+            texts[i] = response.json()["choices"][0]["text"]
+
+        pair = [threading.Thread(target=complete, args=(i,)) for i in range(2)]
+        for thread in pair:
+            thread.start()
+        for thread in pair:
+            thread.join(120)
+        assert texts[0] and texts[0] == texts[1], texts
         started = [threading.Event(), threading.Event()]
         ends: list = [None, None]
 
@@ -193,7 +209,6 @@ def test_a_lost_host_leaves_the_other_replica_serving(mesh_checkpoints):
         report = health.json()
         assert report["status"] == "degraded" and report["replicas_serving"] == 1
         assert [lost["replica"] for lost in report["replicas_lost"]] == [1]
-        plain = dict(body, stream=False, max_tokens=5)
         for _ in range(3):
             response = httpx.post(f"{url}/v1/completions", json=plain, timeout=60)
             assert response.status_code == 200, response.text
