@@ -163,35 +163,29 @@ def test_a_lost_host_leaves_the_other_replica_serving(mesh_checkpoints):
             time.sleep(1)
         body = {"model": folder, "prompt": "def fibonacci(n):", "max_tokens": 100,
                 "temperature": 0.0, "ignore_eos": True, "stream": True}
-        # Two at once: one on each replica (least-loaded), the same greedy text.
-        plain = dict(body, stream=False, max_tokens=12)
-        texts: list = [None, None]
-
-        def complete(i: int) -> None:
-            response = httpx.post(f"{url}/v1/completions", json=plain, timeout=120)
-            texts[i] = response.json()["choices"][0]["text"]
-
-        pair = [threading.Thread(target=complete, args=(i,)) for i in range(2)]
-        for thread in pair:
-            thread.start()
-        for thread in pair:
-            thread.join(120)
-        assert texts[0] and texts[0] == texts[1], texts
+        # Two streams at once: one on each replica (least-loaded). Host 1 is killed once
+        # each has a few tokens: the one on replica 1 ends in an error, and what it got is
+        # the start of replica 0's greedy text (the remote replica's tokens are the same).
         started = [threading.Event(), threading.Event()]
         ends: list = [None, None]
+        texts = ["", ""]
 
         def stream(i: int) -> None:
-            reason = None
+            reason, chunks = None, 0
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
                 for line in r.iter_lines():
                     if not line.startswith("data: {"):
                         continue
-                    started[i].set()
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
                         reason = "error"
-                    elif chunk["choices"][0].get("finish_reason"):
-                        reason = chunk["choices"][0]["finish_reason"]
+                        continue
+                    choice = chunk["choices"][0]
+                    texts[i] += choice.get("text") or ""
+                    chunks += 1
+                    if chunks >= 4:
+                        started[i].set()
+                    reason = choice.get("finish_reason") or reason
             ends[i] = reason
 
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
@@ -203,12 +197,15 @@ def test_a_lost_host_leaves_the_other_replica_serving(mesh_checkpoints):
         for thread in threads:
             thread.join(120)
         assert sorted(ends, key=str) == ["error", "length"], ends
+        cut, whole = (texts[ends.index("error")], texts[ends.index("length")])
+        assert cut and whole.startswith(cut), texts
 
         health = httpx.get(f"{url}/health", timeout=10)
         assert health.status_code == 200
         report = health.json()
         assert report["status"] == "degraded" and report["replicas_serving"] == 1
         assert [lost["replica"] for lost in report["replicas_lost"]] == [1]
+        plain = dict(body, stream=False, max_tokens=12)
         for _ in range(3):
             response = httpx.post(f"{url}/v1/completions", json=plain, timeout=60)
             assert response.status_code == 200, response.text
