@@ -14,18 +14,20 @@ settings) with these differences, each applied by the JAX model (models/jax/gpt_
 
 Checkpoint tensors: transformers' `experts.gate_up_proj` [E, D, 2F] interleaves gate and up
 columns (gate at even, up at odd), `experts.down_proj` [E, F, D]; published checkpoints store
-both in MXFP4 (`*_blocks`, `*_scales`; quantization_config.quant_method "mxfp4"), which load
-dequantized to the serving dtype (models/mxfp4.py).
+both in MXFP4 (`*_blocks`, `*_scales`; quantization_config.quant_method "mxfp4"), which stay
+4-bit on the device and are dequantized in the step (quant_tensors.mxfp4_tensor,
+models/jax/quantized.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.models import llama_arch, mixtral_arch, mxfp4
+from jaxserve.models import llama_arch, mixtral_arch
 from jaxserve.models.llama_arch import LlamaArch
 from jaxserve.models.mixtral_arch import MixtralArch
 from jaxserve.models.pieces import Piece
+from jaxserve.models.quant_tensors import mxfp4_tensor
 
 QUANT_METHODS = (None, "mxfp4")  # quantization_config.quant_method values that load
 
@@ -40,7 +42,7 @@ class GptOssArch(MixtralArch):
         method = (hf.get("quantization_config") or {}).get("quant_method")
         if method not in QUANT_METHODS:
             raise ValueError(f"GPT-OSS checkpoints quantized with {method!r} are not "
-                             "supported; jaxserve loads bf16 and MXFP4 (dequantized) ones.")
+                             "supported; jaxserve loads bf16 and MXFP4 ones.")
         n = int(hf["num_hidden_layers"])
         if not hf.get("layer_types"):  # GptOssConfig's default: sliding on even layers
             hf = {**hf, "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
@@ -57,7 +59,7 @@ class GptOssArch(MixtralArch):
 
 
 def _mxfp4(got: dict):
-    return mxfp4.dequantize(got["blocks"], got["scales"])
+    return mxfp4_tensor(got["blocks"], got["scales"])
 
 
 def hf_param_path(name: str, arch: GptOssArch):

@@ -13,6 +13,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.models import model_family, mxfp4
+from jaxserve.models.quant_config import checkpoint_quant
 
 
 def published(layers: int, experts: int) -> dict:
@@ -50,11 +51,15 @@ def test_published_configs_and_plan(layers, experts, params, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf))
     config = EngineConfig.create(str(tmp_path), on_accelerator=True, mesh="1x8",
                                  max_model_len=8192)
-    assert config.model.dtype == "bfloat16"  # MXFP4 experts load as bf16, like the rest
+    assert config.model.dtype == "bfloat16"  # the tensors besides the MXFP4 experts
     plan = make_plan(config, 141 * 2**30)  # an H200
     assert plan.num_params == params
-    # bf16 weights, every group split 8 ways but the norms, sinks and small biases
-    assert abs(plan.weight_bytes_per_device - params * 2 / 8) < 0.001 * params
+    # bf16 weights but the experts', which stay MXFP4 (4 bits + an 8-bit scale per 32);
+    # every group split 8 ways but the norms, sinks and small biases, and the down
+    # projections' scales, whole on every device (2880 / 8 rows are not whole groups of 32)
+    experts = 3 * 2880 * 2880 * experts * layers
+    expected = ((params - experts) * 2 + experts * (0.5 + 1 / 32)) / 8 + experts / 3 / 32 * 7 / 8
+    assert abs(plan.weight_bytes_per_device - expected) < 0.01 * expected
     # KV per token and device: 2 (K, V) x layers x 1 of the 8 kv heads x 64 x 2 bytes
     assert plan.bytes_per_token == 2 * layers * 1 * 64 * 2
 
@@ -63,6 +68,8 @@ def test_other_quantizations_are_refused_by_name():
     hf = {**published(24, 32), "quantization_config": {"quant_method": "bitsandbytes"}}
     with pytest.raises(ValueError, match="quantized with 'bitsandbytes' are not supported"):
         model_family(hf).arch_from_hf(hf)
+    with pytest.raises(ValueError, match="bitsandbytes checkpoints are not supported"):
+        checkpoint_quant(hf)
 
 
 def test_the_torch_backend_refuses_gpt_oss(tiny_checkpoints):

@@ -170,6 +170,8 @@ def test_start_up_logs_the_int8_weight_bytes(tiny_checkpoints, caplog):
 def test_refused_values_name_the_argument(tiny_checkpoints, tmp_path):
     folder = str(tiny_checkpoints["llama"])
     with pytest.raises(ValueError, match="quantization must be one of int8"):
+        LLM(folder, quantization="fp4", **ENGINE)
+    with pytest.raises(ValueError, match="quantization='fp8' names a checkpoint format, but"):
         LLM(folder, quantization="fp8", **ENGINE)
     with pytest.raises(ValueError, match="quantization: int8 weights run on the JAX backend"):
         LLM(folder, quantization="int8", backend="torch", **ENGINE)

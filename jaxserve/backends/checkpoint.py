@@ -25,11 +25,15 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.models.pieces import Piece
+from jaxserve.models.quant_config import LinearQuant
+from jaxserve.models.quant_tensors import QuantTensor, combine, engine_layout, is_piece, pieces
+from jaxserve.models.quantization import CONTRACTED
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-    "BOOL": np.bool_,
+    "U16": np.uint16, "U32": np.uint32, "U64": np.uint64, "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
 }
 # safetensors' MAX_HEADER_SIZE: refuse a hostile length before reading or allocating it.
 _MAX_HEADER = 100_000_000
@@ -165,30 +169,37 @@ def _targets(target) -> list[tuple]:
 
 
 def parameter_values(folder: str | Path, path_of: Callable, shapes: dict[tuple, tuple],
-                     dtype) -> Iterator[tuple[tuple, np.ndarray]]:
-    """Yield (parameter path, host array of `dtype`) for every parameter of `shapes` (path ->
-    shape the model expects), read from the checkpoint in `folder`, with a progress bar.
+                     dtype, quant: LinearQuant | None = None
+                     ) -> Iterator[tuple[tuple, np.ndarray]]:
+    """Yield (parameter path, host array) for every parameter of `shapes` (path -> shape the
+    model expects), read from the checkpoint in `folder`, with a progress bar. Float
+    parameters come in `dtype`; a checkpoint-quantized kernel (quant: the checkpoint's
+    LinearQuant) comes as its stored components (quantization.stored_shapes), each under
+    the kernel's path plus the component's name, in their own dtypes.
 
     path_of(name) -> None (skip), (param path, transform), (param path, transform, index) for
     slice `index` of the parameter's first axis (per-expert tensors stacked into one [E, ...]
     parameter), a list of such targets (one fused tensor feeding several parameters), or a
     Piece (a tensor stored as several, e.g. MXFP4's blocks and scales: once all have
     arrived, the combined tensor is mapped by its own name); raises KeyError for unknown
-    names. A stacked parameter is staged in one host array and
-    yielded once all its slices have arrived. Raises ValueError naming the first tensor that
-    does not fit, or the parameters the checkpoint lacks.
+    names. A quantized module's tensors (`X.qweight`, `X.scales`, ...) are gathered the same
+    way and mapped as `X.weight` (quant_tensors.py). A stacked parameter is staged in one
+    host array and yielded once all its slices have arrived. Raises ValueError naming the
+    first tensor that does not fit, or the parameters the checkpoint lacks.
     """
     staged: dict[tuple, tuple[np.ndarray, set]] = {}  # path -> (stack, slices filled)
     pieces: dict[str, dict] = {}  # tensor name -> {piece: array} of a Piece-stored tensor
     done: set[tuple] = set()
     files = safetensors_files(folder)
-    total = sum(len(_read_header(f)[1]) for f in files)
-    with tqdm(total=total, desc="Loading weights", unit="tensor") as bar:
+    headers = [_read_header(f)[1] for f in files]
+    names = {name for header in headers for name in header}
+    mapped = _quantized_path_of(path_of, quant, names) if quant else path_of
+    with tqdm(total=len(names), desc="Loading weights", unit="tensor") as bar:
         for file in files:
             for name, array in read_safetensors(file):
                 bar.update(1)
                 try:
-                    target = path_of(name)
+                    target = mapped(name)
                     if isinstance(target, Piece):  # the tensor once all its pieces arrived
                         name, array = _combine(pieces, target, array, f"{file.name}: {name!r}")
                         if array is None:
@@ -200,21 +211,16 @@ def parameter_values(folder: str | Path, path_of: Callable, shapes: dict[tuple, 
                                      "architecture; the checkpoint does not match its "
                                      "config.json.") from None
                 for path, transform, index in targets:
-                    if path not in shapes:
-                        raise ValueError(f"{file.name}: tensor {name!r} has no place in the "
-                                         "model built from config.json.")
-                    value = np.asarray(transform(array) if transform else array).astype(dtype)
-                    want = shapes[path][1:] if index is not None else shapes[path]
-                    if value.shape != tuple(want):
-                        raise ValueError(f"{file.name}: tensor {name!r} has shape {array.shape}, "
-                                         f"which does not fit {tuple(want)} from config.json.")
-                    if index is not None:
-                        value = _stage(staged, path, value, index, shapes[path],
-                                       f"{file.name}: tensor {name!r}")
-                        if value is None:
-                            continue
-                    done.add(path)
-                    yield path, value
+                    where = f"{file.name}: tensor {name!r}"
+                    for part_path, value in _values(path, transform, index, array, shapes,
+                                                    dtype, quant, where):
+                        if index is not None:
+                            value = _stage(staged, part_path, value, index,
+                                           shapes[part_path], where)
+                            if value is None:
+                                continue
+                        done.add(part_path)
+                        yield part_path, value
     if pieces:
         name, got = next(iter(pieces.items()))
         raise ValueError(f"The checkpoint in {folder} has only the {', '.join(sorted(got))} "
@@ -225,6 +231,58 @@ def parameter_values(folder: str | Path, path_of: Callable, shapes: dict[tuple, 
         names = ", ".join(".".join(map(str, p)) for p in missing[:5])
         raise ValueError(f"The checkpoint in {folder} lacks {len(missing)} weights the model "
                          f"needs, e.g. {names}.")
+
+
+def _quantized_path_of(path_of: Callable, quant: LinearQuant, names: set[str]) -> Callable:
+    """path_of with a quantized module's tensors as Pieces of its `X.weight`."""
+
+    def mapped(name: str):
+        module, _, suffix = name.rpartition(".")
+        if module and is_piece(quant, suffix):
+            parts = pieces(quant, module, names)
+            if parts is not None and suffix in parts:
+                return Piece(f"{module}.weight", suffix, parts,
+                             lambda got, module=module: combine(quant, got, module))
+        return path_of(name)
+
+    return mapped
+
+
+def _values(path: tuple, transform, index, array, shapes: dict, dtype, quant, where: str):
+    """[(parameter path, host value)] of one target: the transformed tensor, or a quantized
+    kernel's stored components; ValueError when it does not fit the model."""
+    wanted = lambda p: shapes[p][1:] if index is not None else shapes[p]
+    stored = path + ("values",) in shapes
+    if isinstance(array, QuantTensor):
+        if not stored:
+            raise ValueError(f"{where} is stored quantized ({quant.label if quant else 'MXFP4'}), "
+                             f"but {'.'.join(map(str, path))} is not among the kernels "
+                             "jaxserve keeps quantized (the attention, MLP and expert "
+                             "projections that quantization_config covers).")
+        contracted = tuple(c - (index is not None) for c in CONTRACTED[str(path[-1])])
+        try:
+            parts = engine_layout(array, transform, contracted, quant)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}.") from None
+        out = []
+        for part, value in parts.items():
+            if value.shape != tuple(wanted(path + (part,))):
+                raise ValueError(f"{where} has shape {array.shape}, which does not fit "
+                                 f"{'.'.join(map(str, path))} from config.json (its {part} "
+                                 f"would be {value.shape}, not {tuple(wanted(path + (part,)))}).")
+            out.append((path + (part,), value))
+        return out
+    if stored:
+        raise ValueError(f"{where} is stored unquantized ({array.dtype}), but "
+                         f"quantization_config ({quant.label if quant else '?'}) quantizes "
+                         f"{'.'.join(map(str, path))}; per-layer exceptions are not supported.")
+    if path not in shapes:
+        raise ValueError(f"{where} has no place in the model built from config.json.")
+    value = np.asarray(transform(array) if transform else array).astype(dtype)
+    if value.shape != tuple(wanted(path)):
+        raise ValueError(f"{where} has shape {array.shape}, which does not fit "
+                         f"{tuple(wanted(path))} from config.json.")
+    return [(path, value)]
 
 
 def _combine(pending: dict, target: Piece, array, where: str):

@@ -22,6 +22,7 @@ from jaxserve.config.engine_config import (
     LOAD_FORMATS,
     SCHEDULING_POLICIES,
 )
+from jaxserve.models.quantization import CHECKPOINT_METHODS
 
 _PRECOMPILE = {"all": True, "background": "background", "lazy": False}
 
@@ -139,8 +140,11 @@ class EngineArgs:
 
     quantization: str | None = _arg(
         None, "int8: store the linear layers' weights as int8 with a float scale per output "
-        "channel, quantized when they load (activations keep dtype; JAX backend)",
-        choices=("int8",))
+        "channel, quantized when they load (activations keep dtype; JAX backend). A "
+        "checkpoint published quantized (its config.json's quantization_config: fp8, "
+        "compressed-tensors, awq, gptq, mxfp4) is served as published without this flag; "
+        "naming its format here only checks that it matches",
+        choices=("int8",) + tuple(CHECKPOINT_METHODS))
     speculative_config: dict | str | None = _arg(
         None, "n-gram speculative decoding (prompt lookup), as vLLM's JSON: {\"method\": "
         "\"ngram\", \"num_speculative_tokens\": K, \"prompt_lookup_min\": a, "

@@ -18,7 +18,7 @@ from jaxserve.config.request_limits import RequestLimits
 from jaxserve.config.speculative import SpeculativeConfig
 from jaxserve.models import resolve_architecture
 from jaxserve.models.gemma_arch import language_model_config
-from jaxserve.models.quantization import check_quantization
+from jaxserve.models.quantization import check_quantization, checkpoint_scheme
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ORBAX_MARKER = "jaxserve_orbax.json"  # in a `jaxserve convert` folder (orbax_checkpoint.py)
@@ -49,10 +49,13 @@ class ModelConfig:
     # SamplingParams fields the model's generation_config.json sets (generation_config.py)
     sampling_defaults: dict = dataclasses.field(default_factory=dict, compare=False,
                                                 hash=False)
-    quantization: str | None = None  # "int8": linear weights as int8 (quantization.py)
+    # "int8": linear weights as int8 (quantization.py); or the checkpoint's own format's
+    # name, which must match its quantization_config (weights_scheme)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         check_quantization(self.quantization)
+        checkpoint_scheme(self.quantization, self.hf_config, self.model)  # fails before loading
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got "
                              f"{self.load_format!r}.")
@@ -60,6 +63,12 @@ class ModelConfig:
     @property
     def vocab_size(self) -> int:
         return int(self.hf_config["vocab_size"])
+
+    @property
+    def weights_scheme(self):
+        """What the linear layers' weights are: None (float), "int8" (quantized while
+        loading) or the checkpoint's LinearQuant (models/quant_config.py)."""
+        return checkpoint_scheme(self.quantization, self.hf_config, self.model)
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
@@ -221,9 +230,14 @@ class EngineConfig:
             raise ValueError(f"precompile must be True, False or 'background', got "
                              f"{self.precompile!r}.")
         _check_backend(self.backend, self.attention.backend, self.parallel.mesh)
-        if self.model.quantization is not None and self.backend == "torch":
+        scheme = self.model.weights_scheme
+        if scheme == "int8" and self.backend == "torch":
             raise ValueError("quantization: int8 weights run on the JAX backend only; drop "
                              "quantization or use backend='jax'.")
+        if scheme is not None and self.backend == "torch":
+            raise ValueError(f"{self.model.model} is a quantized checkpoint ({scheme.label}), "
+                             "which the JAX backend runs; the torch backend loads float "
+                             "weights only. Use backend='jax'.")
         if self.model.quantization is not None and (
                 Path(self.model.model) / ORBAX_MARKER).is_file():
             raise ValueError("quantization: an Orbax checkpoint (jaxserve convert) is restored "

@@ -23,7 +23,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from jaxserve.models.quantization import CONTRACTED, SCALE_SUFFIX
+from jaxserve.models.quant_config import checkpoint_quant
+from jaxserve.models.quantization import COMPONENTS, CONTRACTED, SCALE_SUFFIX
 
 MODEL = "model"
 DATA = "data"
@@ -79,6 +80,12 @@ class ModelDims:
     num_experts: int = 0  # E (0: dense)
     expert_intermediate_size: int = 0  # F of one expert
     dense_widths: tuple = ()  # MoE models: F of their dense MLPs (shared expert, dense layers)
+    head_dim: int = 0  # H
+    # A quantized checkpoint's groups of input rows (0: none or one per channel), and whether
+    # a g_idx maps rows to groups (activation order: scales are kept whole on every device).
+    quant_group: int = 0
+    act_order: bool = False
+    quant_kinds: tuple = ()  # the quantized kernel classes (quant_config.KINDS)
 
     @classmethod
     def from_hf(cls, hf: dict) -> ModelDims:
@@ -88,13 +95,18 @@ class ModelDims:
         if experts and hf.get("moe_intermediate_size"):  # Qwen-MoE: dense layers, shared expert
             dense = tuple(int(w) for w in (hf["intermediate_size"],
                                            hf.get("shared_expert_intermediate_size")) if w)
+        quant = checkpoint_quant(hf)
         return cls(num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
                    hidden_size=int(hf["hidden_size"]),
                    intermediate_size=int(hf["intermediate_size"]),
                    vocab_size=int(hf["vocab_size"]), num_experts=experts,
                    expert_intermediate_size=int(hf.get("moe_intermediate_size")
                                                 or hf["intermediate_size"]) if experts else 0,
-                   dense_widths=dense)
+                   dense_widths=dense,
+                   head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+                   quant_group=quant.group_size if quant else 0,
+                   act_order=bool(quant and quant.act_order),
+                   quant_kinds=quant.kinds if quant else ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +118,8 @@ class ShardingPlan:
     kv_replicas: int  # K' / K
     embed_axis: str | None  # "hidden", "vocab" or None (replicated)
     expert_parallel: bool
+    # quantized kernels whose scales (and zeros) are kept whole on every device (_whole_groups)
+    whole_groups: tuple = ()
 
     @property
     def kv_heads_per_device(self) -> int:
@@ -129,7 +143,8 @@ def plan_sharding(dims: ModelDims, model: int, expert_parallel: bool = False) ->
     else:
         embed_axis = None
     return ShardingPlan(model=model, kv_heads=kv_heads, kv_replicas=kv_heads // k,
-                        embed_axis=embed_axis, expert_parallel=expert_parallel)
+                        embed_axis=embed_axis, expert_parallel=expert_parallel,
+                        whole_groups=_whole_groups(dims, model, expert_parallel))
 
 
 def _split_problems(dims: ModelDims, model: int, expert_parallel: bool) -> list[str]:
@@ -155,6 +170,26 @@ def _split_problems(dims: ModelDims, model: int, expert_parallel: bool) -> list[
     return problems
 
 
+def _whole_groups(dims: ModelDims, model: int, expert_parallel: bool) -> tuple[str, ...]:
+    """The quantized kernels split on their input rows (wo, w_down, the experts' down
+    projection) whose scales and zeros every device keeps whole: one group per output
+    channel, groups that straddle two devices' rows (e.g. GPT-OSS's 2880-wide experts in
+    groups of 32 over 8 devices), or rows mapped to groups by a g_idx (activation order)."""
+    if model == 1 or not dims.quant_kinds:
+        return ()
+    rows = {}
+    if "attention" in dims.quant_kinds:
+        rows["wo"] = [dims.num_heads * dims.head_dim]
+    if "mlp" in dims.quant_kinds:
+        rows["w_down"] = list(dims.dense_widths if dims.num_experts
+                              else (dims.intermediate_size,))
+    if "experts" in dims.quant_kinds and dims.num_experts and not expert_parallel:
+        rows["experts_down"] = [dims.expert_intermediate_size]
+    group = dims.quant_group
+    return tuple(name for name, widths in rows.items()
+                 if not group or dims.act_order or any(n // model % group for n in widths))
+
+
 def check_devices(shape: MeshShape, num_devices: int, dims: ModelDims | None = None,
                   expert_parallel: bool = False) -> None:
     """The mesh must use all devices or a divisor of them; ValueError lists shapes that fit."""
@@ -171,6 +206,9 @@ def param_spec(path: tuple, plan: ShardingPlan) -> tuple:
     """The partition spec (a tuple of mesh-axis names or None per dimension) of one model
     parameter, from its path in the NNX state (e.g. ('layers', 3, 'attn', 'wq'))."""
     name = str(path[-1])
+    if name in COMPONENTS and len(path) > 1 and str(path[-2]) in CONTRACTED:
+        return _stored_spec(str(path[-2]), param_spec(path[:-1], plan), name,
+                            str(path[-2]) in plan.whole_groups)
     if name.endswith(SCALE_SUFFIX):  # an int8 kernel's scale: the kernel's, size 1 on inputs
         kernel = name[: -len(SCALE_SUFFIX)]
         spec = param_spec((*path[:-1], kernel), plan)
@@ -180,6 +218,27 @@ def param_spec(path: tuple, plan: ShardingPlan) -> tuple:
     if name in _EXPERT_RULES:
         return _EXPERT_RULES[name][plan.expert_parallel]
     return _RULES.get(name, ())
+
+
+def _stored_spec(kernel: str, spec: tuple, part: str, whole_groups: bool) -> tuple:
+    """A checkpoint-quantized kernel's component (quantization.stored_shapes: [*lead, C, O])
+    split as the kernel is: the contracted rows C on the axis that splits the kernel's
+    first contracted axis, the outputs O on its first output axis's (a split kernel
+    axis is always the major one of its group)."""
+    contracted = CONTRACTED[kernel]
+    first, last = contracted[0], contracted[-1]
+    lead = tuple(spec[:first])
+    rows, outs = spec[first:last + 1], spec[last + 1:]
+    if any(rows[1:]) or any(outs[1:]):
+        raise ValueError(f"{kernel}: a split on a minor axis cannot keep quantized weights.")
+    row, out = rows[0] if rows else None, outs[0] if outs else None
+    if part == "values":
+        return lead + (row, out)
+    if part in ("scale", "zero"):
+        return lead + (None if whole_groups else row, out)
+    if part == "g_idx":
+        return (row,)
+    return lead  # input_scale
 
 
 _RULES = {

@@ -30,7 +30,8 @@ from jaxserve.config.mesh import (
     plan_sharding,
 )
 from jaxserve.models import model_family, resolve_architecture
-from jaxserve.models.quantization import SCALE_SUFFIX
+from jaxserve.models.quant_config import LinearQuant
+from jaxserve.models.quantization import COMPONENTS, SCALE_SUFFIX
 
 GROUPS = ("embeddings", "attention", "mlp", "norms", "other")
 
@@ -71,7 +72,9 @@ class Plan:
     max_num_batched_tokens: int
     token_buckets: tuple[int, ...]
     step_buckets: tuple[tuple[int, int], ...]
-    quantization: str | None = None  # "int8": the linear layers' weights
+    # "int8": the linear layers' weights quantized while loading; or what a quantized
+    # checkpoint's scheme is called (LinearQuant.label)
+    quantization: str | None = None
     kv_cache_dtype: str = "auto"  # CacheConfig.kv_cache_dtype
     kv_groups: KVGroups | None = None  # config/kv_groups.py; None: one group of every layer
 
@@ -151,7 +154,8 @@ def make_plan(config: EngineConfig, device_memory_bytes: int) -> Plan:
     dims = ModelDims.from_hf(hf)
     mesh = config.parallel.mesh
     sharding = plan_sharding(dims, mesh.model, config.parallel.expert_parallel)
-    weights = _weight_groups(hf, sharding, dtype, config.model.quantization)
+    scheme = config.model.weights_scheme
+    weights = _weight_groups(hf, sharding, dtype, scheme)
     arch = model_family(hf).arch_from_hf(hf)
     cache, sched = config.cache, config.scheduler
     element = kv_sizing.cache_element(dtype, cache.kv_cache_dtype)
@@ -177,7 +181,8 @@ def make_plan(config: EngineConfig, device_memory_bytes: int) -> Plan:
                          f"({needed:,} blocks)") from None
     return Plan(
         model=config.model.model, architecture=resolve_architecture(hf), dtype=dtype,
-        quantization=config.model.quantization, kv_cache_dtype=cache.kv_cache_dtype, mesh=mesh,
+        quantization=getattr(scheme, "label", scheme), kv_cache_dtype=cache.kv_cache_dtype,
+        mesh=mesh,
         sharding=sharding, num_layers=arch.num_layers, num_heads=dims.num_heads,
         num_kv_heads=dims.num_kv_heads, head_dim=arch.head_dim,
         intermediate_size=dims.intermediate_size, num_experts=dims.num_experts,
@@ -224,7 +229,7 @@ def _no_fit_message(config: EngineConfig, memory: int, used: int,
         except ValueError:
             continue
         weights = sum(g.bytes_per_device for g in _weight_groups(
-            hf, sharding, dtype, config.model.quantization))
+            hf, sharding, dtype, config.model.weights_scheme))
         if weights + state + needed * _bytes_per_block(hf, sharding, cache.block_size,
                                                        element, groups.num_slots) <= usable:
             hints.append(f"a model axis of {m} fits (--mesh {mesh.data}x{m}, "
@@ -232,7 +237,7 @@ def _no_fit_message(config: EngineConfig, memory: int, used: int,
             break
     if dtype == "float32":
         hints.append("--dtype bfloat16 halves the weights and the KV cache")
-    if config.model.quantization is None:
+    if config.model.weights_scheme is None:
         hints.append("--quantization int8 stores the linear layers' weights in about half "
                      "of bfloat16's bytes")
     if kv_sizing.ITEMSIZE[element] > 1:
@@ -251,7 +256,7 @@ def _no_fit_message(config: EngineConfig, memory: int, used: int,
 
 @functools.lru_cache(maxsize=32)
 def _cached_groups(hf_json: str, sharding: ShardingPlan, dtype: str,
-                   quantization: str | None = None) -> tuple[WeightGroup, ...]:
+                   quantization: str | LinearQuant | None = None) -> tuple[WeightGroup, ...]:
     # The family's parameter table (numpy): no model is built, and jax is never imported.
     hf = json.loads(hf_json)
     family = model_family(hf)
@@ -265,9 +270,12 @@ def _cached_groups(hf_json: str, sharding: ShardingPlan, dtype: str,
         shape = [-(-n // sharding.model) if i < len(spec) and spec[i] == MODEL else n
                  for i, n in enumerate(full)]
         group = _group(path)
-        if not str(path[-1]).endswith(SCALE_SUFFIX):  # int8 scales: bytes, not parameters
+        part = str(path[-1])
+        if part == "values":  # a checkpoint-quantized kernel's codes, two per byte if packed
+            params[group] += math.prod(full) * (2 if quantization.packed else 1)
+        elif not part.endswith(SCALE_SUFFIX) and part not in COMPONENTS:  # scales: bytes only
             params[group] += math.prod(full)
-        nbytes = math.prod(shape) * kv_sizing.ITEMSIZE[stored or dtype]
+        nbytes = math.prod(shape) * _ITEMSIZE[stored or dtype]
         (split if MODEL in spec else whole)[group] += nbytes
     return tuple(WeightGroup(g, params[g], split[g] + whole[g],
                              "replicated" if not split[g] else
@@ -275,8 +283,11 @@ def _cached_groups(hf_json: str, sharding: ShardingPlan, dtype: str,
                  for g in GROUPS if params[g])
 
 
+_ITEMSIZE = {**kv_sizing.ITEMSIZE, "float8_e4m3fn": 1, "uint8": 1, "int32": 4}
+
+
 def _weight_groups(hf: dict, sharding: ShardingPlan, dtype: str,
-                   quantization: str | None = None) -> tuple[WeightGroup, ...]:
+                   quantization: str | LinearQuant | None = None) -> tuple[WeightGroup, ...]:
     """Parameters and per-device bytes by group; cached, as the no-fit hints try many."""
     return _cached_groups(json.dumps(hf, sort_keys=True), sharding, dtype, quantization)
 
@@ -342,7 +353,7 @@ def format_plan(plan: Plan) -> str:
     labels = dict(_LABELS, mlp="MLP + experts" if plan.num_experts else "MLP")
     lines = [
         f"model        {plan.model} ({plan.architecture}, {plan.dtype}"
-        f"{f' with {plan.quantization} linear layers' if plan.quantization else ''}, "
+        f"{_scheme_text(plan.quantization)}, "
         f"{plan.num_params:,} parameters per replica)",
         f"mesh         {mesh}: {_count(mesh.data, 'replica')}, each split over "
         f"{_count(mesh.model, 'device')} = {_count(mesh.num_devices, 'device')}; numbers below "
@@ -390,6 +401,13 @@ def format_plan(plan: Plan) -> str:
         "  " + " ".join(f"{t}x{r}" for t, r in plan.step_buckets),
     ]
     return "\n".join(lines)
+
+
+def _scheme_text(quantization: str | None) -> str:
+    if quantization is None:
+        return ""
+    return (" with int8 linear layers" if quantization == "int8"
+            else f", checkpoint quantized: {quantization}")
 
 
 def _count(n: int, noun: str) -> str:

@@ -143,7 +143,7 @@ def suggest(config: EngineConfig, memory: int,
                 found.append(wider)
                 break
     steps = []
-    if config.model.quantization is None:
+    if config.model.weights_scheme is None:
         steps.append(({"quantization": "int8"}, "--quantization int8"))
     element = cache_element(config.model.dtype, config.cache.kv_cache_dtype)
     if ITEMSIZE[element] > 1:

@@ -20,12 +20,12 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxserve.models.jax.llama import MLP, DecoderLayer, LlamaForCausalLM
-from jaxserve.models.jax.quantized import dequantized, kernel
+from jaxserve.models.jax.quantized import activation_quantizer, dequantized, kernel
 from jaxserve.models.mixtral_arch import MixtralArch, hf_param_path  # noqa: F401
 
 
 def moe_block(x, router_w, w_gate, w_up, w_down, *biases, top_k: int, normalize: bool,
-              first_expert=0, cast_weights: bool = False, swiglu=None):
+              first_expert=0, cast_weights: bool = False, swiglu=None, quantize_rows=None):
     """The sparse MoE MLP of tokens x: [T, D] -> [T, D], as HF computes it.
 
     router_w: [D, E] over all E experts. w_gate, w_up: [E_local, D, F], w_down: [E_local, F, D]
@@ -41,6 +41,8 @@ def moe_block(x, router_w, w_gate, w_up, w_down, *biases, top_k: int, normalize:
     Every shard routes identically; an assignment to an expert outside this slice contributes
     zero, so summing (psum) the results of disjoint slices that cover all experts gives the
     result on all experts. Shapes are static: T * top_k assignment rows whatever the routing.
+    quantize_rows (a quantized checkpoint's dynamic activation scheme) rounds the rows that
+    enter the expert matmuls, as its fp8 / int8 kernels would.
     """
     num_tokens, num_local = x.shape[0], w_gate.shape[0]
     logits = x @ router_w
@@ -62,6 +64,8 @@ def moe_block(x, router_w, w_gate, w_up, w_down, *biases, top_k: int, normalize:
     order = jnp.argsort(group, stable=True)  # assignments grouped by local expert, others last
     group_sizes = jnp.bincount(group, length=num_local + 1)[:num_local].astype(jnp.int32)
     xs = x[order // top_k]  # [T*k, D]: the token of each sorted assignment
+    if quantize_rows is not None:
+        xs = quantize_rows(xs)
     gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)  # [T*k, F]
     up = jax.lax.ragged_dot(xs, w_up, group_sizes)
     expert_of = jnp.minimum(group[order], num_local - 1)  # each sorted row's (local) expert
@@ -73,6 +77,8 @@ def moe_block(x, router_w, w_gate, w_up, w_down, *biases, top_k: int, normalize:
         alpha, limit = swiglu
         gate = jnp.minimum(gate, limit)
         h = (jnp.clip(up, -limit, limit) + 1) * gate * jax.nn.sigmoid(gate * alpha)
+    if quantize_rows is not None:
+        h = quantize_rows(h)
     ys = jax.lax.ragged_dot(h, w_down, group_sizes)  # [T*k, D]
     if biases:
         ys = ys + biases[3][expert_of]
@@ -120,8 +126,11 @@ class SparseMoE(nnx.Module):
                                         cast_weights=arch.cast_routing_weights)
 
     def __call__(self, x):
-        out = self.moe_fn(x, self.router[...], *(dequantized(self, name, x.dtype) for name in
-                                                 ("experts_gate", "experts_up", "experts_down")))
+        names = ("experts_gate", "experts_up", "experts_down")
+        quantize = activation_quantizer(self, names)
+        options = {"quantize_rows": quantize} if quantize else {}
+        out = self.moe_fn(x, self.router[...], *(dequantized(self, name, x.dtype)
+                                                 for name in names), **options)
         if self.has_shared:
             out = out + jax.nn.sigmoid(x @ self.shared_gate[...]) * self.shared_expert(x)
         return out

@@ -225,7 +225,7 @@ def executable_cache_for(config, runner) -> ExecutableCache | None:
         "max_num_seqs": sched.max_num_seqs, "vocab": runner.arch.vocab_size,
         "attention": config.attention.backend, "mesh": str(config.parallel.mesh),
         "expert_parallel": config.parallel.expert_parallel, "arch": repr(runner.arch),
-        "speculative_tokens": runner.num_speculative, "quantization": model.quantization,
+        "speculative_tokens": runner.num_speculative, "quantization": repr(model.weights_scheme),
         "kv_cache_dtype": cache.kv_cache_dtype,
     }
     directory = os.path.join(config.compilation_cache_dir, "executables")

@@ -68,9 +68,15 @@ def convert(model: str | Path, out: str | Path, dtype: str | None = None, *,
     """Write `model` (a Hugging Face folder) as an Orbax folder at `out`, the parameters in
     `dtype` (default: the checkpoint's own). The parameters pass through host memory once."""
     from jaxserve.models import model_family
+    from jaxserve.models.quant_config import checkpoint_quant
 
     source, out = Path(model), Path(out).absolute()
     hf = read_hf_config(source)
+    quant = checkpoint_quant(hf)
+    if quant is not None:
+        raise ValueError(f"{source} is a quantized checkpoint ({quant.label}); jaxserve "
+                         "convert writes float checkpoints. Serve the Hugging Face folder as "
+                         "it is: its weights load quantized.")
     saved = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     dtype = dtype or (saved if saved in SUPPORTED_DTYPES[1:] else "float32")
     if dtype not in SUPPORTED_DTYPES[1:]:

@@ -151,9 +151,9 @@ class ModelRunner:
         options = {}
         if config.parallel.expert_parallel:  # whole experts per device, summed over `model`
             options["moe_fn"] = expert_parallel(self.mesh, MODEL)
-        quantization = config.model.quantization
-        if quantization is not None:
-            options["quantization"] = quantization
+        scheme = config.model.weights_scheme  # None, "int8" or the checkpoint's LinearQuant
+        if scheme is not None:
+            options["quantization"] = scheme
         abstract = nnx.eval_shape(lambda: family.model_cls(self.arch, self.dtype, **options))
         spec_of = lambda path: PartitionSpec(*param_spec(path, self.plan))
         if config.model.load_format == "dummy":
@@ -164,7 +164,7 @@ class ModelRunner:
         else:
             model = load_params(abstract, config.model.model,
                                 functools.partial(family.param_path, arch=self.arch), np_dtype,
-                                self.mesh, spec_of)
+                                self.mesh, spec_of, None if scheme == "int8" else scheme)
         kv_cache_dtype = config.cache.kv_cache_dtype
         kv_values = kv_quant.value_dtype(kv_cache_dtype, self.dtype)
         self.attend = make_attend(self.attention_fn, self.mesh,
@@ -208,12 +208,14 @@ class ModelRunner:
         held = sum(shard.data.nbytes for leaf in jax.tree.leaves(self.params)
                    for shard in leaf.addressable_shards if shard.device == self.local_device)
         plan, arch = self.plan, self.arch
-        quantization = self.config.model.quantization
+        scheme = self.config.model.weights_scheme
+        quantization = "int8 linear layers" if scheme == "int8" else getattr(scheme, "label",
+                                                                              None)
         logger.info("Mesh %s: model axis %d; kv heads %d -> %d (%d per device); embeddings "
                     "split on %s; weights %.2f MiB per device%s.",
                     self.config.parallel.mesh, plan.model, arch.num_kv_heads // plan.kv_replicas,
                     plan.kv_heads, plan.kv_heads_per_device, plan.embed_axis or "nothing",
-                    held / 2**20, f" ({quantization} linear layers)" if quantization else "")
+                    held / 2**20, f" ({quantization})" if quantization else "")
 
     @property
     def bytes_per_block(self) -> int:

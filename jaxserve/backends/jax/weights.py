@@ -14,7 +14,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jaxserve.backends.checkpoint import parameter_values
-from jaxserve.models.quantization import SCALE_SUFFIX, quantize_int8
+from jaxserve.models.quant_config import LinearQuant
+from jaxserve.models.quantization import COMPONENTS, SCALE_SUFFIX, quantize_int8
 
 
 def place(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -24,19 +25,23 @@ def place(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
 
 def load_params(abstract_model: nnx.Module, folder: str | Path, path_of, dtype, mesh: Mesh,
-                spec_of=lambda path: PartitionSpec()) -> nnx.Module:
+                spec_of=lambda path: PartitionSpec(),
+                quant: LinearQuant | None = None) -> nnx.Module:
     """Fill an abstract (eval_shape'd) model with the checkpoint's tensors (path_of as
     checkpoint.parameter_values), each placed on its sharding as soon as it is read; an int8
-    kernel (quantization.py) is quantized on the host first and placed with its scale.
-    spec_of(path) -> PartitionSpec for that parameter on `mesh`."""
+    kernel (quantization.py) is quantized on the host first and placed with its scale; a
+    checkpoint-quantized kernel's components (quant: the checkpoint's LinearQuant) are
+    placed as read. spec_of(path) -> PartitionSpec for that parameter on `mesh`."""
     graphdef, state = nnx.split(abstract_model)
     expected = {tuple(path): var for path, var in nnx.to_flat_state(state)}
     shapes = {path: var.get_value().shape for path, var in expected.items()
               if not str(path[-1]).endswith(SCALE_SUFFIX)}
     put = lambda path, value: place(value, NamedSharding(mesh, spec_of(path)))
     loaded = {}
-    for path, value in parameter_values(folder, path_of, shapes, dtype):
-        if expected[path].get_value().dtype == np.int8:
+    for path, value in parameter_values(folder, path_of, shapes, dtype, quant):
+        if path[-1] in COMPONENTS:
+            value = value.astype(expected[path].get_value().dtype)
+        elif expected[path].get_value().dtype == np.int8:
             value, scale = quantize_int8(value, str(path[-1]))
             scale_path = (*path[:-1], str(path[-1]) + SCALE_SUFFIX)
             loaded[scale_path] = put(scale_path, scale)
@@ -59,7 +64,9 @@ def random_params(abstract_model: nnx.Module, mesh: Mesh, seed: int,
         like = var.get_value()
         sharding = NamedSharding(mesh, spec_of(path))
         signature = (like.shape, jax.numpy.dtype(like.dtype), sharding,
-                     str(path[-1]).endswith(SCALE_SUFFIX))
+                     str(path[-1]).endswith(SCALE_SUFFIX), str(path[-1]))
+        if path[-1] in COMPONENTS:
+            makers.setdefault(signature, _component_maker(str(path[-1]), like, sharding))
         if signature not in makers:
             if like.dtype == np.int8:  # an int8 kernel: its scales below make it +-1e-3
                 make = lambda k, shape=like.shape: jax.random.randint(k, shape, -127, 128,
@@ -73,3 +80,27 @@ def random_params(abstract_model: nnx.Module, mesh: Mesh, seed: int,
             makers[signature] = jax.jit(make, out_shardings=sharding)
         flat.append((path, var.replace(makers[signature](jax.random.fold_in(key, i)))))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _component_maker(part: str, like, sharding):
+    """Random stored components of a checkpoint-quantized kernel (load_format dummy): codes
+    over their whole range, zeros at the middle, unit-scale magnitudes near 1e-3 (MXFP4:
+    exponent 2**-10), groups in row order."""
+    shape, dtype = like.shape, like.dtype
+    if part == "values":
+        if dtype == np.uint8:
+            make = lambda k: jax.random.randint(k, shape, 0, 256, np.int32).astype(np.uint8)
+        elif dtype == np.int8:
+            make = lambda k: jax.random.randint(k, shape, -127, 128, np.int8)
+        else:
+            make = lambda k: jax.random.uniform(k, shape, np.float32, -448, 448).astype(dtype)
+    elif part == "scale":
+        fill = 117 if dtype == np.uint8 else 1e-3 / 8
+        make = lambda k: jax.numpy.full(shape, fill, dtype)
+    elif part == "zero":
+        make = lambda k: jax.numpy.full(shape, 8, dtype)
+    elif part == "g_idx":
+        make = lambda k: jax.numpy.arange(shape[0], dtype=dtype) * 0
+    else:
+        make = lambda k: jax.numpy.full(shape, 1e-2, dtype)
+    return jax.jit(make, out_shardings=sharding)
