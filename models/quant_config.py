@@ -103,8 +103,12 @@ def checkpoint_quant(hf_config: dict) -> LinearQuant | None:
                          f"unquantized checkpoints and ones quantized with {SUPPORTED}. Use "
                          "an unquantized checkpoint (optionally with --quantization int8) or "
                          "one of those formats.")
-    quant = readers[method](qc)
-    kinds = tuple(k for k in quant.kinds if not _ignored(k, qc, hf_config, method))
+    try:
+        quant = readers[method](qc)
+        kinds = tuple(k for k in quant.kinds if not _ignored(k, qc, hf_config, method))
+    except (TypeError, AttributeError, KeyError, re.error) as e:  # a field of the wrong type
+        raise ValueError(f"config.json's quantization_config ({method}) is malformed: "
+                         f"{type(e).__name__}: {e}.") from None
     if not kinds:
         raise ValueError(f"quantization_config ({method}) leaves every linear layer "
                          "unquantized; remove quantization_config from config.json.")
@@ -335,8 +339,13 @@ def _matches(entry, name: str) -> bool:
 def _ignored(kind: str, qc: dict, hf_config: dict, method: str) -> bool:
     """Whether the config's ignore list leaves a kernel class unquantized in every layer;
     ValueError when it does so in some layers only (one scheme per class is supported)."""
-    entries = [e for key in ("ignore", "modules_to_not_convert", "ignored_layers")
-               for e in (qc.get(key) or [])]
+    entries = []
+    for key in ("ignore", "modules_to_not_convert", "ignored_layers"):
+        value = qc.get(key) or []
+        if not isinstance(value, list):
+            raise ValueError(f"quantization_config.{key} must be a list of module names, got "
+                             f"{value!r:.80}.")
+        entries += value
     if not entries:
         return False
     layers = int(hf_config.get("num_hidden_layers") or 0)

@@ -82,7 +82,7 @@ def combine(quant: LinearQuant, got: dict[str, np.ndarray], where: str) -> Quant
     module and the fault when they do not fit together."""
     try:
         return _READERS[quant.format](quant, got)
-    except (ValueError, IndexError, KeyError) as e:
+    except (ValueError, IndexError, KeyError, TypeError) as e:
         raise ValueError(f"{where}: its {quant.method} tensors ({', '.join(sorted(got))}) do "
                          f"not fit together: {e}") from None
 
@@ -242,7 +242,7 @@ def _read_awq(quant: LinearQuant, got: dict) -> QuantTensor:
     _check_groups(np.swapaxes(scale, -1, -2), np.swapaxes(codes, -1, -2), quant.group_size)
     if zero.shape != scale.shape:
         raise ValueError(f"qzeros unpack to {zero.shape}, scales are {scale.shape}")
-    return QuantTensor(codes, -2, scale, zero)
+    return _as_weight(QuantTensor(codes, -2, scale, zero))
 
 
 def _read_gptq(quant: LinearQuant, got: dict) -> QuantTensor:
@@ -263,7 +263,13 @@ def _read_gptq(quant: LinearQuant, got: dict) -> QuantTensor:
     if scale.shape[-2:] != (groups, codes.shape[-1]) or zero.shape != scale.shape:
         raise ValueError(f"scales {scale.shape} / zeros {zero.shape} do not fit {rows} rows "
                          f"and {codes.shape[-1]} columns in {groups} groups")
-    return QuantTensor(codes, -2, scale, zero, g_idx)
+    return _as_weight(QuantTensor(codes, -2, scale, zero, g_idx))
+
+
+def _as_weight(qt: QuantTensor) -> QuantTensor:
+    """AWQ's and GPTQ's [..., in, out] tensors in the [..., out, in] layout of `X.weight`."""
+    swap = lambda a: None if a is None else np.swapaxes(a, -1, -2)
+    return QuantTensor(swap(qt.codes), -1, swap(qt.scale), swap(qt.zero), qt.g_idx)
 
 
 _READERS = {"fp8-block": _read_fp8_block, "fp8": _read_float, "ct-float": _read_float,
@@ -296,6 +302,8 @@ def engine_layout(qt: QuantTensor, transform, contracted: tuple[int, ...],
     outputs); ValueError otherwise."""
     transform = transform or (lambda w: w)
     codes = qt.codes
+    if codes.size == 0 or codes.ndim < 2:
+        raise ValueError(f"a quantized weight of shape {codes.shape} holds no matrix")
     axis = qt.in_axis % codes.ndim
     cols = codes.shape[axis]
     flat = [1 if i == axis else n for i, n in enumerate(codes.shape)]

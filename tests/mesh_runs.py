@@ -3,7 +3,7 @@
 test_mesh.py runs this file in a subprocess (the device count is fixed when JAX starts):
     python tests/mesh_runs.py CHECKPOINT MESH [MESH ...]
 (MESH like 2x4, 1x8:ep for expert parallelism, 1x4:int8 for int8 weights, 1x8:ep,int8,
-1x4:fp8kv or 1x4:int8kv for a quantized KV cache) and reads one JSON line per mesh: the
+1x4:fp8kv or 1x4:int8kv for a quantized KV cache; MESH@FOLDER runs another checkpoint) and reads one JSON line per mesh: the
 greedy token ids of every prompt (the tiny checkpoints' check prompts), and per
 data-parallel replica the requests routed to it and the device steps it ran.
 """
@@ -45,5 +45,6 @@ def run(folder: str, mesh: str) -> dict:
 if __name__ == "__main__":
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"  # before JAX starts
     os.environ["JAX_PLATFORMS"] = "cpu"
-    for mesh in sys.argv[2:]:
-        print(json.dumps(run(sys.argv[1], mesh)), flush=True)
+    for arg in sys.argv[2:]:
+        mesh, _, folder = arg.partition("@")
+        print(json.dumps({**run(folder or sys.argv[1], mesh), "mesh": arg}), flush=True)

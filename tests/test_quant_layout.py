@@ -237,7 +237,7 @@ KEYS = st.sampled_from(["quant_method", "bits", "group_size", "version", "zero_p
 METHODS = st.sampled_from(["fp8", "awq", "gptq", "compressed-tensors", "mxfp4", "gguf"])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(method=METHODS, fields=st.dictionaries(KEYS, JSON, max_size=6))
 def test_fuzzed_quantization_configs_load_or_fail_with_a_value_error(method, fields):
     qc = {"quant_method": method, **{k: v for k, v in fields.items() if k != "quant_method"}}
@@ -246,3 +246,40 @@ def test_fuzzed_quantization_configs_load_or_fail_with_a_value_error(method, fie
     except ValueError:
         return
     assert quant is None or isinstance(quant, LinearQuant)
+
+
+PIECES = {"awq": {"qweight": ((16, 4), np.int32), "qzeros": ((2, 4), np.int32),
+                  "scales": ((2, 32), np.float16)},
+          "gptq": {"qweight": ((2, 32), np.int32), "qzeros": ((2, 4), np.int32),
+                   "scales": ((2, 32), np.float16), "g_idx": ((16,), np.int32)},
+          "ct-pack": {"weight_packed": ((32, 2), np.int32), "weight_scale": ((32, 2), np.float32),
+                      "weight_shape": ((2,), np.int64)},
+          "fp8-block": {"weight": ((32, 16), ml_dtypes.float8_e4m3fn),
+                        "weight_scale_inv": ((2, 1), np.float32)}}
+QUANTS = {"awq": SCHEMES["int4-groups-zero"], "gptq": dataclasses.replace(
+              SCHEMES["uint8-groups"], codes="uint4", group_size=8),
+          "ct-pack": LinearQuant("compressed-tensors", "ct-pack", "uint4", group_size=8, zero=8),
+          "fp8-block": SCHEMES["fp8-blocks"]}
+DTYPES = st.sampled_from([np.int32, np.int64, np.uint8, np.int8, np.float16, np.float32,
+                          ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn])
+SHAPES = st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple)
+
+
+@settings(max_examples=150, deadline=None)
+@given(fmt=st.sampled_from(sorted(PIECES)), data=st.data())
+def test_fuzzed_quantized_tensors_load_or_fail_with_a_value_error(fmt, data):
+    """A module's pieces with any of them swapped for an array of another shape or dtype:
+    read and laid out, or refused with a ValueError, never another exception."""
+    from jaxserve.models.quant_tensors import combine
+
+    got = {k: np.zeros(shape, dtype) for k, (shape, dtype) in PIECES[fmt].items()}
+    if fmt == "ct-pack":
+        got["weight_shape"] = np.array([32, 16])
+    for key in data.draw(st.sets(st.sampled_from(sorted(got)), max_size=2)):
+        got[key] = np.zeros(data.draw(SHAPES), data.draw(DTYPES))
+    quant = QUANTS[fmt]
+    try:
+        qt = combine(quant, got, "x")
+        engine_layout(qt, lambda w: w.T, (0,), quant)
+    except ValueError:
+        pass

@@ -55,9 +55,6 @@ CASES = {  # id: (scheme, write_quantized kwargs)
     "gptq-channel-asym-bf16": ("gptq", {"group_size": 0, "symmetric": False,
                                         "dtype": "bfloat16"}),
 }
-# compressed-tensors names FP8 weights without quantized activations `naive-quantized`
-# (its infer_module_format: FloatQuantizationCompressor.can_compress needs input
-# activations); jaxserve's reader maps only int weights to that format.
 
 
 @pytest.fixture(scope="module")

@@ -70,6 +70,12 @@ class ModelConfig:
         loading) or the checkpoint's LinearQuant (models/quant_config.py)."""
         return checkpoint_scheme(self.quantization, self.hf_config, self.model)
 
+    @property
+    def weights_label(self) -> str | None:
+        """What the start-up log calls weights_scheme (None: float weights)."""
+        scheme = self.weights_scheme
+        return "int8 linear layers" if scheme == "int8" else getattr(scheme, "label", None)
+
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
 

@@ -109,8 +109,9 @@ def output_scale(module: nnx.Module, name: str):
 
 
 def _rounded_rows(x, quant: LinearQuant, contracted: int, input_scale=None):
-    """(q, scale): x's last `contracted` axes flattened and grouped, [*lead, G, size] f32
-    divided by their scale [*lead, G, 1] and rounded to the activation codes' grid."""
+    """(q, scale): x's last `contracted` axes flattened and grouped (the last
+    group padded with zeros), [*lead, G, size] f32 divided by their scale [*lead, G, 1] and
+    rounded to the activation codes' grid."""
     limit = _LIMITS[quant.activation_codes]
     xf = x.astype(jnp.float32)
     flat = xf.reshape(xf.shape[:xf.ndim - contracted] + (-1,))
@@ -119,9 +120,8 @@ def _rounded_rows(x, quant: LinearQuant, contracted: int, input_scale=None):
         grouped = flat[..., None, :]
     else:
         size = quant.activation_group if quant.activations == "dynamic-group" else flat.shape[-1]
-        if flat.shape[-1] % size:
-            raise ValueError(f"activation groups of {size} do not divide {flat.shape[-1]} "
-                             "input columns.")
+        padding = -flat.shape[-1] % size  # a last, partial group: zeros change no maximum
+        flat = jnp.pad(flat, [(0, 0)] * (flat.ndim - 1) + [(0, padding)])
         grouped = flat.reshape(flat.shape[:-1] + (-1, size))
         amax = jnp.max(jnp.abs(grouped), axis=-1, keepdims=True)
         scale = jnp.where(amax > 0, amax / limit, 1.0)
@@ -141,7 +141,9 @@ def quantize_activations(x, quant: LinearQuant, contracted: int, input_scale=Non
     if quant.activations == "none":
         return x
     q, scale = _rounded_rows(x, quant, contracted, input_scale)
-    return (q * scale).reshape(x.shape).astype(x.dtype)
+    columns = math.prod(x.shape[x.ndim - contracted:])
+    rows = (q * scale).reshape(q.shape[:-2] + (-1,))[..., :columns]
+    return rows.reshape(x.shape).astype(x.dtype)
 
 
 def _quantized_product(spec: str, x, w: QuantizedKernel, contracted: int):

@@ -208,9 +208,7 @@ class ModelRunner:
         held = sum(shard.data.nbytes for leaf in jax.tree.leaves(self.params)
                    for shard in leaf.addressable_shards if shard.device == self.local_device)
         plan, arch = self.plan, self.arch
-        scheme = self.config.model.weights_scheme
-        quantization = "int8 linear layers" if scheme == "int8" else getattr(scheme, "label",
-                                                                              None)
+        quantization = self.config.model.weights_label
         logger.info("Mesh %s: model axis %d; kv heads %d -> %d (%d per device); embeddings "
                     "split on %s; weights %.2f MiB per device%s.",
                     self.config.parallel.mesh, plan.model, arch.num_kv_heads // plan.kv_replicas,

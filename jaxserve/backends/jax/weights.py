@@ -35,7 +35,7 @@ def load_params(abstract_model: nnx.Module, folder: str | Path, path_of, dtype, 
     graphdef, state = nnx.split(abstract_model)
     expected = {tuple(path): var for path, var in nnx.to_flat_state(state)}
     shapes = {path: var.get_value().shape for path, var in expected.items()
-              if not str(path[-1]).endswith(SCALE_SUFFIX)}
+              if path[-1] in COMPONENTS or not str(path[-1]).endswith(SCALE_SUFFIX)}
     put = lambda path, value: place(value, NamedSharding(mesh, spec_of(path)))
     loaded = {}
     for path, value in parameter_values(folder, path_of, shapes, dtype, quant):
@@ -63,15 +63,16 @@ def random_params(abstract_model: nnx.Module, mesh: Mesh, seed: int,
     for i, (path, var) in enumerate(tqdm(leaves, desc="Random weights", unit="tensor")):
         like = var.get_value()
         sharding = NamedSharding(mesh, spec_of(path))
+        part = str(path[-1]) if path[-1] in COMPONENTS else None
         signature = (like.shape, jax.numpy.dtype(like.dtype), sharding,
-                     str(path[-1]).endswith(SCALE_SUFFIX), str(path[-1]))
-        if path[-1] in COMPONENTS:
-            makers.setdefault(signature, _component_maker(str(path[-1]), like, sharding))
+                     str(path[-1]).endswith(SCALE_SUFFIX) and part is None, part)
+        if part is not None and signature not in makers:
+            makers[signature] = _component_maker(part, like, sharding)
         if signature not in makers:
             if like.dtype == np.int8:  # an int8 kernel: its scales below make it +-1e-3
                 make = lambda k, shape=like.shape: jax.random.randint(k, shape, -127, 128,
                                                                        np.int8)
-            elif signature[-1]:
+            elif signature[3]:
                 make = lambda k, shape=like.shape: jax.numpy.full(shape, 1e-3 / 127,
                                                                   np.float32)
             else:
