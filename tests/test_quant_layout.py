@@ -283,3 +283,39 @@ def test_fuzzed_quantized_tensors_load_or_fail_with_a_value_error(fmt, data):
         engine_layout(qt, lambda w: w.T, (0,), quant)
     except ValueError:
         pass
+
+
+@pytest.mark.parametrize("scheme", ["int4-groups-zero", "uint8-groups", "fp8-blocks",
+                                    "fp8-blocks-activations", "int4-sym"])
+def test_few_tokens_take_the_grouped_product_with_the_same_result(scheme):
+    """Decode-sized steps multiply group by group on the codes (no dequantized kernel
+    written out); the result is x times the dequantized kernel, up to float rounding."""
+    from jaxserve.models.jax import quantized
+    from jaxserve.models.jax.quantized import matmul
+
+    quant = {"fp8-blocks-activations": dataclasses.replace(
+                 SCHEMES["fp8-blocks"], activations="dynamic-group",
+                 activation_codes="float8_e4m3fn", activation_group=16),
+             "int4-sym": SCHEMES["int4-channel-sym"].__class__(
+                 "compressed-tensors", "ct-pack", "uint4", group_size=8, zero=8)}.get(
+        scheme) or SCHEMES[scheme]
+    rng = np.random.default_rng(6)
+    qt = random_tensor(quant, (4 * 8, 32), rng)  # wq of 4 heads x 8 from D = 32
+    path, transform = llama_arch.hf_param_path("model.layers.0.self_attn.q_proj.weight",
+                                               dataclasses.replace(ARCH, kv_replicas=1))
+    parts = engine_layout(qt, transform, CONTRACTED["wq"], quant)
+
+    class Holder:  # matmul reads getattr(module, name)
+        pass
+
+    holder = Holder()
+    holder.wq = QuantizedKernel("wq", (32, 4, 8), quant)
+    for part, value in parts.items():
+        getattr(holder.wq, part).set_value(jnp.asarray(value))
+    x = jnp.asarray(rng.normal(size=(3, 32)), jnp.float32)
+    assert quantized._groupable(holder.wq, 3)
+    grouped = matmul("td,dnh->tnh", x, holder, "wq")
+    want = quantized.quantize_activations(x, quant, 1) @ holder.wq.dequantized(
+        jnp.float32).reshape(32, 32)
+    np.testing.assert_allclose(np.asarray(grouped).reshape(3, 32), np.asarray(want),
+                               rtol=2e-5, atol=2e-5)
