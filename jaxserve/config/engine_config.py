@@ -240,10 +240,6 @@ class EngineConfig:
         if scheme == "int8" and self.backend == "torch":
             raise ValueError("quantization: int8 weights run on the JAX backend only; drop "
                              "quantization or use backend='jax'.")
-        if scheme is not None and self.backend == "torch":
-            raise ValueError(f"{self.model.model} is a quantized checkpoint ({scheme.label}), "
-                             "which the JAX backend runs; the torch backend loads float "
-                             "weights only. Use backend='jax'.")
         if self.model.quantization is not None and (
                 Path(self.model.model) / ORBAX_MARKER).is_file():
             raise ValueError("quantization: an Orbax checkpoint (jaxserve convert) is restored "

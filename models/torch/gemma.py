@@ -1,6 +1,6 @@
 """Gemma 2 and Gemma 3 (text) in PyTorch: the torch backend's twin of models/jax/gemma.py,
 configured by the same GemmaArch and loaded from the same parameter paths (what differs
-from Llama is listed in models/gemma_arch.py)."""
+from Llama is listed in models/gemma_arch.py); a checkpoint's quantization as in llama.py."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ class GemmaAttention(Attention):
 
     norm_cls = GemmaRMSNorm
 
-    def __init__(self, arch: GemmaArch, layer: int, dtype) -> None:
-        super().__init__(arch, layer, dtype)
+    def __init__(self, arch: GemmaArch, layer: int, dtype, quantization=None) -> None:
+        super().__init__(arch, layer, dtype, quantization)
         self.scale = arch.query_pre_attn_scalar ** -0.5
         self.soft_cap = arch.attn_logit_softcapping
 
@@ -43,19 +43,19 @@ class GemmaAttention(Attention):
 class GemmaMLP(MLP):
     """GeGLU: Llama's gated MLP with gelu (tanh approximation) on the gate."""
 
-    def forward(self, x):
-        return (F.gelu(x @ self.w_gate, approximate="tanh") * (x @ self.w_up)) @ self.w_down
+    def act(self, gate):
+        return F.gelu(gate, approximate="tanh")
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, arch: GemmaArch, layer: int, dtype) -> None:
+    def __init__(self, arch: GemmaArch, layer: int, dtype, quantization=None) -> None:
         super().__init__()
         d, eps = arch.hidden_size, arch.rms_norm_eps
         self.input_norm = GemmaRMSNorm(d, eps, dtype)
-        self.attn = GemmaAttention(arch, layer, dtype)
+        self.attn = GemmaAttention(arch, layer, dtype, quantization)
         self.post_attention_norm = GemmaRMSNorm(d, eps, dtype)
         self.pre_feedforward_norm = GemmaRMSNorm(d, eps, dtype)
-        self.mlp = GemmaMLP(d, arch.intermediate_size, dtype)
+        self.mlp = GemmaMLP(d, arch.intermediate_size, dtype, quantization)
         self.post_feedforward_norm = GemmaRMSNorm(d, eps, dtype)
 
     def forward(self, x, cos, sin, kv_cache, batch, attend):
@@ -65,11 +65,11 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaForCausalLM(nn.Module):
-    def __init__(self, arch: GemmaArch, dtype=torch.float32) -> None:
+    def __init__(self, arch: GemmaArch, dtype=torch.float32, quantization=None) -> None:
         super().__init__()
         self.arch = arch
         self.embed = _param(arch.vocab_size, arch.hidden_size, dtype=dtype)  # [V, D]
-        self.layers = nn.ModuleList([GemmaDecoderLayer(arch, i, dtype)
+        self.layers = nn.ModuleList([GemmaDecoderLayer(arch, i, dtype, quantization)
                                      for i in range(arch.num_layers)])
         self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         if not arch.tie_word_embeddings:

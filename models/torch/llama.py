@@ -11,6 +11,11 @@ The forward pass takes the ragged batch of docs/architecture.md (T tokens of R s
 as torch tensors, writes each layer's K/V into its paged cache in place and attends through
 `attend` (the torch runner picks the Triton kernels or the PyTorch reference). The MoE block
 runs each expert on the tokens routed to it (a loop over experts), as HF does.
+
+With `quantization` (a checkpoint's LinearQuant) the kernels it covers are QuantizedKernel
+modules holding the stored components ("layers.3.attn.wq.values", ...), run through
+models/torch/quantized.py's helpers: dequantized in the step, activations rounded as the
+scheme says.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jaxserve.models.llama_arch import LlamaArch, rope_attention_factor, rope_inv_freq
+from jaxserve.models.torch.quantized import activation_quantizer, kernel, matmul, weight
 
 
 def _param(*shape, dtype) -> nn.Parameter:
@@ -54,13 +60,14 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     norm_cls = RMSNorm  # the q/k norms' class (Gemma's: models/torch/gemma.py)
 
-    def __init__(self, arch: LlamaArch, layer: int, dtype) -> None:
+    def __init__(self, arch: LlamaArch, layer: int, dtype, quantization=None) -> None:
         super().__init__()
         d, n, k, h = arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim
-        self.wq = _param(d, n, h, dtype=dtype)
-        self.wk = _param(d, k, h, dtype=dtype)
-        self.wv = _param(d, k, h, dtype=dtype)
-        self.wo = _param(n, h, d, dtype=dtype)
+        kernel(self, "wq", (d, n, h), dtype, quantization)  # [D, N, H]
+        kernel(self, "wk", (d, k, h), dtype, quantization)  # [D, K, H]
+        kernel(self, "wv", (d, k, h), dtype, quantization)  # [D, K, H]
+        kernel(self, "wo", (n, h, d), dtype, quantization)  # [N, H, D]
+        self.heads = (n, k, h)
         if arch.attention_bias:
             self.bq, self.bk, self.bv = (_param(n, h, dtype=dtype), _param(k, h, dtype=dtype),
                                          _param(k, h, dtype=dtype))
@@ -73,10 +80,10 @@ class Attention(nn.Module):
         self.soft_cap = None  # attention logits' tanh cap (Gemma 2)
 
     def forward(self, x, cos, sin, kv_cache, batch, attend):
-        t = x.shape[0]
-        q = (x @ self.wq.flatten(1)).view(t, *self.wq.shape[1:])  # [T, N, H]
-        k = (x @ self.wk.flatten(1)).view(t, *self.wk.shape[1:])  # [T, K, H]
-        v = (x @ self.wv.flatten(1)).view(t, *self.wv.shape[1:])
+        t, (n, kv, h) = x.shape[0], self.heads
+        q = matmul(x, self, "wq").view(t, n, h)  # [T, N, H]
+        k = matmul(x, self, "wk").view(t, kv, h)  # [T, K, H]
+        v = matmul(x, self, "wv").view(t, kv, h)
         if self.bias:
             q, k, v = q + self.bq, k + self.bk, v + self.bv
         if self.qk_norm:
@@ -84,35 +91,42 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attend(q, k, v, kv_cache, batch, scale=self.scale, sliding_window=self.window,
                      soft_cap=self.soft_cap)
-        return out.reshape(t, -1) @ self.wo.flatten(0, 1)
+        return matmul(out.reshape(t, -1), self, "wo")
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, dtype) -> None:
+    def __init__(self, hidden: int, intermediate: int, dtype, quantization=None) -> None:
         super().__init__()
-        self.w_gate = _param(hidden, intermediate, dtype=dtype)  # [D, F]
-        self.w_up = _param(hidden, intermediate, dtype=dtype)  # [D, F]
-        self.w_down = _param(intermediate, hidden, dtype=dtype)  # [F, D]
+        kernel(self, "w_gate", (hidden, intermediate), dtype, quantization)  # [D, F]
+        kernel(self, "w_up", (hidden, intermediate), dtype, quantization)  # [D, F]
+        kernel(self, "w_down", (intermediate, hidden), dtype, quantization)  # [F, D]
+
+    def act(self, gate):
+        return F.silu(gate)
 
     def forward(self, x):
-        return (F.silu(x @ self.w_gate) * (x @ self.w_up)) @ self.w_down
+        gate = self.act(matmul(x, self, "w_gate"))
+        return matmul(gate * matmul(x, self, "w_up"), self, "w_down")
 
 
 class SparseMoE(nn.Module):
     """mixtral.moe_block's function: softmax routing in float32 over all E experts, top-k,
     optionally renormalised (and cast to the model dtype, as Qwen does), each weighted
     expert output cast to the model dtype and summed, plus Qwen2-MoE's gated shared
-    expert."""
+    expert. Quantized experts are dequantized one at a time, and the rows entering their
+    matmuls rounded as a dynamic activation scheme says (mixtral.moe_block's quantize_rows)."""
 
-    def __init__(self, arch, dtype) -> None:
+    names = ("experts_gate", "experts_up", "experts_down")
+
+    def __init__(self, arch, dtype, quantization=None) -> None:
         super().__init__()
         d, e, f = arch.hidden_size, arch.num_experts, arch.moe_intermediate_size
         self.router = _param(d, e, dtype=dtype)  # [D, E]
-        self.experts_gate = _param(e, d, f, dtype=dtype)  # [E, D, F]
-        self.experts_up = _param(e, d, f, dtype=dtype)  # [E, D, F]
-        self.experts_down = _param(e, f, d, dtype=dtype)  # [E, F, D]
+        kernel(self, "experts_gate", (e, d, f), dtype, quantization)  # [E, D, F]
+        kernel(self, "experts_up", (e, d, f), dtype, quantization)  # [E, D, F]
+        kernel(self, "experts_down", (e, f, d), dtype, quantization)  # [E, F, D]
         if arch.shared_expert_size:
-            self.shared_expert = MLP(d, arch.shared_expert_size, dtype)
+            self.shared_expert = MLP(d, arch.shared_expert_size, dtype, quantization)
             self.shared_gate = _param(d, 1, dtype=dtype)  # [D, 1]
         self.has_shared = bool(arch.shared_expert_size)
         self.top_k, self.normalize = arch.top_k, arch.norm_topk_prob
@@ -126,12 +140,14 @@ class SparseMoE(nn.Module):
         if self.cast_weights:
             weights = weights.to(x.dtype)
         out = torch.zeros_like(x)
+        rounded = activation_quantizer(self, self.names) or (lambda rows: rows)
         # A loop over the experts that have tokens; each runs on its own tokens only.
         for e in torch.unique(experts).tolist():
             token, slot = torch.nonzero(experts == e, as_tuple=True)
-            xs = x[token]
-            h = F.silu(xs @ self.experts_gate[e]) * (xs @ self.experts_up[e])
-            y = (h @ self.experts_down[e]) * weights[token, slot, None]
+            gate, up, down = (weight(self, name, x.dtype, e) for name in self.names)
+            xs = rounded(x[token])
+            h = rounded(F.silu(xs @ gate) * (xs @ up))
+            y = (h @ down) * weights[token, slot, None]
             out.index_add_(0, token, y.to(x.dtype))
         if self.has_shared:
             out = out + torch.sigmoid(x @ self.shared_gate) * self.shared_expert(x)
@@ -139,15 +155,15 @@ class SparseMoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: LlamaArch, layer: int, dtype) -> None:
+    def __init__(self, arch: LlamaArch, layer: int, dtype, quantization=None) -> None:
         super().__init__()
         self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.attn = Attention(arch, layer, dtype)
+        self.attn = Attention(arch, layer, dtype, quantization)
         self.post_attention_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         if getattr(arch, "sparse_layers", None) and arch.sparse_layers[layer]:
-            self.mlp = SparseMoE(arch, dtype)
+            self.mlp = SparseMoE(arch, dtype, quantization)
         else:
-            self.mlp = MLP(arch.hidden_size, arch.intermediate_size, dtype)
+            self.mlp = MLP(arch.hidden_size, arch.intermediate_size, dtype, quantization)
 
     def forward(self, x, cos, sin, kv_cache, batch, attend):
         x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, batch, attend)
@@ -155,13 +171,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Every architecture of the Llama and MoE families (arch: LlamaArch or MixtralArch)."""
+    """Every architecture of the Llama and MoE families (arch: LlamaArch or MixtralArch);
+    quantization: None or a checkpoint's LinearQuant."""
 
-    def __init__(self, arch: LlamaArch, dtype=torch.float32) -> None:
+    def __init__(self, arch: LlamaArch, dtype=torch.float32, quantization=None) -> None:
         super().__init__()
         self.arch = arch
         self.embed = _param(arch.vocab_size, arch.hidden_size, dtype=dtype)  # [V, D]
-        self.layers = nn.ModuleList([DecoderLayer(arch, i, dtype)
+        self.layers = nn.ModuleList([DecoderLayer(arch, i, dtype, quantization)
                                      for i in range(arch.num_layers)])
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         if not arch.tie_word_embeddings:
