@@ -5,7 +5,7 @@ On a GPU machine (one NVIDIA H200 in mind), from the repository root:
     pip install -e ".[cuda,torch]"    # jax with CUDA; torch (CUDA build): HF, torch backend
     python scripts/bench_on_device.py [--quick] [--json out.json]
 
-One command, at most 10 minutes (--quick: about 3.5; --max-seconds changes the budget). The
+One command, at most 10 minutes (--quick: 4; --max-seconds changes the budget). The
 model is Llama-3-8B's shape (hidden 4096, 32 layers, 32 heads, 8 kv heads, intermediate
 14336, vocab 128256, rope_theta 500000) with random bfloat16 weights made on the device
 (load_format="dummy"): nothing is downloaded and no checkpoint is read. The model folder is a
@@ -58,11 +58,21 @@ What it measures, each printed and (with --json) written out:
    reported (exit status 1) and the JAX numbers stand. The HF section leaves the torch
    section the time it needs.
 
-5. quantized: the same model with int8 weights (quantization="int8") and with an fp8 KV
-   cache (kv_cache_dtype="fp8"), each in an engine of its own after the bf16 one is freed
-   (same memory budget: more KV blocks for both), shapes compiled on first use: KV blocks,
-   weight bytes and the decode step time at the two largest decode batches, with
-   vs_bf16 = bf16 step time / quantized step time (> 1: faster).
+5. quantized: the same model with int8 weights (quantization="int8", quantized while
+   loading), as a checkpoint published in FP8 (e4m3 weights in 128x128 blocks with a scale
+   each, activations quantized per token and 128-column group: DeepSeek-V3 / Qwen3-FP8's
+   format) and in W4A16 (compressed-tensors pack-quantized: int4 weights with a scale per
+   group of 128 input rows, 16-bit activations), and with an fp8 KV cache
+   (kv_cache_dtype="fp8"). The FP8 and W4A16 engines read a folder of their own whose
+   config.json adds the format's quantization_config (groups of 32 on the tiny model): the
+   random weights are made in the format's stored layout (codes and scales), which the
+   compiled step computes with, so a step reads ~1 (FP8) or ~0.5 (W4A16) bytes per weight
+   against bf16's 2; the embeddings and lm_head stay bf16. Each engine in turn after the bf16 one is
+   freed (same memory budget: more KV blocks for all), shapes compiled on first use: KV
+   blocks, weight bytes (bytes_vs_bf16 = these / bf16's) and the decode step time at the two
+   largest decode batches, with vs_bf16 = bf16 step time / quantized step time (> 1:
+   faster) and bytes_per_token_vs_bf16 = weight bytes per generated token / bf16's (< 1:
+   fewer bytes read, which a weight-bandwidth-bound decode step turns into time).
 
 The JAX GPU allocator is capped at XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 unless set (the HF
 baseline needs room on the same GPU). Compiling every shape bucket of the 8B model is most
@@ -184,7 +194,7 @@ def parse_args():
                    help="the tiny model and sizes (the default with no accelerator)")
     p.add_argument("--json", help="write every number here")
     p.add_argument("--max-seconds", type=float,
-                   help="time budget (default 480, --quick 120): later sections are skipped")
+                   help="time budget (default 600, --quick 240): later sections are skipped")
     p.add_argument("--requests", type=int, help="requests in the throughput workload")
     p.add_argument("--hf-requests", type=int, help="requests in the HF comparison")
     p.add_argument("--hf-batch-size", type=int, help="HF static batch size")

@@ -7,7 +7,9 @@ why it was skipped) and the torch backend beside the JAX one. The fast tests che
 plan without a GPU: the Llama-3-8B folder the script writes is one jaxserve accepts with the
 engine arguments it will run with; the torch backend's section runs on the tiny model
 (against made-up JAX numbers), a torch engine that cannot start is reported without losing
-the JAX numbers, and the KV-block sizing beside JAX's memory pool is checked on numbers.
+the JAX numbers, and the KV-block sizing beside JAX's memory pool is checked on numbers; the
+quantized section's published formats (FP8 blocks, W4A16, AWQ) are configs jaxserve reads,
+sized to the model's shape.
 """
 
 from __future__ import annotations
@@ -100,18 +102,33 @@ def test_cpu_run_reports_every_section(tmp_path):
         {"1", "4", "8"}
     assert "torch / JAX speed" in out.stdout
 
-    quantized = data["quantized"]  # int8 weights and an fp8 KV cache, each its own engine
-    assert set(quantized) == {"int8 weights", "fp8 kv"}
-    assert quantized["int8 weights"]["weights"]["bytes"] < data["weights"]["bytes"]
+    # int8, FP8-block and W4A16 weights and an fp8 KV cache, each its own engine
+    quantized = data["quantized"]
+    assert set(quantized) == {"int8 weights", "fp8 weights", "w4a16 weights", "fp8 kv"}
+    bf16_bytes = data["weights"]["bytes"]
+    assert quantized["int8 weights"]["weights"]["bytes"] < bf16_bytes
     fp8 = quantized["fp8 kv"]
-    assert fp8["weights"]["bytes"] == data["weights"]["bytes"]
+    assert fp8["weights"]["bytes"] == bf16_bytes
     assert 2 * fp8["bytes_per_block"] == data["kv_cache"]["bytes_per_block"]
     assert fp8["kv_blocks"] >= data["kv_cache"]["blocks"]
+    # The published formats: the quantization_config in their folder, groups sized to the
+    # tiny model's 64-wide layers; fewer bytes than bf16's (the tiny model's bf16 embeddings
+    # and lm_head are most of them), 4-bit codes fewer than 8-bit ones.
+    fp8w, w4 = quantized["fp8 weights"], quantized["w4a16 weights"]
+    assert fp8w["quantization_config"]["weight_block_size"] == [32, 32]
+    assert w4["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] == 32
+    assert w4["weights"]["bytes"] < fp8w["weights"]["bytes"] < bf16_bytes
+    for q in (fp8w, w4):
+        assert q["weights"]["bytes_vs_bf16"] == pytest.approx(q["weights"]["bytes"] / bf16_bytes)
+        for b in q["decode"]["batches"]:
+            assert b["bytes_per_token_vs_bf16"] == pytest.approx(
+                q["weights"]["bytes_vs_bf16"])  # every request decoded in every step
     for q in quantized.values():
         assert [b["batch"] for b in q["decode"]["batches"]] == [4, 8]
         assert all(b["tokens_per_step"] == b["batch"] and b["vs_bf16"] > 0
+                   and b["weight_bytes_per_token"] == q["weights"]["bytes"] / b["batch"]
                    for b in q["decode"]["batches"])
-    assert "fp8 kv decode batch" in out.stdout
+    assert "fp8 kv decode batch" in out.stdout and "w4a16 weights decode batch" in out.stdout
 
 
 def test_gpu_plan_is_llama3_8b_with_accelerator_engine_defaults(tmp_path):
@@ -123,7 +140,7 @@ def test_gpu_plan_is_llama3_8b_with_accelerator_engine_defaults(tmp_path):
     assert plan.requests == 256 and plan.decode_batches == (1, 32, 256)
     assert plan.budget_s == 600 and plan.copy_bytes == 2 << 30
     quick = device_plan.Plan(tiny=False, quick=True, args=args)
-    assert quick.budget_s == 210 and quick.requests < plan.requests
+    assert quick.budget_s == 240 and quick.requests < plan.requests
 
     folder = device_plan.write_model_folder(tmp_path, plan.model_config)
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
@@ -147,6 +164,33 @@ def test_gpu_plan_is_llama3_8b_with_accelerator_engine_defaults(tmp_path):
     for p in (quick, plan):
         assert p.need["torch"] + p.need["hf"] + p.need["quantized"] < p.budget_s
     assert plan.quantized_batches == (32, 256)
+
+
+@pytest.mark.parametrize("tiny", [False, True])
+def test_quantized_formats_fit_the_model_shape(tiny, tmp_path):
+    """The published formats' quantization_configs jaxserve reads, with groups / blocks that
+    divide every projection of the model: 128 on Llama-3-8B, 32 on the tiny model; a folder
+    holding one is a model the engine accepts."""
+    from jaxserve.config.engine_config import EngineConfig
+    from jaxserve.models.quant_config import checkpoint_quant
+
+    config = device_plan.TINY if tiny else device_plan.LLAMA3_8B
+    group = 32 if tiny else 128
+    assert device_plan.quant_group(config) == group
+    labels = {}
+    for fmt in device_plan.QUANT_FORMATS:
+        quant = checkpoint_quant({**config, "quantization_config":
+                                  device_plan.quantization_config(fmt, config)})
+        assert quant.group_size == group and {"attention", "mlp"} <= set(quant.kinds)
+        labels[fmt] = (quant.codes, quant.activations)
+    assert labels == {"fp8": ("float8_e4m3fn", "dynamic-group"), "w4a16": ("uint4", "none"),
+                      "awq": ("uint4", "none")}
+    with pytest.raises(ValueError, match="unknown quantized format"):
+        device_plan.quantization_config("nf4", config)
+    folder = device_plan.write_model_folder(tmp_path, {
+        **config, "quantization_config": device_plan.quantization_config("w4a16", config)})
+    engine = EngineConfig.create(str(folder), load_format="dummy", dtype="bfloat16")
+    assert engine.model.weights_scheme.format == "ct-pack"
 
 
 def test_percentiles():

@@ -2,11 +2,12 @@
 
 Their numbers are not checked (timing belongs to the scripts, not to tests); what is
 checked is that they finish, count what they claim to count, and that prefix caching on and
-off give the same tokens.
+off give the same tokens; bench_quantized.py's ratios are checked on made-up times.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pathlib
 import subprocess
@@ -107,3 +108,66 @@ def test_bench_hybrid_kv_counts_both_layouts(tmp_path):
     assert not plain["hybrid"] and hybrid["hybrid"] and hybrid["groups"] == ["None"] + ["32"] * 5
     assert data["ratios"]["capacity"] > 2
     assert plain["output_tok_s"] > 0 and hybrid["output_tok_s"] > 0
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), SCRIPTS / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow  # five engines (bf16, three formats, the rest), each compiling its bucket
+def test_bench_quantized_compares_weight_formats(tmp_path):
+    """The tiny Llama in bf16, FP8 blocks, W4A16 and AWQ (groups of 32), the engines taking
+    turns: every variant decodes its batch, its layers hold the format's bytes, and the
+    ratios against bf16 and the per-layer times (against the rest engine) are reported."""
+    report = tmp_path / "report.json"
+    out = run_script("bench_quantized.py", "--tiny", "--batches", "2", "--rounds", "2",
+                     "--variants", "fp8", "w4a16", "awq", "--json", str(report))
+    assert "layer speed x" in out.stdout
+    data = json.loads(report.read_text())
+    assert data["errors"] == {} and data["interleaved"]
+    rows = data["variants"]
+    assert list(rows) == ["bf16", "fp8", "w4a16", "awq", "rest"]
+    assert rows["fp8"]["quantization_config"]["weight_block_size"] == [32, 32]
+    assert rows["w4a16"]["label"] == "compressed-tensors INT4 per group of 32"
+    # Per weight: 1 (fp8) or 1/2 (int4) byte, a 4-byte scale per 32 rows, AWQ a 1-byte zero
+    # too, against bf16's 2 (the layers' bf16 norms move it by under 1%).
+    for name, per_weight in {"fp8": 1 + 4 / 32, "w4a16": 0.5 + 4 / 32,
+                             "awq": 0.5 + 5 / 32}.items():
+        weights = rows[name]["weights"]
+        assert weights["layer_bytes_vs_bf16"] == pytest.approx(per_weight / 2, rel=0.01)
+        assert weights["bytes"] < rows["bf16"]["weights"]["bytes"]
+    for name, row in rows.items():
+        [r] = row["decode"]
+        assert r["batch"] == 2 and r["tokens_per_step"] == 2 and r["steps"] == 2
+        assert r["step_s"] > 0 and len(r["rounds_s"]) == 2
+        if name != "rest":
+            assert r["speed_vs_bf16"] > 0 and "per_layer_s" in r
+
+
+def test_bench_quantized_ratios_pair_the_rounds():
+    """Each ratio is the median of the rounds' own ratios: a round the machine ran twice as
+    slow for every engine leaves it unchanged; per layer: (step - rest step) / layers."""
+    bench = load_script("bench_quantized.py")
+    row = lambda total, layers, rounds: {"weights": {"bytes": total, "layer_bytes": layers},
+                                         "decode": [{"batch": 1, "rounds_s": rounds}]}
+    rows = {"bf16": row(1000, 800, [1.0, 2.0, 1.0]), "fp8": row(600, 400, [1.2, 2.4, 1.2]),
+            "rest": row(200, 0, [0.2, 0.4, 0.2])}
+    bench.add_ratios(rows, layers=2)
+    fp8 = rows["fp8"]
+    assert fp8["weights"]["bytes_per_layer"] == 200
+    assert fp8["weights"]["bytes_vs_bf16"] == 0.6 and fp8["weights"]["layer_bytes_vs_bf16"] == 0.5
+    [r] = fp8["decode"]
+    assert r["speed_vs_bf16"] == pytest.approx(1 / 1.2)
+    assert r["per_layer_rounds_s"] == pytest.approx([0.5, 1.0, 0.5])
+    assert r["per_layer_s"] == pytest.approx(0.5)
+    assert r["per_layer_speed_vs_bf16"] == pytest.approx(0.4 / 0.5)
+    assert rows["bf16"]["decode"][0]["per_layer_speed_vs_bf16"] == pytest.approx(1)
+    assert "speed_vs_bf16" not in rows["rest"]["decode"][0]
+    # The whole 8B model: bf16 embeddings and lm_head (Llama-3's vocabulary) and 32 layers.
+    whole = bench.projection(rows)
+    head = 2 * (2 * 128256 * 4096 + 4096)
+    assert whole["fp8"]["bytes"] == head + 32 * 200
+    assert whole["fp8"]["vs_bf16"] == pytest.approx((head + 6400) / (head + 32 * 400))

@@ -1,7 +1,10 @@
 """What scripts/bench_on_device.py runs and how big: the model (Llama-3-8B's shape, or a
 tiny Llama on the CPU) as a folder with no weights, the Plan of one run (engine arguments,
 request and batch counts, the time budget and what each section needs of it), the Clock
-that keeps it, and the Report that records what each section measured, skipped or failed.
+that keeps it, and the Report that records what each section measured, skipped or failed;
+the quantization_config of a checkpoint published quantized (FP8 blocks, W4A16, AWQ) sized
+to a model's shape, so a folder with no weights serves that format too (also
+scripts/bench_quantized.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,45 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
                    "chat_template.jinja")
 
 
+QUANT_FORMATS = ("fp8", "w4a16", "awq")  # quantization_config's formats
+
+
+def quant_group(config: dict) -> int:
+    """The group (and block) size of a published-quantized format for this model shape: 128,
+    as published, or the largest power of two below it that divides every projection's input
+    and output size (the tiny model's 64-wide layers take 32)."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    sizes = (config["hidden_size"], config["intermediate_size"],
+             config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim)
+    group = 128
+    while group > 1 and any(size % group for size in sizes):
+        group //= 2
+    return group
+
+
+def quantization_config(fmt: str, config: dict) -> dict:
+    """config.json's quantization_config of a checkpoint published in `fmt` (QUANT_FORMATS),
+    with groups / blocks of quant_group(config): fp8, DeepSeek-V3 / Qwen3-FP8's e4m3
+    weights in blocks with dynamic activations; w4a16, compressed-tensors' pack-quantized
+    symmetric int4 per group (16-bit activations); awq, AutoAWQ's GEMM int4 with zero points.
+    The lm_head stays unquantized in all three."""
+    group = quant_group(config)
+    if fmt == "fp8":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [group, group]}
+    if fmt == "w4a16":
+        weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                   "group_size": group}
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                "quantization_status": "compressed", "ignore": ["lm_head"],
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                              "input_activations": None}}}
+    if fmt == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                "version": "gemm"}
+    raise ValueError(f"unknown quantized format {fmt!r}; known: {', '.join(QUANT_FORMATS)}")
+
+
 class Plan:
     """Sizes of one run: the 8B model on an accelerator (full or --quick), or the tiny one."""
 
@@ -52,13 +94,15 @@ class Plan:
         self.requests = args.requests or self.requests
         self.hf_requests = min(args.hf_requests or self.hf_requests, self.requests)
         self.hf_batch = args.hf_batch_size or self.hf_batch
-        self.budget_s = args.max_seconds or (210.0 if quick else 600.0)
-        # Seconds a section needs at least to be worth starting.
-        self.need = ({"throughput": 5, "decode": 5, "hf": 10, "torch": 10, "quantized": 10}
+        self.budget_s = args.max_seconds or (240.0 if quick else 600.0)
+        # Seconds a section needs at least to be worth starting. The quantized section's
+        # four engines (int8, fp8 and w4a16 weights, an fp8 KV cache) share theirs equally,
+        # each compiling its buckets on first use: about 30 s each (--quick), 70 s (full).
+        self.need = ({"throughput": 5, "decode": 5, "hf": 10, "torch": 10, "quantized": 20}
                      if tiny else
                      {"throughput": 20, "decode": 15 if quick else 30,
                       "hf": 30 if quick else 60, "torch": 45 if quick else 90,
-                      "quantized": 90 if quick else 150})
+                      "quantized": 120 if quick else 280})
         # The quantized engines' decode batches: the ones that show the bytes a step reads.
         self.quantized_batches = self.decode_batches[-2:]
 

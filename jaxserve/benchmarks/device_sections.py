@@ -1,19 +1,27 @@
 """The engine sections of scripts/bench_on_device.py, in order and within its time budget:
 the JAX engine on random weights, then 1. throughput, 2. decode step times against the
 weight-bandwidth floor, 3. HF transformers generate on the same device and requests, 4. the
-torch backend (torch_section.py), 5. int8 weights and an fp8 KV cache, each in an engine of
-its own. Each section's numbers, skips and failures go to the Report.
+torch backend (torch_section.py), 5. int8 weights, FP8 and W4A16 checkpoint formats and an
+fp8 KV cache, each in an engine of its own. Each section's numbers, skips and failures go to
+the Report.
 """
 
 from __future__ import annotations
 
 import argparse
 import pathlib
+import tempfile
 import time
 
 import numpy as np
 
-from jaxserve.benchmarks.device_plan import Clock, Plan, Report, write_model_folder
+from jaxserve.benchmarks.device_plan import (
+    Clock,
+    Plan,
+    Report,
+    quantization_config,
+    write_model_folder,
+)
 from jaxserve.benchmarks.engine_measures import (
     add_floor,
     free_device_memory,
@@ -25,7 +33,14 @@ from jaxserve.benchmarks.hf_baseline import run_hf_random_weights
 from jaxserve.benchmarks.torch_section import run_torch_section, torch_unavailable
 from jaxserve.benchmarks.workloads import FIRST_REGULAR_ID, Workload, make_workload
 
-QUANTIZED = {"int8 weights": {"quantization": "int8"}, "fp8 kv": {"kv_cache_dtype": "fp8"}}
+# The quantized section's engines, in order: extra engine arguments on the bf16 model's
+# folder, or (checkpoint) a published format whose quantization_config (device_plan.
+# quantization_config, groups sized to the model) goes in a folder of its own: random weights
+# in that format's stored layout, which the compiled step computes with.
+QUANTIZED = {"int8 weights": {"engine_args": {"quantization": "int8"}},
+             "fp8 weights": {"checkpoint": "fp8"},
+             "w4a16 weights": {"checkpoint": "w4a16"},
+             "fp8 kv": {"engine_args": {"kv_cache_dtype": "fp8"}}}
 
 
 def run_engine_sections(report: Report, folder: pathlib.Path, seed: int,
@@ -134,7 +149,8 @@ def run_engine_sections(report: Report, folder: pathlib.Path, seed: int,
                           id_limit=id_limit, seed=seed,
                           deadline=clock.deadline - plan.need["quantized"])
 
-    # 5. int8 weights and an fp8 KV cache, each in an engine of its own (this one freed)
+    # 5. int8, FP8 and W4A16 weights and an fp8 KV cache, each in an engine of its own (this
+    # one freed)
     llm = engine = None
     free_device_memory()
     if report.fits("quantized"):
@@ -174,60 +190,97 @@ def run_hf_section(engine, plan: Plan, workload: Workload, backend: str, clock: 
 
 def run_quantized_section(report: Report, folder: pathlib.Path, *, id_limit: int,
                           seed: int) -> None:
-    """Decode step times of the bf16 engine's model with int8 weights and with an fp8 KV
-    cache, one engine at a time (the bf16 engine already freed, so each gets the same
-    memory budget: int8 weights leave more room for KV blocks, an fp8 cache holds twice the
-    blocks), shapes compiled on first use (before the timed steps); the same prompts as the
-    decode section. data["quantized"][variant]: weights, KV blocks, decode batches and
-    vs_bf16 = bf16 step time / this step time (> 1: faster). Failures are reported per
-    variant; the engine is freed after each."""
+    """Decode step times of the bf16 engine's model with int8 weights (quantized while
+    loading), with FP8-block and W4A16 weights (a checkpoint published in that format: a
+    folder whose config.json has its quantization_config, random codes and scales in its
+    layout, computed with in the step) and with an fp8 KV cache, one engine at a time (the
+    bf16 engine already freed, so each gets the same memory budget: smaller weights leave
+    more room for KV blocks, an fp8 cache holds twice the blocks), shapes compiled on first
+    use (before the timed steps); the same prompts as the decode section.
+    data["quantized"][variant]: engine_args or quantization_config, weights (bytes, floor_s,
+    bytes_vs_bf16 = these bytes / bf16's), KV blocks and decode batches, each with
+    vs_bf16 = bf16 step time / this step time (> 1: faster), weight_bytes_per_token (weight
+    bytes / tokens per step) and bytes_per_token_vs_bf16 (/ bf16's at that batch: < 1 reads
+    fewer). Failures are reported per variant; the engine is freed after each."""
     import jax
 
     from jaxserve import LLM
 
     plan, clock, data = report.plan, report.clock, report.data
     section = data.setdefault("quantized", {})
-    bf16 = {b["batch"]: b["step_s"] for b in data.get("decode", {}).get("batches", [])}
+    bf16_batches = {b["batch"]: b for b in data.get("decode", {}).get("batches", [])}
+    bf16_bytes = data.get("weights", {}).get("bytes")
     share = plan.need["quantized"] / len(QUANTIZED)
-    for n, (name, extra) in enumerate(QUANTIZED.items()):
-        deadline = clock.deadline - share * (len(QUANTIZED) - n - 1)
-        entry = section.setdefault(name, {"engine_args": extra})
-        llm = None
-        try:
-            if deadline - time.perf_counter() < plan.need["decode"]:
-                raise TimeoutError("no time left in the budget")
-            clock.say(f"building the {name} engine (random weights, buckets on first use)")
-            start = time.perf_counter()
-            llm = LLM(str(folder), **dict(data["engine_args"], precompile=False, **extra))
-            runner = llm.engine.runner
-            entry["start_s"] = time.perf_counter() - start
-            leaves = jax.tree.leaves(runner.params)
-            weight_bytes = sum(leaf.nbytes for leaf in leaves)
-            floor_s = weight_bytes / data["bandwidth"]["bytes_per_s"]
-            entry.update(weights={"bytes": weight_bytes, "floor_s": floor_s},
-                         kv_blocks=runner.num_blocks, bytes_per_block=runner.bytes_per_block)
-            clock.say(f"{name}: {weight_bytes / 1e9:.3f} GB of weights, {runner.num_blocks} "
-                      f"KV blocks of {runner.bytes_per_block} B")
-            rng = np.random.default_rng(seed + 1)  # prompts drawn as the decode section's
-            entry["decode"] = {"batches": []}
-            for batch in plan.quantized_batches:
-                r = measure_decode(llm.engine, batch, plan.decode_prompt, plan.decode_steps,
-                                   rng, id_limit, deadline)
-                line = add_floor(r, plan, data["bandwidth"], floor_s,
-                                 kv_itemsize=1 if "kv_cache_dtype" in extra else 2)
-                if batch in bf16:
-                    r["vs_bf16"] = bf16[batch] / r["step_s"]
-                    line += f"; bf16 / {name} step time {r['vs_bf16']:.2f}x"
-                entry["decode"]["batches"].append(r)
-                clock.say(f"{name} decode batch {batch:3d}: {line}")
-        except TimeoutError as err:
-            entry["skipped"] = str(err)
-            data["skipped"][f"quantized {name}"] = str(err)
-            clock.say(f"SKIPPED {name}: {err}")
-        except Exception as err:  # noqa: BLE001 - the other numbers stand
-            report.failed(f"quantized {name}", err)
-        finally:
-            if llm is not None:
-                llm.engine.close()
-            llm = runner = None
-            free_device_memory()
+    with tempfile.TemporaryDirectory(prefix="bench-quantized-") as tmp:
+        for n, (name, variant) in enumerate(QUANTIZED.items()):
+            deadline = clock.deadline - share * (len(QUANTIZED) - n - 1)
+            extra = variant.get("engine_args", {})
+            model = folder
+            if "checkpoint" in variant:
+                qc = quantization_config(variant["checkpoint"], plan.model_config)
+                entry = section.setdefault(name, {"quantization_config": qc})
+                model = pathlib.Path(tmp) / variant["checkpoint"]
+                model.mkdir(exist_ok=True)
+                write_model_folder(model, {**plan.model_config, "quantization_config": qc})
+            else:
+                entry = section.setdefault(name, {"engine_args": extra})
+            llm = None
+            try:
+                if deadline - time.perf_counter() < plan.need["decode"]:
+                    raise TimeoutError("no time left in the budget")
+                clock.say(f"building the {name} engine (random weights, buckets on first use)")
+                start = time.perf_counter()
+                llm = LLM(str(model), **dict(data["engine_args"], precompile=False, **extra))
+                runner = llm.engine.runner
+                entry["start_s"] = time.perf_counter() - start
+                weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(runner.params))
+                floor_s = weight_bytes / data["bandwidth"]["bytes_per_s"]
+                entry.update(weights={"bytes": weight_bytes, "floor_s": floor_s},
+                             kv_blocks=runner.num_blocks, bytes_per_block=runner.bytes_per_block)
+                vs_bytes = ""
+                if bf16_bytes:
+                    entry["weights"]["bytes_vs_bf16"] = weight_bytes / bf16_bytes
+                    vs_bytes = f" ({entry['weights']['bytes_vs_bf16']:.3f}x bf16's)"
+                clock.say(f"{name}: {weight_bytes / 1e9:.3f} GB of weights{vs_bytes}, "
+                          f"{runner.num_blocks} KV blocks of {runner.bytes_per_block} B")
+                rng = np.random.default_rng(seed + 1)  # prompts drawn as the decode section's
+                entry["decode"] = {"batches": []}
+                for batch in plan.quantized_batches:
+                    r = measure_decode(llm.engine, batch, plan.decode_prompt, plan.decode_steps,
+                                       rng, id_limit, deadline)
+                    line = add_floor(r, plan, data["bandwidth"], floor_s,
+                                     kv_itemsize=1 if "kv_cache_dtype" in extra else 2)
+                    line += compare_bf16(r, name, weight_bytes, bf16_batches.get(batch),
+                                         bf16_bytes)
+                    entry["decode"]["batches"].append(r)
+                    clock.say(f"{name} decode batch {batch:3d}: {line}")
+            except TimeoutError as err:
+                entry["skipped"] = str(err)
+                data["skipped"][f"quantized {name}"] = str(err)
+                clock.say(f"SKIPPED {name}: {err}")
+            except Exception as err:  # noqa: BLE001 - the other numbers stand
+                report.failed(f"quantized {name}", err)
+            finally:
+                if llm is not None:
+                    llm.engine.close()
+                llm = runner = None
+                free_device_memory()
+
+
+def compare_bf16(r: dict, name: str, weight_bytes: int, bf16: dict | None,
+                 bf16_bytes: int | None) -> str:
+    """Add a quantized engine's decode batch's ratios against the bf16 engine's same batch
+    (bf16: its decode result, when the decode section measured it): vs_bf16 = bf16 step
+    time / this one (> 1: faster); weight_bytes_per_token = weight bytes / tokens per step
+    and bytes_per_token_vs_bf16 = that / bf16's (< 1: fewer bytes read per token, what a
+    weight-bandwidth-bound decode step gains). The line's tail."""
+    r["weight_bytes_per_token"] = weight_bytes / max(r["tokens_per_step"], 1e-9)
+    if bf16 is None:
+        return ""
+    r["vs_bf16"] = bf16["step_s"] / r["step_s"]
+    line = f"; bf16 / {name} step time {r['vs_bf16']:.2f}x"
+    if bf16_bytes:
+        per_token = bf16_bytes / max(bf16["tokens_per_step"], 1e-9)
+        r["bytes_per_token_vs_bf16"] = r["weight_bytes_per_token"] / per_token
+        line += f", weight bytes per token {r['bytes_per_token_vs_bf16']:.3f}x bf16's"
+    return line
