@@ -124,7 +124,12 @@ def _check_reader(q_dir, d_dir, src):
     return quant, modules
 
 
-@pytest.mark.parametrize("case", list(CASES))
+DEFAULT_CASES = ("fp8-block-48-bf16", "ct-fp8-tensor-static-bf16", "ct-int8",
+                 "ct-w4a16-asym-actorder", "awq", "gptq-v2-asym-actorder")
+
+
+@pytest.mark.parametrize("case", [c if c in DEFAULT_CASES else pytest.param(
+    c, marks=pytest.mark.slow) for c in CASES])
 def test_reader_dequantizes_to_the_dequantized_folder(case, written, tiny_checkpoints):
     q_dir, d_dir = written(case)
     dtype = CASES[case][1].get("dtype", "float32")
@@ -193,7 +198,8 @@ def test_awq_and_gptq_packing_match_reference_loops():
 
 
 @needs_ct
-@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("ct-")])
+@pytest.mark.parametrize("case", [c if c in DEFAULT_CASES else pytest.param(
+    c, marks=pytest.mark.slow) for c in CASES if c.startswith("ct-")])
 def test_compressed_tensors_compress_and_decompress_agree(case, written, tiny_checkpoints):
     """The library's config models accept the config; its compress (given the written scale
     and zero) writes the same codes, and its decompress gives the dequantized folder."""

@@ -107,7 +107,12 @@ def weights_of(llm) -> dict:
 
 # ---- the weights the engine holds --------------------------------------------------------
 
-@pytest.mark.parametrize("case", sorted(CASES))
+HELD_DEFAULT = ("fp8-block", "ct-int8", "ct-w4a16-asym-actorder", "awq-moe",
+                "gptq-v2-asym-actorder")
+
+
+@pytest.mark.parametrize("case", [c if c in HELD_DEFAULT else pytest.param(
+    c, marks=pytest.mark.slow) for c in sorted(CASES)])
 def test_every_scheme_holds_its_dequantized_weights(case, written):
     """The loader and the step's dequantization, exactly: every kernel dequantized on the
     device equals the dequantized folder's, every other tensor is the same."""
@@ -131,6 +136,7 @@ def test_weight_only_schemes_give_the_dequantized_folders_tokens(case, written):
     assert_same_or_near_tie([o.token_ids for o in got], reference, 1e-3)
 
 
+@pytest.mark.slow  # bf16 by default: the readers' bf16 cases (test_quant_writers.py)
 @pytest.mark.parametrize("case", ["awq", pytest.param("fp8-block", marks=pytest.mark.slow),
                                   pytest.param("ct-w4a16-asym-actorder",
                                                marks=pytest.mark.slow)])

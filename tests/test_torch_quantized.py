@@ -37,7 +37,7 @@ CASES = {  # id: (writer scheme, writer kwargs, source checkpoint)
 }
 WEIGHT_ONLY = ("ct-w4a16-asym-actorder", "awq-moe", "gptq-gemma2", "ct-fp8-weight-only",
                "ct-w8a16-channel", "gptq-v2-asym-actorder", "gptq-8bit-asym")
-DEFAULT = ("ct-w4a16-asym-actorder", "awq-moe", "gptq-gemma2")  # the rest: -m slow
+DEFAULT = ("awq-moe",)  # the rest: -m slow
 
 
 @pytest.fixture(scope="module")
@@ -134,8 +134,9 @@ def _runs(quant: LinearQuant, name: str) -> bool:
         quant.act_order or quant.activations == "static"))
 
 
-@pytest.mark.parametrize("scheme,name", [(s, n) for s in sorted(QUANTS) for n in sorted(KERNELS)
-                                         if _runs(QUANTS[s], n)])
+@pytest.mark.parametrize("scheme,name", [  # every scheme on wo; wq and experts with -m slow
+    (s, n) if n == "wo" else pytest.param(s, n, marks=pytest.mark.slow)
+    for s in sorted(QUANTS) for n in sorted(KERNELS) if _runs(QUANTS[s], n)])
 def test_kernels_dequantize_and_multiply_as_the_jax_backends(scheme, name):
     """Dequantized kernels (float32, bfloat16, one expert) and rounded activations bit for
     bit as the JAX model computes them (under jit); products to float32 accumulation order."""
@@ -248,8 +249,8 @@ def test_bfloat16_checkpoints_give_the_dequantized_folders_tokens(case, written)
     assert greedy(q, "torch", "bfloat16") == greedy(d, "torch", "bfloat16")
 
 
-@pytest.mark.parametrize("case", ["ct-int8"] + [  # by default one JAX engine (~10 s)
-    pytest.param(c, marks=pytest.mark.slow) for c in sorted(CASES) if c != "ct-int8"])
+@pytest.mark.slow  # a JAX engine each (~10 s); by default the kernels are compared instead
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_the_torch_backend_gives_the_jax_backends_tokens(case, written):
     """The same rounding of activations and the same products: the same tokens (for the
     weight-only schemes, the JAX backend's tokens on the dequantized folder too)."""
