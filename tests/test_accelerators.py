@@ -13,9 +13,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("node,what,extra", [
-    ("dev/nvidia0", "NVIDIA GPU", ".[cuda]"),
-    ("dev/accel0", "TPU", ".[tpu]"),
-    ("dev/vfio/0", "TPU", ".[tpu]"),
+    ("dev/nvidia0", "NVIDIA GPU", '"jax[cuda12]"'),
+    ("dev/accel0", "TPU", '"jax[tpu]"'),
+    ("dev/vfio/0", "TPU", '"jax[tpu]"'),
+    ("dev/kfd", "AMD GPU", '"jax[rocm7-local]"'),
 ])
 def test_cpu_fallback_with_a_device_node_warns_with_the_install_command(tmp_path, caplog, node,
                                                                         what, extra):
@@ -44,5 +45,30 @@ def test_accelerator_extras_delegate_to_jax():
         "optional-dependencies"]
     assert any(dep.startswith("jax[cuda") for dep in extras["cuda"])
     assert any(dep.startswith("jax[tpu]") for dep in extras["tpu"])
-    readme = (ROOT / "README.md").read_text()
-    assert 'pip install -e ".[cuda]"' in readme and 'pip install -e ".[tpu]"' in readme
+
+
+
+def test_every_install_hint_names_something_that_installs():
+    """The name `jaxserve` on PyPI is an unrelated project's: messages and docs name jax's
+    extras as jax publishes them, jaxserve's own extras from a clone (`-e ".[x]"`), or plain
+    distributions; never `jaxserve[...]`."""
+    import importlib.metadata
+    import re
+
+    tomllib = pytest.importorskip("tomllib")
+    ours = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"])
+    jax_extras = set(importlib.metadata.metadata("jax").get_all("Provides-Extra"))
+    files = [*ROOT.glob("*.md"), *ROOT.glob("docs/*.md"), *ROOT.glob("jaxserve/**/*.py"),
+             *ROOT.glob("server/*.py"), *ROOT.glob("models/**/*.py"),
+             *ROOT.glob("docker/*"), *ROOT.glob("examples/*.ipynb")]
+    seen = set()
+    for path in files:
+        text = path.read_text()
+        assert "jaxserve[" not in text, path
+        for extra in re.findall(r"\bjax\[([\w-]+)\]", text):
+            assert extra in jax_extras, (path, extra)
+            seen.add(extra)
+        for group in re.findall(r"-e \\?[\"']?\.\[([\w,-]+)\]", text):
+            assert set(group.split(",")) <= ours, (path, group)
+    assert {"cuda12", "tpu", "rocm7-local"} <= seen

@@ -63,7 +63,7 @@ def test_without_torch_the_backend_names_the_extra_to_install(tiny_checkpoint):
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
-    assert "ERROR: The torch backend needs PyTorch and Triton: pip install 'jaxserve[torch]'" \
+    assert "ERROR: The torch backend needs PyTorch and Triton: pip install torch triton" \
         in proc.stdout, proc.stdout + proc.stderr
 
 

@@ -16,8 +16,9 @@ from jaxserve.config.engine_config import EngineConfig
 logger = logging.getLogger(__name__)
 
 
-TORCH_EXTRA = ("The torch backend needs PyTorch and Triton: pip install 'jaxserve[torch]' "
-               "(a CUDA or ROCm build of torch for a GPU).")
+TORCH_EXTRA = ("The torch backend needs PyTorch and Triton: pip install torch triton (a CUDA "
+               "or ROCm build of torch for a GPU; in a clone of jaxserve: pip install -e "
+               "'.[torch]').")
 
 
 def import_torch():

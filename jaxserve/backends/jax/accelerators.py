@@ -1,8 +1,10 @@
 """Notice when the engine runs on the CPU of a machine that has a GPU or TPU.
 
-A plain `pip install jaxserve` brings jax's CPU build only; the accelerator builds come with
-the extras (`jaxserve[cuda]`, `jaxserve[tpu]`, which delegate to jax's own extras). A user
-who forgot them would otherwise see a silently slow engine.
+A plain install brings jax's CPU build only; the accelerator builds come with jax's own extras
+(`jax[cuda12]`, `jax[tpu]`, `jax[rocm7-local]`; jaxserve's `.[cuda]` and `.[tpu]` extras
+delegate to the first two). A user who forgot them would otherwise see a silently slow engine.
+(The name `jaxserve` on PyPI belongs to an unrelated project: hints name jax's extras, or
+jaxserve's own from a clone of its repository.)
 """
 
 from __future__ import annotations
@@ -15,10 +17,14 @@ logger = logging.getLogger(__name__)
 
 # (device node pattern, what it is, the install command that makes JAX use it)
 _DEVICE_NODES = (
-    ("/dev/nvidia[0-9]*", "an NVIDIA GPU", 'pip install -e ".[cuda]"  (or "jaxserve[cuda]")'),
-    ("/dev/accel[0-9]*", "a TPU", 'pip install -e ".[tpu]"  (or "jaxserve[tpu]")'),
-    ("/dev/vfio/[0-9]*", "a TPU (vfio)", 'pip install -e ".[tpu]"  (or "jaxserve[tpu]")'),
-    ("/dev/kfd", "an AMD GPU", "pip install \"jax[rocm]\" (see JAX's install guide)"),
+    ("/dev/nvidia[0-9]*", "an NVIDIA GPU",
+     'pip install -U "jax[cuda12]"  (in a clone of jaxserve: pip install -e ".[cuda]")'),
+    ("/dev/accel[0-9]*", "a TPU",
+     'pip install -U "jax[tpu]"  (in a clone of jaxserve: pip install -e ".[tpu]")'),
+    ("/dev/vfio/[0-9]*", "a TPU (vfio)",
+     'pip install -U "jax[tpu]"  (in a clone of jaxserve: pip install -e ".[tpu]")'),
+    ("/dev/kfd", "an AMD GPU",
+     'pip install -U "jax[rocm7-local]"  (with ROCm 7 installed; see AMD\'s JAX install guide)'),
 )
 
 

@@ -111,7 +111,7 @@ def make_attend(backend: str, device: torch.device, head_dim: int,
             from jaxserve.kernels_triton import attention, kv_write
         except ImportError as err:
             raise ImportError(f"attention_backend={backend!r} needs Triton: pip install "
-                              f"'jaxserve[torch]' ({err})") from None
+                              f"triton ({err})") from None
 
         if not attention.supports(head_dim):
             if backend != "auto":
