@@ -3,8 +3,9 @@
 test_mesh.py runs this file in a subprocess (the device count is fixed when JAX starts):
     python tests/mesh_runs.py CHECKPOINT MESH [MESH ...]
 (MESH like 2x4, 1x8:ep for expert parallelism, 1x4:int8 for int8 weights, 1x8:ep,int8,
-1x4:fp8kv or 1x4:int8kv for a quantized KV cache; MESH@FOLDER runs another checkpoint) and reads one JSON line per mesh: the
-greedy token ids of every prompt (the tiny checkpoints' check prompts), and per
+1x4:fp8kv or 1x4:int8kv for a quantized KV cache, 1x4:lp to also report the top 5 logprobs
+at each generated position; MESH@FOLDER runs another checkpoint) and reads one JSON line per
+mesh: the greedy token ids of every prompt (the tiny checkpoints' check prompts), and per
 data-parallel replica the requests routed to it and the device steps it ran.
 """
 
@@ -34,9 +35,12 @@ def run(folder: str, mesh: str) -> dict:
               quantization="int8" if "int8" in options else None,
               kv_cache_dtype=next((o[:-2] for o in options if o.endswith("kv")), "auto"))
     replicas = getattr(llm.engine, "replicas", [llm.engine])
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                            logprobs=5 if "lp" in options else None)
     outputs = llm.generate(prompts(), params, use_tqdm=False)
-    return {"mesh": mesh, "tokens": [o.outputs[0].token_ids for o in outputs],
+    logprobs = [[{token: lp.logprob for token, lp in top.items()} for top in o.outputs[0].logprobs]
+                for o in outputs] if "lp" in options else None
+    return {"mesh": mesh, "tokens": [o.outputs[0].token_ids for o in outputs], "logprobs": logprobs,
             "routed": getattr(llm.engine, "routed", [NUM_PROMPTS]), "steps": [r.runner.padding.steps for r in replicas],
             "devices": [[d.id for d in r.runner.mesh.devices.flat] for r in replicas],
             "cache_dtype": str(replicas[0].runner.cache_dtype)}

@@ -11,6 +11,7 @@ import json
 import math
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -257,12 +258,20 @@ def test_quantized_tokens_do_not_depend_on_the_mesh(case, written):
     """1x4 (8-head checkpoints: kv heads replicated, groups split with their rows or kept
     whole: activation order, per-channel scales, Mixtral's 16 expert rows per device in
     groups of 32) gives 1x1's tokens, and for weight-only schemes the dequantized
-    folder's."""
+    folder's. Where activations are rounded, 1x4's partial sums (split contractions) can
+    move a value across a rounding boundary, so its tokens may part from 1x1's only at a
+    near tie in 1x1's logprobs."""
     q, d = written(case, mesh=True)
-    runs = mesh_runs(q, ["1x1", "1x4", f"1x1@{d}"])
-    assert runs["1x4"]["tokens"] == runs["1x1"]["tokens"]
-    if case not in ACTIVATIONS:
-        assert runs["1x1"]["tokens"] == runs[f"1x1@{d}"]["tokens"]
+    runs = mesh_runs(q, ["1x1:lp", "1x4", f"1x1@{d}"])
+    single = runs["1x1:lp"]
+    if case in ACTIVATIONS:
+        reference = [SimpleNamespace(token_ids=tokens, logprobs=[
+            {int(t): SimpleNamespace(logprob=lp) for t, lp in top.items()} for top in tops])
+            for tokens, tops in zip(single["tokens"], single["logprobs"])]
+        assert_same_or_near_tie(runs["1x4"]["tokens"], reference, 0.05)
+    else:
+        assert runs["1x4"]["tokens"] == single["tokens"]
+        assert single["tokens"] == runs[f"1x1@{d}"]["tokens"]
 
 
 # ---- bytes ---------------------------------------------------------------------------------
