@@ -6,7 +6,6 @@ tests import it too.
   checkpoints        the tiny test checkpoints and the "small" benchmark Llama, made on demand
   checkpoint_checks  greedy margins and check prompts of the tiny checkpoints
   local_server       a `jaxserve serve` subprocess on loopback: start, wait, stop
-  serving_report     bench_serving's summary, table, sweep lines and plot
   startup_report     bench_startup's table
   hf_baseline        HF transformers generate, the throughput benchmarks' baseline
   engine_measures    an engine driven step by step: throughput, TTFT/ITL, decode step time

@@ -1,7 +1,8 @@
 """A `jaxserve serve` subprocess on this machine's loopback interface, for the benchmarks that
 start one (bench_serving.py --launch-model, bench_startup.py): a free port, the command, the
-start in a session of its own with its output in a log file, the wait for /health, the stop
-(signals in turn, then SIGKILL to the whole session), and the log's last lines.
+start in a session of its own with its output in a log file, the wait for /health (or
+/ready), the stop (signals in turn, then SIGKILL to the whole session), and the log's last
+lines.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ def start_server(cmd: list[str], log, env: dict | None = None) -> subprocess.Pop
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def wait_healthy(proc: subprocess.Popen, base_url: str, timeout: float, log: str) -> None:
-    """Until GET /health answers 200; SystemExit (with the log's tail) if the server exits or
-    is not healthy after `timeout` seconds."""
+def wait_healthy(proc: subprocess.Popen, base_url: str, timeout: float, log: str,
+                 path: str = "/health") -> None:
+    """Until GET path answers 200 (/health: it takes requests; /ready: its warm-up compiles
+    are done too); SystemExit (with the log's tail) if the server exits or does not answer
+    200 after `timeout` seconds."""
     import httpx
 
     start = time.monotonic()
@@ -49,14 +52,14 @@ def wait_healthy(proc: subprocess.Popen, base_url: str, timeout: float, log: str
         if proc.poll() is not None:
             raise SystemExit(f"the server exited with code {proc.returncode}:\n{tail(log)}")
         try:
-            if httpx.get(f"{base_url}/health", timeout=2.0, trust_env=False).status_code == 200:
-                print(f"server up at {base_url} after {time.monotonic() - start:.0f} s",
-                      file=sys.stderr)
+            if httpx.get(f"{base_url}{path}", timeout=2.0, trust_env=False).status_code == 200:
+                print(f"server up at {base_url} ({path}) after "
+                      f"{time.monotonic() - start:.0f} s", file=sys.stderr)
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise SystemExit(f"the server was not healthy after {timeout:g} s:\n{tail(log)}")
+    raise SystemExit(f"{base_url}{path} did not answer 200 after {timeout:g} s:\n{tail(log)}")
 
 
 def kill_group(proc: subprocess.Popen) -> None:
