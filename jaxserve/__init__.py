@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 
+from jaxserve.config import logs
 from jaxserve.config.model_path import default_model_path, resolve_model
 from jaxserve.config.version import VERSION
 from jaxserve.core.sampling_params import SamplingParams
@@ -30,8 +31,7 @@ def _default_logging() -> None:
     if logger.handlers:
         return
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s",
-                                           "%m-%d %H:%M:%S"))
+    handler.setFormatter(logging.Formatter(logs.TEXT_FORMAT, logs.TEXT_DATE))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False

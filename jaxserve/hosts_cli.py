@@ -28,11 +28,10 @@ def multi_host(args: argparse.Namespace) -> bool:
         None, None, None)
 
 
-def join_hosts(args: argparse.Namespace, model: str | None, precompile: bool | str,
-               engine_config) -> None:
+def join_hosts(args: argparse.Namespace, precompile: bool | str, engine_config) -> None:
     """Multi-host: join the other hosts. Host 0 returns (and goes on as the front end); any
     other host runs the replicas it has devices of until host 0 closes them, and exits the
-    process. engine_config: cli.engine_config (the flags' EngineConfig for a model folder).
+    process. engine_config: cli_common.engine_config (the flags' EngineConfig for a model folder).
     Nothing without the multi-host flags."""
     if not multi_host(args):
         return
@@ -40,12 +39,12 @@ def join_hosts(args: argparse.Namespace, model: str | None, precompile: bool | s
         raise ValueError("Multi-host serving runs the JAX backend; the torch backend runs on "
                          "one device. Drop --backend torch or the multi-host flags.")
     from jaxserve.backends.jax.distributed import initialize, is_leader, leave
-    from jaxserve.config.model_path import resolve_model
+    from jaxserve.config.engine_args import EngineArgs
     from jaxserve.engine.remote_replica import run_host
 
     initialize(args.coordinator, args.num_hosts, args.host_id)
     if is_leader():
         return
-    run_host(engine_config(args, resolve_model(model, logging.getLogger("jaxserve")),
-                           precompile))
+    folder = EngineArgs.from_cli(args).model_folder(logging.getLogger("jaxserve"))
+    run_host(engine_config(args, folder, precompile))
     leave()

@@ -96,9 +96,10 @@ def server(num_seqs: int, device_ms: float, window: float, async_scheduling: boo
     async_engine = AsyncLLMEngine(engine)
     async_engine.start()
     port = free_port()
-    server_config = ServerConfig(served_model_name="standin", host="127.0.0.1", port=port)
+    server_config = ServerConfig(served_model_name="standin", host="127.0.0.1", port=port,
+                                 uvicorn_log_level="warning", access_log=False)
     app = create_app(async_engine, server_config)
-    uv = uvicorn.Server(uvicorn_config(app, server_config, "warning"))  # as `serve` runs it
+    uv = uvicorn.Server(uvicorn_config(app, server_config))  # as `serve` runs it
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     while not uv.started:

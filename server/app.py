@@ -31,7 +31,12 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from jaxserve.config.version import VERSION
 from jaxserve.server.async_engine import AsyncLLMEngine
 from jaxserve.server.errors import APIError, from_validation_error
-from jaxserve.server.openai_serving import REQUEST_ID_KEY, ChatSettings, OpenAIServing
+from jaxserve.server.openai_serving import (
+    REQUEST_ID_KEY,
+    ChatSettings,
+    OpenAIServing,
+    ResponseOptions,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +67,25 @@ class ServerConfig:
     limit_concurrency: int | None = None
     max_preparing_requests: int = 256  # requests being parsed / tokenized / compiled at once
     chat: ChatSettings = dataclasses.field(default_factory=ChatSettings)
+    responses: ResponseOptions = dataclasses.field(default_factory=ResponseOptions)
+    # Behind a proxy that routes a path prefix here and strips it (--root-path): the prefix.
+    root_path: str = ""
+    # HTTPS (--ssl-keyfile, --ssl-certfile; --ssl-ca-certs and --ssl-cert-reqs 2 for clients
+    # with certificates), as uvicorn takes them.
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
+    cors_credentials: bool = False  # --allow-credentials
+    cors_methods: tuple[str, ...] = ("*",)  # --allowed-methods
+    cors_headers: tuple[str, ...] = ("*",)  # --allowed-headers
+    openapi: bool = True  # /openapi.json (--disable-fastapi-docs turns it off)
+    request_id_headers: bool = False  # X-Request-Id on every response
+    uvicorn_log_level: str = "info"
+    access_log: bool = True  # uvicorn's line per HTTP request (--disable-uvicorn-access-log)
+    access_log_quiet_paths: tuple[str, ...] = ()  # --disable-access-log-for-endpoints
+    h11_max_incomplete_event_size: int | None = None  # bytes of headers (uvicorn's default)
+    log_stats: bool = True  # the throughput line every few seconds (--disable-log-stats)
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -90,6 +114,30 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}.")
+        if self.root_path and (not self.root_path.startswith("/") or
+                               self.root_path.endswith("/")):
+            raise ValueError(f"root_path must start with '/' and not end with one, got "
+                             f"{self.root_path!r} (e.g. /jaxserve).")
+        if (self.ssl_keyfile or self.ssl_ca_certs or self.ssl_cert_reqs) and \
+                not self.ssl_certfile:
+            raise ValueError("--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs configure "
+                             "HTTPS: add --ssl-certfile (the certificate chain).")
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"--{name.replace('_', '-')} {path}: no such file.")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError(f"ssl_cert_reqs must be 0 (none), 1 (optional) or 2 (required), "
+                             f"as Python's ssl.CERT_*, got {self.ssl_cert_reqs}.")
+        if self.ssl_cert_reqs and not self.ssl_ca_certs:
+            raise ValueError("--ssl-cert-reqs asks for client certificates: add "
+                             "--ssl-ca-certs (the CAs that sign them).")
+
+    @property
+    def url(self) -> str:
+        """Where clients reach the server (the prefix a proxy strips included)."""
+        scheme = "https" if self.ssl_certfile else "http"
+        return f"{scheme}://{self.host}:{self.port}{self.root_path}"
 
 
 class ServerState:
@@ -107,7 +155,8 @@ class ServerState:
         # Large responses to JSON / protobuf.
         self.encoders = ThreadPoolExecutor(2, thread_name_prefix="jaxserve-encode")
         self.serving = OpenAIServing(engine, config.served_names, config.chat,
-                                     grammar_pool=self.grammar_workers, encoders=self.encoders)
+                                     grammar_pool=self.grammar_workers, encoders=self.encoders,
+                                     options=config.responses)
         self.draining = False
         self.started = time.time()
         self.num_preparing = 0  # requests in the admission path (event-loop thread only)
@@ -132,15 +181,17 @@ class ServerState:
 
 
 def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
-    app = FastAPI(title="jaxserve", version=VERSION, docs_url=None,
-                  redoc_url=None)
+    app = FastAPI(title="jaxserve", version=VERSION, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json" if config.openapi else None)
     state = ServerState(engine, config)
     app.state.jaxserve = state
     _install_errors(app)
     app.add_middleware(_Guard, state=state)
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
-                           allow_methods=["*"], allow_headers=["*"])
+                           allow_methods=list(config.cors_methods),
+                           allow_headers=list(config.cors_headers),
+                           allow_credentials=config.cors_credentials)
     _install_routes(app, state)
     return app
 
@@ -182,10 +233,13 @@ class _Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        config, path = self.state.config, scope["path"]
+        config, path = self.state.config, _route_path(scope)
         request_id = uuid.uuid4().hex
         scope.setdefault("state", {})[REQUEST_ID_KEY] = request_id
         headers = dict(scope["headers"])
+        if config.request_id_headers:
+            send = _with_request_id(send, headers.get(b"x-request-id") or
+                                    request_id.encode())
         open_path = path in _OPEN_PATHS or (path == "/metrics" and not config.metrics_require_auth)
         if self.expected and not open_path and scope["method"] != "OPTIONS":
             given = headers.get(b"authorization", b"")
@@ -255,6 +309,28 @@ class _Guard:
                 with contextlib.suppress(Exception):
                     await send({"type": "http.response.body", "body": b"",
                                 "more_body": False})
+
+
+def _route_path(scope) -> str:
+    """The path the routes see: without the prefix of --root-path (uvicorn puts root_path
+    in front of the path, as the ASGI spec has it)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root):
+        return path[len(root):] or "/"
+    return path
+
+
+def _with_request_id(send, request_id: bytes):
+    """send with an X-Request-Id header on the response (--enable-request-id-headers): the
+    client's own, else the id the server gave the request."""
+
+    async def send_with_id(message):
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []),
+                                              (b"x-request-id", request_id[:256])]}
+        await send(message)
+
+    return send_with_id
 
 
 def _replay(messages: list, receive):

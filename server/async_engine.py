@@ -100,8 +100,15 @@ class _Stream:
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int = 1024,
-                 metrics: EngineMetrics | None = None) -> None:
+                 metrics: EngineMetrics | None = None, log_requests: bool = False,
+                 log_outputs: bool = False, log_stats: bool = True,
+                 max_log_len: int | None = None) -> None:
+        """log_requests: a line per finished request (--enable-log-requests), with its
+        output text when log_outputs (--enable-log-outputs; at most max_log_len characters);
+        log_stats: the throughput line every few seconds (off: --disable-log-stats)."""
         self.engine = engine
+        self.log_requests, self.log_outputs = log_requests, log_outputs
+        self.log_stats, self.max_log_len = log_stats, max_log_len
         self.max_waiting_requests = max_waiting_requests
         self.metrics = metrics
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -410,14 +417,23 @@ class AsyncLLMEngine:
         stream.num_tokens += new
 
     def _record_finish(self, output: RequestOutput, stream: _Stream, now: float) -> None:
+        if self.log_requests:
+            self._log_finish(output, stream, now)
+        if self.metrics:
+            self.metrics.request_finished(output, stream.arrival, stream.first_token, now,
+                                          stream.n, stream.max_tokens)
+
+    def _log_finish(self, output: RequestOutput, stream: _Stream, now: float) -> None:
         reasons = ",".join(sorted({c.finish_reason or "abort" for c in output.outputs}))
         ttft = (stream.first_token - stream.arrival) if stream.first_token else float("nan")
         logger.info("request %s: prompt %d tokens, output %d tokens, TTFT %.3f s, total %.3f s, "
                     "finish %s", output.request_id, stream.num_prompt_tokens, stream.num_tokens,
                     ttft, now - stream.arrival, reasons)
-        if self.metrics:
-            self.metrics.request_finished(output, stream.arrival, stream.first_token, now,
-                                          stream.n, stream.max_tokens)
+        if self.log_outputs:
+            for choice in output.outputs:
+                text = choice.text if self.max_log_len is None else \
+                    choice.text[:self.max_log_len]
+                logger.info("request %s: output %d: %r", output.request_id, choice.index, text)
 
     def _publish_stats(self, taken: int = 0) -> EngineStats:
         """Take a snapshot (engine thread); `taken` sequences left _pending and are in it."""
@@ -440,7 +456,7 @@ class AsyncLLMEngine:
                                             stats.spec_accepted_tokens,
                                             stats.spec_accepted_per_pos)
         now = time.monotonic()
-        if now - self._last_log >= _LOG_INTERVAL_S and self.metrics:
+        if now - self._last_log >= _LOG_INTERVAL_S and self.metrics and self.log_stats:
             prompt, gen = self.metrics.token_totals()
             elapsed = now - self._last_log
             compiles = stats.compilations

@@ -25,6 +25,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from jaxserve.config import logs
 from jaxserve.server.app import ServerConfig, create_app
 from jaxserve.server.async_engine import AsyncLLMEngine
 from jaxserve.server.metrics import EngineMetrics
@@ -103,7 +104,7 @@ def _timed_protocol(header_timeout: float, write_timeout: float) -> type[H11Prot
     return TimedH11Protocol
 
 
-def uvicorn_config(app, server_config: ServerConfig, log_level: str = "info") -> uvicorn.Config:
+def uvicorn_config(app, server_config: ServerConfig) -> uvicorn.Config:
     """How `jaxserve serve` runs uvicorn (the serving benchmarks run it the same way).
 
     The event loop is asyncio's own, never uvloop (which uvicorn's "auto" picks whenever it
@@ -111,14 +112,24 @@ def uvicorn_config(app, server_config: ServerConfig, log_level: str = "info") ->
     share the GIL, and under uvloop the event loop keeps it from the engine thread far
     longer. Measured with scripts/bench_async_scheduling.py's server case (a 5 ms stand-in
     device step, 256 streaming clients): about 0.25 of the ideal steps/s under uvloop, 0.7
-    under asyncio (64 clients: 0.7 and 0.9)."""
-    return uvicorn.Config(app, host=server_config.host, port=server_config.port,
-                          log_level=log_level.lower(), access_log=False, loop="asyncio",
-                          http=_timed_protocol(server_config.request_read_timeout,
-                                               server_config.stream_write_timeout),
-                          timeout_keep_alive=server_config.keep_alive_timeout,
-                          limit_concurrency=server_config.limit_concurrency,
-                          timeout_graceful_shutdown=5)
+    under asyncio (64 clients: 0.7 and 0.9).
+
+    uvicorn's own logging configuration is left out (log_config=None): its lines go through
+    the root logger in jaxserve's format (logs.py), at --uvicorn-log-level."""
+    c = server_config
+    logs.configure_uvicorn(c.uvicorn_log_level, c.access_log, c.access_log_quiet_paths,
+                           c.root_path)
+    h11 = ({} if c.h11_max_incomplete_event_size is None
+           else {"h11_max_incomplete_event_size": c.h11_max_incomplete_event_size})
+    return uvicorn.Config(app, host=c.host, port=c.port, log_config=None,
+                          log_level=c.uvicorn_log_level, access_log=c.access_log,
+                          loop="asyncio",
+                          http=_timed_protocol(c.request_read_timeout, c.stream_write_timeout),
+                          timeout_keep_alive=c.keep_alive_timeout,
+                          limit_concurrency=c.limit_concurrency, timeout_graceful_shutdown=5,
+                          root_path=c.root_path, ssl_keyfile=c.ssl_keyfile,
+                          ssl_certfile=c.ssl_certfile, ssl_ca_certs=c.ssl_ca_certs,
+                          ssl_cert_reqs=c.ssl_cert_reqs, **h11)
 
 
 class _DrainingServer(uvicorn.Server):
@@ -172,8 +183,7 @@ class _DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(engine, server_config: ServerConfig, log_level: str = "info",
-          grpc_config=None) -> int:
+def serve(engine, server_config: ServerConfig, grpc_config=None) -> int:
     """Serve `engine` (an engine.interface.EngineInterface: engine/core_client.py's
     EngineCoreClient, or an engine in this process) until a signal stops the server, then
     close it. grpc_config: a grpc_server.GrpcConfig to serve gRPC beside HTTP, or None."""
@@ -189,15 +199,18 @@ def serve(engine, server_config: ServerConfig, log_level: str = "info",
                                 engine.config.speculative.num_speculative_tokens
                                 if engine.config.speculative else 0),
                             compile_records=engine.compile_records)
+    options = server_config.responses
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=server_config.max_waiting_requests,
-                                  metrics=metrics)
+                                  metrics=metrics, log_requests=options.log_requests,
+                                  log_outputs=options.log_outputs,
+                                  log_stats=server_config.log_stats,
+                                  max_log_len=options.max_log_len)
     async_engine.start()
     app = create_app(async_engine, server_config)
-    config = uvicorn_config(app, server_config, log_level)
+    config = uvicorn_config(app, server_config)
     server = _DrainingServer(config, app.state.jaxserve, async_engine,
                              server_config.shutdown_timeout, grpc_config)
-    logger.info("Serving %s on http://%s:%d", ", ".join(server_config.served_names),
-                server_config.host, server_config.port)
+    logger.info("Serving %s on %s", ", ".join(server_config.served_names), server_config.url)
     try:
         server.run()
     finally:

@@ -64,6 +64,19 @@ class ChatSettings:
     # --reasoning-parser NAME: the thinking goes to reasoning_content (and reasoning), and
     # a structured output applies after it (jaxserve/parsers/reasoning.py).
     reasoning_parser: str | None = None
+    # --exclude-tools-when-tool-choice-none: tool_choice "none" renders no tools
+    exclude_tools_when_none: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ResponseOptions:
+    """Server-wide response and request-log settings (vLLM's flags)."""
+
+    return_tokens_as_token_ids: bool = False  # the default of the request field of that name
+    force_include_usage: bool = False  # usage in every stream, as if include_usage were set
+    log_requests: bool = False  # --enable-log-requests: lines per request (received, finished)
+    log_outputs: bool = False  # --enable-log-outputs: the finished line's output text too
+    max_log_len: int | None = None  # --max-log-len: characters / ids of prompts and outputs
 
 
 @dataclasses.dataclass
@@ -98,9 +111,10 @@ class Prepared:
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_names: str | tuple[str, ...],
                  chat: ChatSettings | None = None, *, grammar_pool: Executor,
-                 encoders: Executor) -> None:
+                 encoders: Executor, options: ResponseOptions | None = None) -> None:
         """grammar_pool: the threads that compile grammars; encoders: the threads that
         encode large responses to JSON."""
+        self.options = options or ResponseOptions()
         self.engine = engine
         self.served_names = (served_names,) if isinstance(served_names, str) else \
             tuple(served_names)
@@ -159,7 +173,8 @@ class OpenAIServing:
                            "refused unless the server runs with --trust-request-chat-template.",
                            param="chat_template", code="invalid_value")
         try:
-            kwargs = body.template_kwargs(self.chat.default_kwargs)
+            kwargs = body.template_kwargs(self.chat.default_kwargs,
+                                          not self.chat.exclude_tools_when_none)
             messages = body.template_messages()
         except ValueError as err:
             raise from_value_error(err, "messages") from None
@@ -303,9 +318,21 @@ class OpenAIServing:
         prepared.requests = [r.with_grammar(grammar) for r in prepared.requests]
         return prepared
 
+    def _log_received(self, prepared: Prepared) -> None:
+        """--enable-log-requests: the prompts (text, else ids; at most --max-log-len of
+        either) and the sampling parameters."""
+        cut = self.options.max_log_len
+        for text, ids in prepared.prompts:
+            shown = repr(text[:cut] if cut is not None else text) if text is not None else \
+                f"ids {list(ids[:cut] if cut is not None else ids)}"
+            logger.info("Received request %s: prompt %s (%d tokens), params %s",
+                        prepared.request_id[:300], shown, len(ids), prepared.params)
+
     # ---- event loop: queue and respond ----------------------------------------------------
     async def respond(self, prepared: Prepared, raw: Request):
         body = prepared.body
+        if self.options.log_requests:
+            self._log_received(prepared)
         if body.user:  # OpenAI's end-user id: for the operator's abuse monitoring
             logger.info("request %s: user %r", prepared.request_id[:300], body.user[:128])
         try:

@@ -405,9 +405,11 @@ class ChatCompletionRequest(_Request):
     def template_messages(self) -> list[dict]:
         return [m.as_template_message() for m in self.messages]
 
-    def template_kwargs(self, server_defaults: dict) -> dict:
+    def template_kwargs(self, server_defaults: dict, tools_when_none: bool = True) -> dict:
         """What the chat template sees besides the messages: the server's defaults, then the
-        request's chat_template_kwargs, then the typed fields (vLLM's order)."""
+        request's chat_template_kwargs, then the typed fields (vLLM's order). With
+        tools_when_none False (--exclude-tools-when-tool-choice-none), tool_choice "none"
+        keeps the tools out of the prompt."""
         kwargs = dict(server_defaults)
         # Names the template call sets itself are refused where the template is rendered
         # (inputs/chat_template.check_template_kwargs), for every front end.
@@ -417,7 +419,7 @@ class ChatCompletionRequest(_Request):
         kwargs["continue_final_message"] = self.continue_final_message
         if self.documents is not None:
             kwargs["documents"] = self.documents
-        if self.tools:
+        if self.tools and (tools_when_none or self.tool_choice != "none"):
             kwargs["tools"] = self.template_tools()
         if self.reasoning_effort is not None:
             kwargs["reasoning_effort"] = self.reasoning_effort

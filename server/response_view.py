@@ -31,7 +31,9 @@ class ResponseView:
         self.chat_echo = body.echo_text if self.chat else ""
         self.prompt_only = bool(getattr(body, "scores_prompt_only", False))
         self.token_ids = bool(body.return_token_ids)
-        self.as_ids = bool(body.return_tokens_as_token_ids)
+        self.as_ids = bool(body.return_tokens_as_token_ids
+                           if body.return_tokens_as_token_ids is not None
+                           else serving.options.return_tokens_as_token_ids)
         self.interval = body.stream_interval or 1
         total = len(prompts) * self.n
         self.reasoning = None
@@ -197,7 +199,7 @@ class ResponseView:
         return chunks
 
     def usage_chunk(self) -> dict | None:
-        if not self.body.include_usage:
+        if not (self.body.include_usage or self.serving.options.force_include_usage):
             return None
         return {"id": self.id, "object": self._chunk_kind(), "created": self.created,
                 "model": self.model, "choices": [], "usage": self._usage()}

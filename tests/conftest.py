@@ -77,7 +77,7 @@ def mesh_checkpoints(tiny_checkpoints) -> dict[str, pathlib.Path]:
 @pytest.fixture(scope="session")
 def api_server(tiny_checkpoints, tmp_path_factory):
     """One `jaxserve serve` of the tiny llama as "tiny" (small buckets, gRPC, the engine core
-    process), shared by the server test modules: each leaves it healthy, and each checks its
+    process, per-request log lines), shared by the server test modules: each leaves it healthy, and each checks its
     log holds no ERROR line.
     Yielded once /health answers: the first tests run while the background warm-up still
     compiles the other buckets (test_server_api checks what happens after it)."""
@@ -86,7 +86,8 @@ def api_server(tiny_checkpoints, tmp_path_factory):
     # The engine in its own process, as `serve` runs it on hosts of 4 or more CPUs (this
     # machine's 2 would choose a thread): every server test goes through the engine core.
     with running_server(tiny_checkpoints["llama"], "--request-read-timeout",
-                        str(SHARED_READ_TIMEOUT), "--engine-process", wait_for="/health",
+                        str(SHARED_READ_TIMEOUT), "--engine-process", "--enable-log-requests",
+                        wait_for="/health",
                         grpc=True,
                         log_dir=tmp_path_factory.mktemp("api-server")) as server:
         yield server

@@ -84,7 +84,7 @@ def test_generate_reads_a_first_argument_as_the_model_only_when_it_names_one(tmp
 
 
 def test_server_flags_take_vllms_forms(monkeypatch):
-    from jaxserve.cli import _api_keys, _origins
+    from jaxserve.serve_cli import _api_keys, _origins
 
     assert _origins('["*"]') == ("*",)
     assert _origins("http://a.example, http://b.example") == ("http://a.example",
@@ -100,7 +100,7 @@ def test_server_flags_take_vllms_forms(monkeypatch):
 
 
 def test_chat_template_flag_takes_a_file_or_a_template(tmp_path):
-    from jaxserve.cli import _chat_template, _json_object
+    from jaxserve.serve_cli import _chat_template, _json_object
 
     path = tmp_path / "t.jinja"
     path.write_text("{{ messages[0].content }}")

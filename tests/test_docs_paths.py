@@ -1,6 +1,7 @@
-"""docs/architecture.md and the README name only things that exist: every file path, every
-`jaxserve.x.y` module, and every `module.name` it cites (a module of the tree defining
-that name). A move or a rename that leaves the design page behind fails here."""
+"""The docs name only things that exist: every file path and every `jaxserve.x.y` module in
+README.md, CONTRIBUTING.md and every docs/*.md page, and every `module.name` that
+docs/architecture.md cites (a module of the tree defining that name). A move or a rename
+that leaves a page behind fails here."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DOCS = ["docs/architecture.md", "README.md"]
+ARCHITECTURE = "docs/architecture.md"
+DOCS = sorted({ARCHITECTURE, "README.md", "CONTRIBUTING.md",
+               *(path.relative_to(ROOT).as_posix() for path in (ROOT / "docs").glob("*.md"))})
 CODE_FOLDERS = ["jaxserve", "models", "kernels_pallas", "kernels_triton", "server", "scripts",
                 "tests"]
 PATH = re.compile(r"(?<![\w./-])((?:[\w*-]+/)*[\w*-]+\.py)\b")
@@ -55,11 +58,16 @@ def test_every_module_exists(doc):
     assert missing == [], f"{doc} names modules that do not exist: {missing}"
 
 
+def test_every_page_is_checked():
+    assert {"README.md", "CONTRIBUTING.md", ARCHITECTURE, "docs/usage.md", "docs/serving.md",
+            "docs/performance.md"} <= set(DOCS)
+
+
 def test_every_cited_name_is_defined():
     """`kv_quant.attend_quantized`: some kv_quant.py in the tree defines attend_quantized."""
     files = code_files()
     missing = []
-    for module, name in sorted(set(CITED.findall((ROOT / DOCS[0]).read_text()))):
+    for module, name in sorted(set(CITED.findall((ROOT / ARCHITECTURE).read_text()))):
         if f"{module}.py" not in files or name == "py":
             continue  # not a module of ours (lax.cond, jax.sharding), or a file name
         definition = re.compile(

@@ -159,8 +159,8 @@ def test_bfloat16_through_the_core(tiny_checkpoints, dtype):
 
 
 def test_a_bad_setting_raises_in_the_front_end(tiny_checkpoints):
-    with pytest.raises(ValueError, match="trust_remote_code"):
-        EngineCoreClient(engine_from_args, (EngineArgs(trust_remote_code=True),
+    with pytest.raises(ValueError, match="max_logprobs"):
+        EngineCoreClient(engine_from_args, (EngineArgs(max_logprobs=50),
                                             str(tiny_checkpoints["llama"]), False))
 
 

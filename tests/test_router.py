@@ -1,5 +1,5 @@
 """jaxserve behind a real router: the SMG gateway (`smg launch`, from the `smg` wheel of the
-dev extra) in gRPC mode in front of two `jaxserve serve --grpc-port` workers, as README's
+dev extra) in gRPC mode in front of two `jaxserve serve --grpc-port` workers, as docs/parallelism.md's
 "Scaling out" runs it. OpenAI requests through the router reach both workers (round robin)
 and give the greedy text jaxserve's own HTTP API gives; each worker's GetLoads shows the
 tokens it generated."""

@@ -55,7 +55,7 @@ def test_bfloat16_checkpoint_loads_as_saved_and_casts(tmp_path, tiny_checkpoints
     assert param_dtypes(saved) == {jnp.dtype(jnp.bfloat16)}
     out = saved.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in out)
-    # auto on the CPU: float32 (XLA:CPU has no bf16 matmul; README "dtype"), as asked
+    # auto on the CPU: float32 (XLA:CPU has no bf16 matmul; docs/usage.md "dtype"), as asked
     auto = LLM(str(dst), dtype="auto", **SMALL)
     assert param_dtypes(auto) == {jnp.dtype(jnp.float32)}
 
@@ -83,8 +83,15 @@ def test_bad_dtype_and_missing_folder_are_refused(tiny_checkpoints, tmp_path):
         LLM(str(tiny_checkpoints["llama"]), dtype="int8", **SMALL)
     with pytest.raises(ValueError, match="not a directory"):
         LLM(str(tmp_path / "nowhere"), **SMALL)
-    with pytest.raises(ValueError, match="trust_remote_code"):
-        LLM(str(tiny_checkpoints["llama"]), trust_remote_code=True, **SMALL)
+    import shutil
+
+    remote = tmp_path / "remote-code"
+    shutil.copytree(tiny_checkpoints["llama"], remote)
+    config = json.loads((remote / "config.json").read_text())
+    (remote / "config.json").write_text(json.dumps(
+        {**config, "auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}}))
+    with pytest.raises(ValueError, match="trust_remote_code=True.*auto_map"):
+        LLM(str(remote), trust_remote_code=True, **SMALL)
 
 
 def test_checkpoint_missing_a_tensor_is_refused(tmp_path, tiny_checkpoints):

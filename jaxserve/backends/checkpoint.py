@@ -22,8 +22,8 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from tqdm.auto import tqdm
 
+from jaxserve.config.progress import progress
 from jaxserve.models.pieces import Piece
 from jaxserve.models.quant_config import LinearQuant
 from jaxserve.models.quant_tensors import QuantTensor, combine, engine_layout, is_piece, pieces
@@ -194,7 +194,7 @@ def parameter_values(folder: str | Path, path_of: Callable, shapes: dict[tuple, 
     headers = [_read_header(f)[1] for f in files]
     names = {name for header in headers for name in header}
     mapped = _quantized_path_of(path_of, quant, names) if quant else path_of
-    with tqdm(total=len(names), desc="Loading weights", unit="tensor") as bar:
+    with progress(total=len(names), desc="Loading weights", unit="tensor") as bar:
         for file in files:
             for name, array in read_safetensors(file):
                 bar.update(1)

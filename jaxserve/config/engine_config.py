@@ -31,7 +31,9 @@ TORCH_ATTENTION_BACKENDS = ("auto", "reference", "triton", "triton-interpret")
 ATTENTION_BACKENDS = tuple(dict.fromkeys(JAX_ATTENTION_BACKENDS + TORCH_ATTENTION_BACKENDS))
 # Which framework runs the model: JAX (every mesh) or PyTorch/Triton (one device).
 BACKENDS = ("auto", "jax", "torch")
-LOAD_FORMATS = ("auto", "dummy")
+# auto: the folder's safetensors or its Orbax checkpoint; safetensors: the former only (as
+# vLLM's flag); dummy: random weights of the model's shape.
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 PRECOMPILE = (True, False, "background")
 
 
@@ -58,7 +60,12 @@ class ModelConfig:
         checkpoint_scheme(self.quantization, self.hf_config, self.model)  # fails before loading
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got "
-                             f"{self.load_format!r}.")
+                             f"{self.load_format!r}; jaxserve reads Hugging Face safetensors "
+                             "folders and its own Orbax conversions (pt, gguf, bitsandbytes, "
+                             "tensorizer and the others are not supported).")
+        if self.load_format == "safetensors" and (Path(self.model) / ORBAX_MARKER).is_file():
+            raise ValueError(f"load_format='safetensors', but {self.model} is an Orbax "
+                             "checkpoint (jaxserve convert); use load_format='auto'.")
 
     @property
     def vocab_size(self) -> int:

@@ -5,7 +5,7 @@ through the admission path (admission.py), before any expensive work (tokenizing
 rendering, grammar compiling). A refusal names the field and the limit: a 400 over HTTP,
 INVALID_ARGUMENT over gRPC, a ValueError offline. The server's flags (--max-n,
 --max-prompts-per-request, --request-limits JSON) and `LLM(request_limits={...})` change the
-values; docs/architecture.md and README list them.
+values; docs/architecture.md and docs/serving.md list them.
 
 JSON nests at most 128 arrays/objects deep wherever a request carries it (the body, and
 JSON inside string fields: schemas, tool-call arguments), a fixed bound (bounded_json.py).

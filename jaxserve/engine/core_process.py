@@ -53,9 +53,9 @@ def run_engine_core(commands, results, factory, args: tuple, log_level: str) -> 
     the front end decides when the core stops, so the core ignores it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stuck core's stacks, on demand
-    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))
-    logging.getLogger("jaxserve").setLevel(log_level)  # as the front end's (cli.main)
+    from jaxserve.config import logs
+
+    logs.configure(log_level)  # the front end's format (cli.main), through the environment
     # Progress bars (weight loading) lock their output with a thread lock here: tqdm's
     # default is a multiprocessing lock, a semaphore the exit below would leak.
     from tqdm import tqdm

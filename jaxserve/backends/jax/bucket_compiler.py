@@ -18,9 +18,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from tqdm.auto import tqdm
-
 from jaxserve.config.engine_config import SchedulerConfig
+from jaxserve.config.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +51,15 @@ class CompiledFunctions:
             return set(self._functions)
 
     def close(self) -> None:
-        """Cancel the builds not started yet (one already compiling runs to its end: see
-        compiling)."""
+        """Skip the builds not started yet (one already compiling runs to its end: see
+        compiling); the warm-up's threads end after it."""
         self._closed = True
         with self._lock:
             pools = list(self._pools)
         for pool in pools:
-            pool.shutdown(wait=False, cancel_futures=True)
+            # (not cancel_futures: a future cancelled there never wakes as_completed, and
+            # the warm-up thread would wait in _compile_all for ever)
+            pool.shutdown(wait=False)
 
     def get(self, key: tuple):
         """The compiled function for key, built by whichever thread asks first; a thread
@@ -120,28 +121,30 @@ class CompiledFunctions:
                                              name="jaxserve-warm-up")
             self._warming.start()
             return
-        with tqdm(total=len(order), desc="Compiling buckets") as bar:
+        with progress(total=len(order), desc="Compiling buckets", unit="bucket") as bar:
             self._compile_all(order, bar.update)
         self._log_warm_up(start)
 
     def _compile_all(self, keys: list[tuple], done: Callable[[int], object]) -> None:
         """Build every key, in order, on COMPILE_THREADS threads; done(1) after each. close()
-        cancels the builds not started yet."""
+        skips the builds not started yet."""
         pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS,
                                                      thread_name_prefix="jaxserve-compile")
         with self._lock:
             self._pools.append(pool)
         try:
-            futures = [pool.submit(self.get, key) for key in keys]
+            futures = [pool.submit(self._get_unless_closed, key) for key in keys]
             for future in concurrent.futures.as_completed(futures):
-                if future.cancelled():
-                    continue
                 future.result()
                 done(1)
         finally:
             pool.shutdown(wait=not self._closed, cancel_futures=True)
             with self._lock:
                 self._pools.remove(pool)
+
+    def _get_unless_closed(self, key: tuple) -> None:
+        if not self._closed:
+            self.get(key)
 
     def _warm_up_rest(self, order: list[tuple], start: float) -> None:
         try:

@@ -29,10 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from tqdm.auto import tqdm
 
 from jaxserve.backends.checkpoint import parameter_values
 from jaxserve.config.engine_config import ORBAX_MARKER, SUPPORTED_DTYPES, read_hf_config
+from jaxserve.config.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def _write(path: Path, tree: dict) -> None:
 
     worker = threading.Thread(target=save, name="orbax-save")
     worker.start()
-    with tqdm(desc="Writing Orbax checkpoint", unit="B", unit_scale=True) as bar:
+    with progress(desc="Writing Orbax checkpoint", unit="B", unit_scale=True) as bar:
         while not done.wait(0.2):
             bar.n = _bytes_under(path.parent)
             bar.refresh()

@@ -11,9 +11,9 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from tqdm.auto import tqdm
 
 from jaxserve.backends.checkpoint import parameter_values
+from jaxserve.config.progress import progress
 from jaxserve.models.quant_config import LinearQuant
 from jaxserve.models.quantization import COMPONENTS, SCALE_SUFFIX, quantize_int8
 
@@ -60,7 +60,7 @@ def random_params(abstract_model: nnx.Module, mesh: Mesh, seed: int,
     key = jax.random.key(seed)
     makers = {}  # one compiled maker per (shape, dtype, sharding): layers share them
     leaves = list(nnx.to_flat_state(state))
-    for i, (path, var) in enumerate(tqdm(leaves, desc="Random weights", unit="tensor")):
+    for i, (path, var) in enumerate(progress(leaves, desc="Random weights", unit="tensor")):
         like = var.get_value()
         sharding = NamedSharding(mesh, spec_of(path))
         part = str(path[-1]) if path[-1] in COMPONENTS else None

@@ -400,12 +400,12 @@ class GraphCache:
         self.pool = None
 
     def capture_all(self) -> None:
-        from tqdm.auto import tqdm
+        from jaxserve.config.progress import progress
 
         buckets = self.runner.config.scheduler.step_buckets
         start = time.perf_counter()
-        for num_tokens, num_rows in tqdm(buckets, desc="Capturing CUDA graphs",
-                                         unit="bucket"):
+        for num_tokens, num_rows in progress(buckets, desc="Capturing CUDA graphs",
+                                             unit="bucket"):
             self._capture(num_tokens, num_rows)
         logger.info("Captured %d CUDA graphs in %.1f s.", len(buckets),
                     time.perf_counter() - start)
