@@ -93,7 +93,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         else:
             outputs = llm.generate(prompts, params)
     finally:
-        llm.engine.close()  # multi-host: release the worker hosts
+        llm.close()  # multi-host: release the worker hosts
     for prompt, output in zip(prompts, outputs):
         if args.json:
             print(json.dumps({"prompt": prompt, "outputs": [

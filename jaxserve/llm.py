@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
+import sys
 import time
 from collections.abc import Sequence
 
@@ -11,7 +13,6 @@ from tqdm.auto import tqdm
 
 from jaxserve.backends.selection import on_accelerator
 from jaxserve.config.engine_args import EngineArgs
-from jaxserve.config.model_path import resolve_model
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.data_parallel import create_engine
 from jaxserve.engine.outputs import RequestOutput
@@ -31,6 +32,7 @@ class LLM:
     Shape buckets compile on first use (precompile=False, the default here: a few prompts
     compile only the buckets they use); precompile=True compiles every bucket up front, so
     that no later call compiles (benchmarks).
+    close() (or leaving `with LLM(...) as llm:`) frees the devices for another model.
     """
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
@@ -43,11 +45,53 @@ class LLM:
         return llm
 
     def _start(self, args: EngineArgs) -> None:
-        model = resolve_model(args.model, logger)
+        model = args.model_folder(logger)  # the built-in model, or a Hub id at its revision
         config = args.engine_config(model, on_accelerator=on_accelerator(args.backend),
                                     default_precompile=False)
-        self.engine = create_engine(config)
+        self._engine = create_engine(config)
         self._ids = itertools.count()
+
+    @property
+    def engine(self):
+        """The engine (an LLMEngine, or a DataParallelEngine over its replicas)."""
+        if self._engine is None:
+            raise RuntimeError("this LLM was closed (LLM.close() or the end of its `with` "
+                               "block): create a new LLM to generate again.")
+        return self._engine
+
+    def close(self) -> None:
+        """Free what the model holds, so that another model can load in the same process (a
+        notebook's kernel): stop the engine's background work (a background warm-up is
+        waited for: a compile in progress cannot be interrupted), release the worker hosts
+        and the grammar sandbox's processes, delete the weights and the KV cache from the
+        devices, and drop every reference to them. generate() and chat() raise afterwards;
+        closing again does nothing."""
+        engine, self._engine = getattr(self, "_engine", None), None
+        if engine is None:
+            return
+        runners = [replica.runner for replica in getattr(engine, "replicas", [engine])
+                   if hasattr(replica, "runner")]  # (a remote replica's runner is elsewhere)
+        # A JAX runner's warm-up (bucket_compiler.CompiledFunctions): its background thread
+        # and compile threads end once the engine has closed it.
+        warm_ups = [runner.compiled for runner in runners if hasattr(runner, "compiled")]
+        try:
+            engine.close()
+        finally:
+            for compiled in warm_ups:
+                compiled.join()
+            for runner in runners:
+                _release(runner)
+            del engine, runners, warm_ups
+            gc.collect()
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -164,6 +208,19 @@ class LLM:
                 if request_id not in results:
                     engine.abort_request(request_id)
         return [results[r] for r in order]
+
+
+def _release(runner) -> None:
+    """Delete a closed runner's device arrays (weights, KV cache, sampler state) and drop
+    its attributes: the memory is freed even where a stray reference to the runner lives on
+    (a traceback's frames in a notebook); torch's tensors go with their last reference (and
+    a torch runner's process never imports jax)."""
+    jax = sys.modules.get("jax")
+    for value in getattr(runner, "__dict__", {}).values() if jax is not None else ():
+        for leaf in jax.tree_util.tree_leaves(value):
+            if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+                leaf.delete()
+    getattr(runner, "__dict__", {}).clear()
 
 
 def _normalise_prompts(prompts) -> list[tuple[str | None, list[int] | None]]:

@@ -44,6 +44,7 @@ class CompiledFunctions:
         self._warm_up_failed = False
         self._closed = False
         self._pools: list[concurrent.futures.ThreadPoolExecutor] = []
+        self._closed_pools: list[concurrent.futures.ThreadPoolExecutor] = []  # join() waits
 
     def ready(self) -> set[tuple]:
         """The keys built so far."""
@@ -56,10 +57,19 @@ class CompiledFunctions:
         self._closed = True
         with self._lock:
             pools = list(self._pools)
+            self._closed_pools = pools
         for pool in pools:
             # (not cancel_futures: a future cancelled there never wakes as_completed, and
             # the warm-up thread would wait in _compile_all for ever)
             pool.shutdown(wait=False)
+
+    def join(self) -> None:
+        """After close(): wait until the warm-up thread and the compile threads have ended
+        (a compile in progress runs to its end), so that nothing holds the runner."""
+        if self._warming is not None:
+            self._warming.join()
+        for pool in self._closed_pools:
+            pool.shutdown(wait=True)
 
     def get(self, key: tuple):
         """The compiled function for key, built by whichever thread asks first; a thread
