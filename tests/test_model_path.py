@@ -76,37 +76,37 @@ def test_serve_takes_the_model_positionally():
     assert args.model_tag == "Qwen/Qwen2.5-0.5B-Instruct" and args.model is None
 
 
-def test_revision_download_dir_and_token_reach_the_hub(tiny_checkpoints, tmp_path):
+def test_revision_and_download_dir_pick_the_snapshot(tiny_checkpoints, tmp_path, monkeypatch):
     """--download-dir is the cache read (not $HF_HUB_CACHE), --revision picks the ref's
-    snapshot (here v2: a checkpoint with another layer count), a revision on a local folder
-    is refused, and a missing revision says what to download."""
-    import json
+    snapshot, a revision on a local folder is refused, and a missing revision says what to
+    download (offline: the network is not tried)."""
+    import logging
 
-    cache = tmp_path / "my-cache"
-    hub_cache(cache, "tiny-org/tiny", tiny_checkpoints["llama"])
-    other = tmp_path / "v2"
-    shutil.copytree(tiny_checkpoints["llama"], other)
-    config = json.loads((other / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    import pytest
+    from huggingface_hub import constants
     from huggingface_hub.file_download import repo_folder_name
 
+    from jaxserve.config.engine_args import EngineArgs
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    cache = tmp_path / "my-cache"
+    main_snapshot = hub_cache(cache, "tiny-org/tiny", tiny_checkpoints["llama"])
     repo = cache / repo_folder_name(repo_id="tiny-org/tiny", repo_type="model")
-    shutil.copytree(other, repo / "snapshots" / ("f" * 40))
+    shutil.copytree(tiny_checkpoints["llama"], repo / "snapshots" / ("f" * 40))
     (repo / "refs" / "v2").write_text("f" * 40)
-    plan = ["--device-memory", "1GiB", "--max-model-len", "128", "--json"]
-    elsewhere = tmp_path / "empty"  # $HF_HUB_CACHE: holds nothing
-    main_rev = run("plan", "tiny-org/tiny", "--download-dir", str(cache), *plan, cache=elsewhere)
-    v2 = run("plan", "tiny-org/tiny", "--download-dir", str(cache), "--revision", "v2", *plan,
-             cache=elsewhere)
-    assert main_rev.returncode == 0 and v2.returncode == 0, main_rev.stderr + v2.stderr
-    assert json.loads(v2.stdout)["num_params"] < json.loads(main_rev.stdout)["num_params"]
-    assert "at revision v2" in v2.stderr
-    missing = run("plan", "tiny-org/tiny", "--download-dir", str(cache), "--revision", "v3",
-                  *plan, cache=elsewhere)
-    assert missing.returncode == 2 and "--revision v3" in missing.stderr
-    assert f"--cache-dir {cache}" in missing.stderr
-    local = run("plan", str(tiny_checkpoints["llama"]), "--revision", "v2", *plan, cache=cache)
-    assert local.returncode == 2 and "local folder" in local.stderr
+    log = logging.getLogger("t")
+
+    def folder(**kwargs) -> str:
+        return EngineArgs(model="tiny-org/tiny", download_dir=str(cache),
+                          **kwargs).model_folder(log)
+
+    assert folder() == str(main_snapshot)
+    assert folder(revision="v2") == str(repo / "snapshots" / ("f" * 40))
+    with pytest.raises(ValueError, match="--revision v3 --cache-dir"):
+        folder(revision="v3")
+    with pytest.raises(ValueError, match="local folder"):
+        EngineArgs(model=str(tiny_checkpoints["llama"]), revision="v2").model_folder(log)
 
 
 def test_the_token_and_revision_are_handed_to_huggingface_hub(monkeypatch, tmp_path):

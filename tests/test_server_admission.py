@@ -274,7 +274,8 @@ def own(tiny_checkpoints, tmp_path_factory):
                         "16", "--max-num-batched-tokens", "16", "--precompile", "all",
                         "--stream-write-timeout",
                         str(WRITE_TIMEOUT), "--max-preparing-requests", "2",
-                        "--request-limits", json.dumps(LIFTED), wait_for="/health", grpc=True,
+                        "--request-limits", json.dumps(LIFTED), "--enable-log-requests",
+                        wait_for="/health", grpc=True,
                         log_dir=tmp_path_factory.mktemp("admission-server")) as server:
         yield server
 

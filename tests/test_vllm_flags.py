@@ -317,7 +317,7 @@ def test_fuzzed_config_files_end_in_a_message(tmp_path, capsys):
     path = tmp_path / "c.yaml"
     parser = build_parser()
 
-    @hypothesis.settings(max_examples=120, deadline=None, database=None, derandomize=True)
+    @hypothesis.settings(max_examples=80, deadline=None, database=None, derandomize=True)
     @hypothesis.given(documents)
     def check(text):
         path.write_text(text, encoding="utf-8", errors="surrogateescape")
