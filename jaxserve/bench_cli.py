@@ -14,7 +14,6 @@ jaxserve/bench_serve.py, imported only when the command runs.
 from __future__ import annotations
 
 import argparse
-import sys
 import uuid
 
 BACKENDS = ("openai", "vllm", "openai-chat")  # vLLM's names for /v1/completions and chat
@@ -181,20 +180,3 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("expected a JSON object")
     return value
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m jaxserve.bench_cli bench serve ...`: the command without the rest of the
-    `jaxserve` CLI (errors as `jaxserve` reports them: a line and exit code 2)."""
-    parser = argparse.ArgumentParser(prog="jaxserve")
-    add_bench_parser(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

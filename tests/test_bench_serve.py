@@ -19,7 +19,6 @@ import sys
 import pytest
 
 from jaxserve.bench_cli import add_bench_parser
-from jaxserve.bench_cli import main as bench_main
 from jaxserve.bench_client import RequestOutput, arrival_times
 from jaxserve.bench_datasets import (
     LocalTokenizer,
@@ -29,6 +28,7 @@ from jaxserve.bench_datasets import (
 )
 from jaxserve.bench_report import calculate_metrics, plot_sweep, print_result, result_dict
 from jaxserve.bench_serve import check_args, sweep_points
+from jaxserve.cli import main as bench_main
 from jaxserve.config.model_path import default_model_path
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
