@@ -26,6 +26,7 @@ from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.stats import EngineStats
 from jaxserve.server.loads import RollingRate
 from jaxserve.server.metrics import EngineMetrics
+from jaxserve.server.request_log import log_finished
 
 logger = logging.getLogger(__name__)
 
@@ -418,22 +419,12 @@ class AsyncLLMEngine:
 
     def _record_finish(self, output: RequestOutput, stream: _Stream, now: float) -> None:
         if self.log_requests:
-            self._log_finish(output, stream, now)
+            ttft = (stream.first_token - stream.arrival) if stream.first_token else float("nan")
+            log_finished(output, stream.num_prompt_tokens, stream.num_tokens, ttft,
+                         now - stream.arrival, self.log_outputs, self.max_log_len)
         if self.metrics:
             self.metrics.request_finished(output, stream.arrival, stream.first_token, now,
                                           stream.n, stream.max_tokens)
-
-    def _log_finish(self, output: RequestOutput, stream: _Stream, now: float) -> None:
-        reasons = ",".join(sorted({c.finish_reason or "abort" for c in output.outputs}))
-        ttft = (stream.first_token - stream.arrival) if stream.first_token else float("nan")
-        logger.info("request %s: prompt %d tokens, output %d tokens, TTFT %.3f s, total %.3f s, "
-                    "finish %s", output.request_id, stream.num_prompt_tokens, stream.num_tokens,
-                    ttft, now - stream.arrival, reasons)
-        if self.log_outputs:
-            for choice in output.outputs:
-                text = choice.text if self.max_log_len is None else \
-                    choice.text[:self.max_log_len]
-                logger.info("request %s: output %d: %r", output.request_id, choice.index, text)
 
     def _publish_stats(self, taken: int = 0) -> EngineStats:
         """Take a snapshot (engine thread); `taken` sequences left _pending and are in it."""

@@ -43,6 +43,7 @@ from jaxserve.server.protocol import (
     TokenizeRequest,
 )
 from jaxserve.server.request_body import parse_body
+from jaxserve.server.request_log import log_received
 from jaxserve.server.response_view import ResponseView
 
 logger = logging.getLogger(__name__)
@@ -318,21 +319,12 @@ class OpenAIServing:
         prepared.requests = [r.with_grammar(grammar) for r in prepared.requests]
         return prepared
 
-    def _log_received(self, prepared: Prepared) -> None:
-        """--enable-log-requests: the prompts (text, else ids; at most --max-log-len of
-        either) and the sampling parameters."""
-        cut = self.options.max_log_len
-        for text, ids in prepared.prompts:
-            shown = repr(text[:cut] if cut is not None else text) if text is not None else \
-                f"ids {list(ids[:cut] if cut is not None else ids)}"
-            logger.info("Received request %s: prompt %s (%d tokens), params %s",
-                        prepared.request_id[:300], shown, len(ids), prepared.params)
-
     # ---- event loop: queue and respond ----------------------------------------------------
     async def respond(self, prepared: Prepared, raw: Request):
         body = prepared.body
         if self.options.log_requests:
-            self._log_received(prepared)
+            log_received(prepared.request_id, prepared.prompts, prepared.params,
+                         self.options.max_log_len)
         if body.user:  # OpenAI's end-user id: for the operator's abuse monitoring
             logger.info("request %s: user %r", prepared.request_id[:300], body.user[:128])
         try:
