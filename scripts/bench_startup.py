@@ -191,7 +191,11 @@ class FirstCompletion(threading.Thread):
     def run(self) -> None:
         with httpx.Client(trust_env=False) as client:
             while not self.stop.is_set() and time.perf_counter() < self.deadline:
-                if self.attempt(client):
+                try:
+                    if self.attempt(client):
+                        return
+                except Exception as err:  # noqa: BLE001 (reported, not lost with the thread)
+                    self.error = f"the client failed: {type(err).__name__}: {err}"
                     return
                 time.sleep(POLL_S)
 
@@ -223,8 +227,8 @@ class FirstCompletion(threading.Thread):
         if not isinstance(text, str):
             self.error = f"POST /v1/completions: no text in {r.text[:200]}"
             return False
-        self.done_at = time.perf_counter()
-        self.response = body
+        self.response, self.error = body, "none"
+        self.done_at = time.perf_counter()  # last: the main thread reads done_at first
         return True
 
 
@@ -271,7 +275,8 @@ def run_serve(model_dir: str | None, home: pathlib.Path, log_dir: pathlib.Path, 
                     if result["ready_available"] is None:
                         poll_ready(client, base_url, result, start)
                     if worker is not None and not worker.is_alive():
-                        if not completed:
+                        # done_at read again: the worker may have finished since `completed`
+                        if worker.done_at is None:
                             result["error"] = f"no completion: {worker.error}"
                             break
                         if worker.logged is False:

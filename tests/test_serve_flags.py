@@ -100,7 +100,10 @@ def root_logging(monkeypatch):
     root, ours = logging.getLogger(), logging.getLogger("jaxserve")
     saved = (list(root.handlers), root.level, list(ours.handlers), ours.propagate, ours.level)
     for name in ("JAXSERVE_LOG_FORMAT", "JAXSERVE_LOG_CONFIG_FILE"):
-        monkeypatch.delenv(name, raising=False)
+        # set first, so that the undo removes what logs.configure sets (a later test's
+        # servers inherit this process's environment)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     yield
     root.handlers[:] = saved[0]
     root.setLevel(saved[1])

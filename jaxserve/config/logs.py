@@ -45,16 +45,16 @@ def configure(level: str, fmt: str | None = None, config_file: str | None = None
     if fmt not in FORMATS:
         raise ValueError(f"log format must be one of {', '.join(FORMATS)}, got {fmt!r}.")
     config_file = config_file or os.environ.get(_CONFIG_ENV)
-    os.environ[_FORMAT_ENV] = fmt
     if config_file:
-        os.environ[_CONFIG_ENV] = config_file
-        config = _read_config(config_file)
+        config = _read_config(config_file)  # (a bad file leaves the inherited settings alone)
+        os.environ[_FORMAT_ENV], os.environ[_CONFIG_ENV] = fmt, config_file
         ours = logging.getLogger("jaxserve")
         ours.handlers.clear()  # the file decides (its "jaxserve" logger, or the root's)
         ours.propagate = True
         ours.setLevel(logging.NOTSET)
         logging.config.dictConfig(config)
         return
+    os.environ[_FORMAT_ENV] = fmt
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json"
                          else logging.Formatter(TEXT_FORMAT, TEXT_DATE))
