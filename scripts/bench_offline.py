@@ -42,21 +42,25 @@ from jaxserve.benchmarks.workloads import Workload, make_workload
 
 def _kv_utilisation(engine) -> tuple[int, float]:
     """(distinct blocks allocated, fraction of their slots holding live tokens) right now,
-    counting the tokens of the step still on the device.
+    counting the tokens of the step still on the device (the scheduler counts them when it
+    schedules: their KV is there by the time anyone reads it).
 
-    Shared blocks (prefix caching) are always full, so the live tokens in distinct blocks
-    are the running requests' computed tokens minus the shared blocks' extra counts."""
+    A request's blocks are per KV-cache group (request.block_ids: one list per group); a
+    block shared by several requests (prefix caching) counts once, as full as its fullest
+    holder has it."""
     pool, size = engine.kv_manager.pool, engine.kv_manager.block_size
     distinct = pool.num_blocks - 1 - pool.num_free
     if distinct == 0:
         return 0, 0.0
-    running = engine.scheduler.running
-    # A request's computed tokens include those of the steps still on the device (the
-    # scheduler counts them when it schedules): their KV is there by the time anyone reads it.
-    computed = sum(r.num_computed_tokens for r in running)
-    held = sum(len(r.block_ids) for r in running)
-    live = computed - (held - distinct) * size
-    return distinct, live / (distinct * size)
+    filled: dict[int, int] = {}  # block -> slots holding a live token
+    for request in engine.scheduler.running:
+        computed = request.num_computed_tokens
+        for group in request.block_ids:
+            for index, block in enumerate(group):
+                if block:  # (0: the null block, in place of a window's dropped blocks)
+                    slots = min(size, max(0, computed - index * size))
+                    filled[block] = max(filled.get(block, 0), slots)
+    return distinct, sum(filled.values()) / (distinct * size)
 
 
 def run_jaxserve(model: str, workload: Workload, engine_args: dict) -> dict:
