@@ -99,9 +99,9 @@ def test_generate_chat_and_a_json_schema_output(executed):
 
 def test_tokens_per_second_is_measured_and_the_model_freed(executed):
     notebook = executed
-    match = re.search(r"(\d+) tokens in ([\d.]+) s: ([\d.]+) tokens/s \(32 sequences on ",
+    match = re.search(r"(\d+) tokens in ([\d.]+) s: ([\d.]+) tokens/s \(8 sequences on ",
                       stdout_of(notebook, "tokens/s"))
     assert match, stdout_of(notebook, "tokens/s")
-    assert int(match[1]) == 32 * 128 and float(match[3]) > 0
+    assert int(match[1]) == 8 * 48 and float(match[3]) > 0  # (a CPU runtime's run)
     assert re.fullmatch(r"after close\(\): 0\.0 MiB\n",
                         stdout_of(notebook, "llm.close()  # the Hub model"))
