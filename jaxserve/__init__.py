@@ -16,9 +16,18 @@ import sys
 from jaxserve.config import logs
 from jaxserve.config.model_path import default_model_path, resolve_model
 from jaxserve.config.version import VERSION
+from jaxserve.core.pooling_params import PoolingParams
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.structured_output import StructuredOutputsParams
-from jaxserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.engine.outputs import (
+    ClassificationRequestOutput,
+    CompletionOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
 
 __version__ = VERSION
 
@@ -39,8 +48,9 @@ def _default_logging() -> None:
 
 _default_logging()
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams",
-           "RequestOutput",
-           "CompletionOutput", "Logprob", "default_model_path", "resolve_model"]
+           "RequestOutput", "CompletionOutput", "Logprob", "PoolingParams",
+           "PoolingRequestOutput", "EmbeddingRequestOutput", "ClassificationRequestOutput",
+           "ScoringRequestOutput", "default_model_path", "resolve_model"]
 
 
 def __getattr__(name: str):

@@ -1,4 +1,5 @@
-"""The offline API, as in vLLM: LLM(model=...).generate(prompts, sampling_params) and .chat()."""
+"""The offline API, as in vLLM: LLM(model=...).generate(prompts, sampling_params) and .chat();
+for pooling models (runner="pooling") .embed(), .classify(), .score() and .encode()."""
 
 from __future__ import annotations
 
@@ -9,13 +10,23 @@ import sys
 import time
 from collections.abc import Sequence
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.backends.selection import on_accelerator
 from jaxserve.config.engine_args import EngineArgs
+from jaxserve.core.pooling import normalize
+from jaxserve.core.pooling_params import PoolingParams
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.data_parallel import create_engine
-from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +185,100 @@ class LLM:
             out.append(request)
         return out
 
+    # ---- pooling models (runner="pooling") ----------------------------------------------
+    def encode(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] |
+               None = None, *, truncate_prompt_tokens: int | None = None,
+               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """The pooled output of each prompt (prompts as generate takes them): `outputs.data`,
+        an embedding or the classifier's probabilities, as the engine's pooler makes them."""
+        return self._pool(prompts, pooling_params, None, truncate_prompt_tokens, use_tqdm)
+
+    def embed(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] |
+              None = None, *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (`outputs.embedding`), from an embedding model:
+        pooling_params.dimensions truncates it (Matryoshka models), normalize chooses
+        L2-normalization (default: the model's pooler's, on)."""
+        return [EmbeddingRequestOutput.from_base(o) for o in self._pool(
+            prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm)]
+
+    def classify(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] |
+                 None = None, *, truncate_prompt_tokens: int | None = None,
+                 use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+        """Each prompt's class probabilities (`outputs.probs`, in id2label's order) from a
+        *ForSequenceClassification model: softmax over the labels, a sigmoid for one label;
+        pooling_params.use_activation=False gives the raw logits."""
+        return [ClassificationRequestOutput.from_base(o) for o in self._pool(
+            prompts, pooling_params, "classify", truncate_prompt_tokens, use_tqdm)]
+
+    def score(self, data_1, data_2, *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True, pooling_params: PoolingParams | None = None
+              ) -> list[ScoringRequestOutput]:
+        """The similarity of each pair (`outputs.score`): data_1[i] with data_2[i], or one
+        data_1 with every data_2. An embedding model (bi-encoder) gives the cosine of the
+        two embeddings; a classifier with one label (cross-encoder) reads each pair
+        tokenized together (tokenizer(text_1, text_2)) and gives its sigmoid."""
+        pooler = self.engine.config.pooler
+        params = (pooling_params or PoolingParams()).clone(task="score")
+        if truncate_prompt_tokens is not None:
+            params = params.clone(truncate_prompt_tokens=truncate_prompt_tokens)
+        params.resolve(pooler)  # (refusals first: a generating engine, a multi-label head)
+        firsts = [_hashable(p) for p in _normalise_prompts(data_1)]
+        seconds = [_hashable(p) for p in _normalise_prompts(data_2)]
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        elif len(firsts) != len(seconds):
+            raise ValueError(f"score: data_1 has {len(firsts)} inputs and data_2 "
+                             f"{len(seconds)}; give one data_1 (scored against each data_2) "
+                             "or as many as data_2.")
+        self.engine.processor.check_pooling_count(len(seconds), "data_2")
+        if pooler.task == "classify":  # a cross-encoder: each pair in one sequence
+            pairs = [(None, self.engine.processor.encode_pair(_text(a), _text(b)))
+                     for a, b in zip(firsts, seconds)]
+            outputs = self._pooled(pairs, [params] * len(pairs), use_tqdm)
+            return [ScoringRequestOutput.from_base(o) for o in outputs]
+        unique = list(dict.fromkeys(firsts + seconds))  # each text embedded once
+        outputs = dict(zip(unique, self._pooled(
+            [(text, list(ids) if ids is not None else self._encode(text))
+             for text, ids in unique],
+            [params] * len(unique), use_tqdm)))
+        scores = []
+        for a, b in zip(firsts, seconds):
+            one, two = outputs[a], outputs[b]
+            cosine = float(normalize(one.outputs.data) @ normalize(two.outputs.data))
+            scores.append(ScoringRequestOutput.from_base(PoolingRequestOutput(
+                f"{one.request_id}_{two.request_id}", PoolingOutput(np.float32([cosine])),
+                one.prompt_token_ids + two.prompt_token_ids, True)))
+        return scores
+
+    def _pool(self, prompts, pooling_params, task: str | None, truncate: int | None,
+              use_tqdm: bool) -> list[PoolingRequestOutput]:
+        """Each prompt through a pooling request of `task` (None: the engine's)."""
+        items = _normalise_prompts(prompts)
+        self.engine.processor.check_pooling_count(len(items), "prompts")
+        params = _per_prompt(pooling_params, len(items), PoolingParams, PoolingParams)
+        changes = {"task": task} if task is not None else {}
+        if truncate is not None:
+            changes["truncate_prompt_tokens"] = truncate
+        params = [p.clone(**changes) if changes else p for p in params]
+        tokenized = [(text, ids if ids is not None else self._encode(text))
+                     for text, ids in items]
+        return self._pooled(tokenized, params, use_tqdm)
+
+    def _pooled(self, tokenized, params: list[PoolingParams],
+                use_tqdm: bool) -> list[PoolingRequestOutput]:
+        """Pooling requests through the admission path (every one before any runs), run;
+        a request the engine failed raises."""
+        processor = self.engine.processor
+        requests = [processor.process_pooling(str(next(self._ids)), text, ids, p)
+                    for (text, ids), p in zip(tokenized, params)]
+        outputs = self._run(requests, use_tqdm)
+        for output in outputs:
+            if output.error is not None:
+                raise RuntimeError(f"pooling request {output.request_id} failed: "
+                                   f"{output.error}")
+        return outputs
+
     def _encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(text)}.")
@@ -197,10 +302,12 @@ class LLM:
                     if output.finished:
                         results[output.request_id] = output
                         prompt_tokens += len(output.prompt_token_ids)
-                        output_tokens += sum(len(c.token_ids) for c in output.outputs)
                         elapsed = time.perf_counter() - start
-                        bar.set_postfix_str(f"input: {prompt_tokens / elapsed:.1f} toks/s, "
-                                            f"output: {output_tokens / elapsed:.1f} toks/s")
+                        rates = f"input: {prompt_tokens / elapsed:.1f} toks/s"
+                        if isinstance(output, RequestOutput):  # (pooling makes no tokens)
+                            output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                            rates += f", output: {output_tokens / elapsed:.1f} toks/s"
+                        bar.set_postfix_str(rates)
                         bar.update(1)
         finally:
             bar.close()
@@ -248,13 +355,38 @@ def _normalise_prompts(prompts) -> list[tuple[str | None, list[int] | None]]:
     return items
 
 
-def _per_prompt(params, count: int, default) -> list[SamplingParams]:
+def _per_prompt(params, count: int, default, kind=SamplingParams) -> list:
+    """One `kind` (SamplingParams or PoolingParams) per prompt."""
     if params is None:
         return [default()] * count
-    if isinstance(params, SamplingParams):
+    if isinstance(params, kind):
         return [params] * count
-    params = list(params)
+    name = "sampling_params" if kind is SamplingParams else "pooling_params"
+    try:
+        params = list(params)
+    except TypeError:
+        params = None
+    if params is None or not all(isinstance(p, kind) for p in params):
+        raise ValueError(f"{name} must be a {kind.__name__} or a list of them, one per "
+                         "prompt.")
     if len(params) != count:
-        raise ValueError(f"sampling_params has {len(params)} entries for {count} prompts; give "
-                         "one SamplingParams or one per prompt.")
+        raise ValueError(f"{name} has {len(params)} entries for {count} prompts; give one "
+                         f"{kind.__name__} or one per prompt.")
     return params
+
+
+def _hashable(prompt: tuple) -> tuple:
+    """A (text, token ids) prompt as a dictionary key."""
+    text, ids = prompt
+    return text, None if ids is None else tuple(ids)
+
+
+def _text(prompt: tuple) -> str:
+    """A cross-encoder input's text: token ids are refused (a pair is tokenized together)."""
+    text, ids = prompt
+    if text is None or ids is not None:
+        raise ValueError("score: a cross-encoder tokenizes each pair together "
+                         "(tokenizer(text_1, text_2)): give data_1 and data_2 as strings.")
+    if not isinstance(text, str) or not text:
+        raise ValueError("score: data_1 and data_2 must be non-empty strings.")
+    return text

@@ -26,7 +26,18 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma",
     "Gemma3ForConditionalGeneration": "gemma",  # its language model; images are refused
     "GptOssForCausalLM": "gpt_oss",  # attention sinks, biased MoE; MXFP4 experts dequantized
+    # Pooling checkpoints (embeddings, classification heads): served with runner="pooling"
+    **dict.fromkeys(llama_arch.POOLING_ARCHITECTURES, "llama"),
 }
+
+
+def pooling_task(hf_config: dict) -> str | None:
+    """What a pooling checkpoint does natively: "embed" (a *Model, the decoder alone),
+    "classify" (a *ForSequenceClassification) or None (a generative architecture)."""
+    name = resolve_architecture(hf_config)
+    if name not in llama_arch.POOLING_ARCHITECTURES:
+        return None
+    return "classify" if name.endswith("ForSequenceClassification") else "embed"
 
 
 @dataclasses.dataclass(frozen=True)

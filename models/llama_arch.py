@@ -16,6 +16,29 @@ import numpy as np
 
 from jaxserve.models.quantization import kernel_shapes
 
+# The pooling checkpoints of this family (vLLM's pooling runner): a Hugging Face *Model (the
+# decoder alone: no "model." prefix, no lm_head; embeddings) or *ForSequenceClassification (a
+# `score` head [num_labels, D] on the last token), each with the layers of its causal LM.
+POOLING_ARCHITECTURES = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+    "LlamaForSequenceClassification": "LlamaForCausalLM",
+    "MistralForSequenceClassification": "MistralForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+    "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
+}
+
+
+def num_labels(hf: dict) -> int:
+    """The classification head's rows of a *ForSequenceClassification config: its id2label
+    entries (what transformers saves), else num_labels, else transformers' default 2."""
+    labels = hf.get("id2label")
+    if isinstance(labels, dict) and labels:
+        return len(labels)
+    return int(hf.get("num_labels") or 2)
+
 
 @dataclasses.dataclass(frozen=True)
 class LlamaArch:
@@ -37,10 +60,13 @@ class LlamaArch:
     # RoPE turns the first rotary_dim of each head's H dims (partial_rotary_factor * H,
     # Phi-3/Phi-4); 0: all of them.
     rotary_dim: int = 0
+    # A *ForSequenceClassification checkpoint's head: score [D, L], L = num_labels (0: none).
+    num_labels: int = 0
 
     @classmethod
     def from_hf(cls, hf: dict) -> LlamaArch:
-        arch = (hf.get("architectures") or [""])[0]
+        name = (hf.get("architectures") or [""])[0]
+        arch = POOLING_ARCHITECTURES.get(name, name)  # a pooling checkpoint's causal LM
         num_heads = int(hf["num_attention_heads"])
         num_layers = int(hf["num_hidden_layers"])
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
@@ -75,9 +101,13 @@ class LlamaArch:
             rope_scaling=tuple(sorted((k, v) for k, v in rope.items() if not isinstance(v, list))),
             attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch == "Qwen3ForCausalLM",
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # A pooling checkpoint has no lm_head: the token the step samples for its last
+            # position (discarded) reads the embedding.
+            tie_word_embeddings=name in POOLING_ARCHITECTURES or bool(
+                hf.get("tie_word_embeddings", False)),
             sliding_windows=_sliding_windows(hf, arch, num_layers),
             rotary_dim=rotary_dim,
+            num_labels=num_labels(hf) if name.endswith("ForSequenceClassification") else 0,
         )
 
 
@@ -220,6 +250,8 @@ def hf_param_path(name: str, arch: LlamaArch):
         return ("norm", "weight"), None
     if name == "lm_head.weight":
         return (None if arch.tie_word_embeddings else (("lm_head",), None))
+    if name == "score.weight" and arch.num_labels:  # [L, D] -> [D, L]
+        return ("score",), lambda w: w.T
     parts = name.split(".")
     if parts[0] != "layers":
         raise KeyError(name)
@@ -280,6 +312,8 @@ def param_shapes(arch: LlamaArch, quantization: str | None = None) -> dict:
     shapes[("norm", "weight")] = ((d,), None)
     if not arch.tie_word_embeddings:
         shapes[("lm_head",)] = ((v, d), None)
+    if arch.num_labels:
+        shapes[("score",)] = ((d, arch.num_labels), None)  # [D, L]
     return shapes
 
 

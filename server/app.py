@@ -37,6 +37,8 @@ from jaxserve.server.openai_serving import (
     OpenAIServing,
     ResponseOptions,
 )
+from jaxserve.server.responses_serving import OpenAIResponses
+from jaxserve.server.responses_store import ResponseStore
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,8 @@ class ServerConfig:
     # beyond it, 503.
     limit_concurrency: int | None = None
     max_preparing_requests: int = 256  # requests being parsed / tokenized / compiled at once
+    # /v1/responses kept for GET and previous_response_id (the least recently used evicted)
+    max_stored_responses: int = 1024
     chat: ChatSettings = dataclasses.field(default_factory=ChatSettings)
     responses: ResponseOptions = dataclasses.field(default_factory=ResponseOptions)
     # Behind a proxy that routes a path prefix here and strips it (--root-path): the prefix.
@@ -110,7 +114,7 @@ class ServerConfig:
         for name in ("request_read_timeout", "stream_write_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}.")
-        for name in ("limit_concurrency", "max_preparing_requests"):
+        for name in ("limit_concurrency", "max_preparing_requests", "max_stored_responses"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}.")
@@ -157,6 +161,8 @@ class ServerState:
         self.serving = OpenAIServing(engine, config.served_names, config.chat,
                                      grammar_pool=self.grammar_workers, encoders=self.encoders,
                                      options=config.responses)
+        self.responses_api = OpenAIResponses(self.serving,
+                                             ResponseStore(config.max_stored_responses))
         self.draining = False
         self.started = time.time()
         self.num_preparing = 0  # requests in the admission path (event-loop thread only)
@@ -357,7 +363,7 @@ def _too_large(config: ServerConfig) -> JSONResponse:
 
 
 def _install_routes(app: FastAPI, state: ServerState) -> None:
-    serving = state.serving
+    serving, responses = state.serving, state.responses_api
     engine = state.engine
     config = state.config
 
@@ -381,6 +387,26 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
                                             request_ids(request))
             prepared = await serving.with_grammar(prepared)
         return await serving.respond(prepared, request)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        async with state.preparing():
+            prepared = await state.off_loop(responses.prepare, await request.body(),
+                                            request_ids(request))
+            prepared = await responses.with_grammar(prepared)
+        return await responses.respond(prepared, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, request: Request):
+        return await responses.retrieve(response_id, request.query_params)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return responses.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return responses.cancel(response_id)
 
     @app.get("/v1/models")
     async def models():

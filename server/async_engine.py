@@ -7,7 +7,8 @@ RequestOutput is cumulative, so the stream keeps only the latest one (or a final
 its consumer takes it, and a slow reader holds one output, never a queue of them. Every step
 serves every connection at once (continuous batching across connections). A request whose
 consumer goes away (client disconnect, cancelled task) is aborted and its KV blocks are freed
-on the next loop turn.
+on the next loop turn. Pooling requests (embeddings, classifications, scores) take the same
+path and end with one output (encode, encode_many).
 """
 
 from __future__ import annotations
@@ -22,16 +23,16 @@ from collections.abc import AsyncIterator
 
 from jaxserve.engine.admission import EngineRequest
 from jaxserve.engine.llm_engine import EngineDeadError, LLMEngine
-from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.outputs import PoolingRequestOutput, RequestOutput
 from jaxserve.engine.stats import EngineStats
 from jaxserve.server.loads import RollingRate
 from jaxserve.server.metrics import EngineMetrics
 from jaxserve.server.request_log import log_finished
+from jaxserve.server.stats_log import StatsLog
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05
-_LOG_INTERVAL_S = 10.0
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "OverloadedError", "RequestFailedError"]
 
@@ -123,10 +124,7 @@ class AsyncLLMEngine:
         # The engine's latest EngineStats, taken on the engine thread after every loop turn:
         # other threads read it (and _pending) under _lock, never the scheduler's queues.
         self._stats = engine.stats()
-        self._last_log = time.monotonic()
-        self._logged_tokens = (0, 0)
-        self._logged_compiles = self._stats.compilations
-        self._logged_spec = (0, 0, 0)  # speculative decoding: drafts, proposed, accepted
+        self._stats_log = StatsLog(self._stats.compilations)
         self.generation_rate = RollingRate()  # tokens generated per second (gRPC GetLoads)
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -223,6 +221,35 @@ class AsyncLLMEngine:
             self._inbox.put(("add", request))
         self._notify()
         return [self._outputs(request_id, stream) for request_id, stream in zip(ids, streams)]
+
+    async def encode(self, request: EngineRequest) -> PoolingRequestOutput:
+        """Queue one admitted pooling request (InputProcessor.process_pooling) and await its
+        output, as encode_many."""
+        return (await self.encode_many([request]))[0]
+
+    async def encode_many(self, requests: list[EngineRequest]) -> list[PoolingRequestOutput]:
+        """Queue the admitted pooling requests of one embedding, classification or scoring
+        request, all or none (as submit_many: OverloadedError, EngineDeadError, ValueError at
+        once), and await their outputs, in order. A request the engine failed raises
+        RequestFailedError; cancelling the call aborts those still running."""
+        if any(r.pooling is None for r in requests):
+            raise ValueError("encode takes pooling requests (InputProcessor.process_pooling); "
+                             "generation requests go through submit.")
+        streams = self.submit_many(requests)
+
+        async def last(stream) -> PoolingRequestOutput:
+            async for output in stream:
+                final = output
+            if final.error is not None:
+                raise RequestFailedError(final.error, final.error_param)
+            return final
+
+        tasks = [asyncio.ensure_future(last(stream)) for stream in streams]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:  # (one failed or the call was cancelled: stop the others)
+                task.cancel()
 
     async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -377,7 +404,8 @@ class AsyncLLMEngine:
             stream = self._streams.get(output.request_id)
         if stream is None:
             return
-        tokens = sum(len(c.token_ids) for c in output.outputs)
+        tokens = 0 if isinstance(output, PoolingRequestOutput) else sum(
+            len(c.token_ids) for c in output.outputs)
         new = tokens - stream.num_tokens
         if new > 0:
             self._record_tokens(stream, new, now)
@@ -446,35 +474,8 @@ class AsyncLLMEngine:
             self.metrics.update_spec_decode(stats.spec_drafts, stats.spec_draft_tokens,
                                             stats.spec_accepted_tokens,
                                             stats.spec_accepted_per_pos)
-        now = time.monotonic()
-        if now - self._last_log >= _LOG_INTERVAL_S and self.metrics and self.log_stats:
-            prompt, gen = self.metrics.token_totals()
-            elapsed = now - self._last_log
-            compiles = stats.compilations
-            compiled = compiles - self._logged_compiles
-            busy = stats.running or stats.waiting
-            if (prompt, gen) != self._logged_tokens or busy or compiled:
-                logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: "
-                            "%.1f tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache "
-                            "usage: %.1f%%, Prefix cache hit rate: %.1f%%%s",
-                            (prompt - self._logged_tokens[0]) / elapsed,
-                            (gen - self._logged_tokens[1]) / elapsed, stats.running,
-                            stats.waiting, 100 * stats.kv_usage,
-                            100 * stats.prefix_cache_hit_rate,
-                            f", XLA compilations: {compiled}"
-                            f"{'' if stats.warm_up_done else ' (warm-up running)'}"
-                            if compiled else "")
-            spec = (stats.spec_drafts, stats.spec_draft_tokens, stats.spec_accepted_tokens)
-            drafts, proposed, accepted = (a - b for a, b in zip(spec, self._logged_spec))
-            if drafts:  # vLLM's SpecDecoding line, for the same interval
-                logger.info("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d "
-                            "tokens, Drafted: %d tokens, Acceptance rate: %.1f%%",
-                            1 + accepted / drafts, accepted, proposed,
-                            100 * accepted / proposed)
-            self._logged_spec = spec
-            self._logged_tokens = (prompt, gen)
-            self._logged_compiles = compiles
-            self._last_log = now
+        if self.metrics and self.log_stats:
+            self._stats_log.maybe_log(stats, self.metrics)
 
 
 def _resolve(future: asyncio.Future) -> None:

@@ -251,7 +251,8 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         defaults = {k: v for k, v in model.sampling_defaults.items()
                     if k in DEFAULT_SAMPLING_FIELDS}
         return pb.GetModelInfoResponse(
-            model_path=model.model, is_generation=True, max_context_length=model.max_model_len,
+            model_path=model.model, is_generation=self.engine.config.pooler is None,
+            max_context_length=model.max_model_len,
             vocab_size=model.vocab_size, supports_vision=False,
             served_model_name=self.state.config.served_names[0], tokenizer_path=model.tokenizer,
             model_type=hf.get("model_type", ""), architectures=hf.get("architectures") or [],

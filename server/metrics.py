@@ -241,10 +241,13 @@ class EngineMetrics:
                          n: int, max_tokens: int) -> None:
         """The per-request series of a finished request (times on time.monotonic())."""
         self.e2e_latency.observe(now - arrival)
-        reasons = sorted({c.finish_reason or "abort" for c in output.outputs})
+        # (a pooling request's output is one vector, no choices: it ended as a whole)
+        choices = output.outputs if isinstance(output.outputs, list) else []
+        reasons = sorted({c.finish_reason or "abort" for c in choices}
+                         or {output.finish_reason or "abort"})
         for reason in reasons:
             self.finished(reason)
-        lengths = [len(c.token_ids) for c in output.outputs]
+        lengths = [len(c.token_ids) for c in choices]
         self.request_prompt_tokens.observe(len(output.prompt_token_ids))
         self.request_generation_tokens.observe(sum(lengths))
         self.request_max_generation_tokens.observe(max(lengths, default=0))

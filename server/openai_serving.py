@@ -45,6 +45,7 @@ from jaxserve.server.protocol import (
 from jaxserve.server.request_body import parse_body
 from jaxserve.server.request_log import log_received
 from jaxserve.server.response_view import ResponseView
+from jaxserve.server.tool_calls import check_tool_count
 
 logger = logging.getLogger(__name__)
 
@@ -150,9 +151,14 @@ class OpenAIServing:
                            request_id)
 
     def prepare_chat(self, raw: bytes, ids: tuple[str | None, str]) -> Prepared:
-        body = parse_body(raw, ChatCompletionRequest)
+        return self.prepare_chat_body(parse_body(raw, ChatCompletionRequest), ids)
+
+    def prepare_chat_body(self, body: ChatCompletionRequest, ids: tuple[str | None, str],
+                          prefix: str = "chatcmpl") -> Prepared:
+        """A validated chat request through the admission path (also /v1/responses', which
+        translates its requests into chat requests: responses_protocol.py)."""
         model = self.check_model(body.model)
-        request_id = self._request_id("chatcmpl", body, ids)
+        request_id = self._request_id(prefix, body, ids)
         params = self._params(body, "messages")
         if body.tool_mode == "auto" and self.chat.tool_call_parser is None:
             raise APIError(400, 'tool_choice "auto" needs the server started with '
@@ -200,7 +206,8 @@ class OpenAIServing:
 
     def _params(self, body, prompt_param: str) -> SamplingParams:
         """The body's SamplingParams through the request limits (admission.py)."""
-        try:
+        try:  # tools counted before their schemas become a grammar
+            check_tool_count(len(getattr(body, "tools", None) or ()), self.processor.limits)
             return self.processor.check_params(body.sampling_params(self.sampling_defaults))
         except ValueError as err:
             if getattr(err, "param", None) == "structured_outputs":
@@ -330,17 +337,18 @@ class OpenAIServing:
         try:
             streams = self.engine.submit_many(prepared.requests)
         except (OverloadedError, EngineDeadError, ValueError) as err:
-            raise _api_error(err, prepared.prompt_param) from None
+            raise api_error(err, prepared.prompt_param) from None
         view = ResponseView(prepared.kind, prepared.request_id, prepared.model, body,
                             prepared.prompts, self)
         if prepared.body.stream:
             return _sse(self._stream(view, streams, prepared.heavy))
-        return await self._respond(view, streams, raw)
+        return await self.respond_whole(view, streams, raw)
 
-    async def _respond(self, view, streams, raw: Request) -> Response:
+    async def respond_whole(self, view, streams, raw: Request) -> Response:
         """Wait for every prompt's last output; the first failure ends the request (and
         aborts its other prompts), as does the client leaving. The response is encoded on
-        the encoding threads (it can be megabytes of logprobs)."""
+        the encoding threads (it can be megabytes of logprobs). view: anything with
+        full_response(finals) (ResponseView; responses_output.ResponseBuilder)."""
         async def last(stream):
             final = None
             async for output in stream:
@@ -363,7 +371,7 @@ class OpenAIServing:
                     return JSONResponse({}, status_code=499)
             finals = [task.result() for task in tasks]
         except (OverloadedError, EngineDeadError, RequestFailedError, ValueError) as err:
-            raise _api_error(err) from None
+            raise api_error(err) from None
         finally:
             for task in tasks:
                 task.cancel()  # those still waiting: their requests are aborted
@@ -397,9 +405,9 @@ class OpenAIServing:
             if usage is not None:
                 yield _event(usage)
         except Exception as err:  # noqa: BLE001 - the stream has started: report in-band
-            if _api_error(err).status == 500 and not isinstance(err, RequestFailedError):
+            if api_error(err).status == 500 and not isinstance(err, RequestFailedError):
                 logger.error("Stream %s failed: %s", view.id, err, exc_info=err)
-            yield _event(_api_error(err).body())
+            yield _event(api_error(err).body())
         finally:
             await merged.aclose()
             for task in waiting:
@@ -449,7 +457,7 @@ def _grammar_error(err: ValueError, field: str) -> APIError:
     return APIError(400, short(message), param=field, code="invalid_value")
 
 
-def _api_error(err: BaseException, prompt_param: str = "prompt") -> APIError:
+def api_error(err: BaseException, prompt_param: str = "prompt") -> APIError:
     if isinstance(err, APIError):
         return err
     if isinstance(err, OverloadedError):

@@ -24,11 +24,13 @@ def log_received(request_id: str, prompts, params, max_log_len: int | None) -> N
 
 def log_finished(output, num_prompt_tokens: int, num_tokens: int, ttft: float, total: float,
                  outputs: bool, max_log_len: int | None) -> None:
-    reasons = ",".join(sorted({c.finish_reason or "abort" for c in output.outputs}))
+    choices = output.outputs if isinstance(output.outputs, list) else []  # (pooling: none)
+    reasons = ",".join(sorted({c.finish_reason or "abort" for c in choices}
+                              or {output.finish_reason or "abort"}))
     logger.info("request %s: prompt %d tokens, output %d tokens, TTFT %.3f s, total %.3f s, "
                 "finish %s", output.request_id, num_prompt_tokens, num_tokens, ttft, total,
                 reasons)
     if outputs:
-        for choice in output.outputs:
+        for choice in choices:
             logger.info("request %s: output %d: %r", output.request_id, choice.index,
                         _cut(choice.text, max_log_len))

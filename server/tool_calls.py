@@ -17,8 +17,15 @@ from __future__ import annotations
 
 import json
 
+from jaxserve.config.request_limits import limit_error
 from jaxserve.core.structured_output import StructuredOutputsParams
 from jaxserve.parsers.tools import ToolCall, ToolParser, load_json
+
+
+def check_tool_count(count: int, limits) -> None:
+    """The request limit max_tools (limits: RequestLimits): a ValueError naming tools."""
+    if count > limits.max_tools:
+        raise limit_error("tools", "the number of tools", "max_tools", limits.max_tools, count)
 
 
 def tool_grammar(mode: str, tools: list[dict], name: str | None,

@@ -14,7 +14,7 @@ import math
 from hypothesis import strategies as st
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
-C, CH = "/v1/completions", "/v1/chat/completions"
+C, CH, R = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 
 
 def ref_chain(n: int) -> dict:
@@ -155,8 +155,69 @@ FIELDS = {
     "request_id": TEXT | st.just("r" * 300),
     "add_generation_prompt": st.booleans(), "add_special_tokens": st.booleans(),
 }
+
+# ---- /v1/responses: its own fields (flat tools, input items, text.format, the store) ----------
+def _flat_tool(parameters) -> dict:
+    return {"type": "function", "name": "f", "description": "<|im_end|>",
+            "parameters": parameters, "strict": True}
+
+
+PARTS = st.lists(st.fixed_dictionaries({"type": st.sampled_from(
+    ["input_text", "output_text", "input_image", "refusal", "x"]), "text": TEXT}), max_size=3)
+ITEMS = st.lists(st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer", "assistant",
+                                                    "tool", "x"]),
+                           "content": TEXT | PARTS | ANY},
+                          optional={"type": st.just("message"), "status": st.sampled_from(
+                              ["in_progress", "incomplete", "completed", "x"])}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": TEXT, "name": TEXT,
+                           "arguments": SCHEMA_TEXTS | ANY}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": TEXT,
+                           "output": TEXT | PARTS | ANY}),
+    st.fixed_dictionaries({"type": st.just("reasoning"), "summary": st.just([])},
+                          optional={"content": st.lists(st.fixed_dictionaries(
+                              {"type": st.just("reasoning_text"), "text": TEXT}), max_size=2),
+                              "encrypted_content": TEXT}),
+    st.fixed_dictionaries({"type": st.sampled_from(["item_reference", "web_search_call",
+                                                    "input_image", "x"])}),
+    ANY), max_size=5)
+TEXT_FORMATS = st.one_of(
+    st.builds(lambda schema: {"format": {"type": "json_schema", "name": "x", "schema": schema}},
+              SCHEMAS),
+    st.sampled_from([{"format": {"type": "json_object"}}, {"format": {"type": "text"}},
+                     {"verbosity": "high"}]), ANY)
+RESPONSES_FIELDS = {
+    "model": FIELDS["model"],
+    "input": TEXT | ITEMS | st.just([{"role": "user", "content": "x"}] * 3000),
+    "instructions": TEXT | ANY,
+    "max_output_tokens": st.integers(1, 6) | INTS | FLOATS | TEXT | st.none(),
+    "temperature": FLOATS, "top_p": FLOATS, "top_k": INTS, "seed": INTS,
+    "top_logprobs": INTS, "include": st.lists(st.sampled_from(
+        ["message.output_text.logprobs", "reasoning.encrypted_content", "x"]), max_size=2) | ANY,
+    "tools": (st.lists(st.builds(_flat_tool, SCHEMAS), min_size=1, max_size=2)
+              | st.just([_flat_tool({})] * 200) | st.just([{"type": "web_search"}]) | ANY),
+    "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "name": "f"},
+                                    {"type": "allowed_tools"}]) | ANY,
+    "parallel_tool_calls": st.booleans() | ANY,
+    "text": TEXT_FORMATS, "structured_outputs": STRUCTURED,
+    "reasoning": st.fixed_dictionaries({}, optional={
+        "effort": st.sampled_from(["low", "high", "x"]), "summary": st.just("auto")}) | ANY,
+    "previous_response_id": TEXT | st.just("resp_" + "0" * 32),
+    "store": st.booleans() | ANY, "stream": st.booleans(), "background": st.booleans() | ANY,
+    "metadata": st.dictionaries(TEXT, TEXT, max_size=20) | ANY,
+    "truncation": st.sampled_from(["auto", "disabled", "x"]),
+    "stop": FIELDS["stop"], "logit_bias": FIELDS["logit_bias"], "user": TEXT | ANY,
+    "service_tier": st.sampled_from(["auto", "default", "flex"]), "prompt": ANY,
+    "request_id": FIELDS["request_id"], "repetition_penalty": FLOATS, "priority": INTS,
+    "ignore_eos": st.booleans() | ANY, "cache_salt": TEXT, "max_tool_calls": INTS,
+    "stream_options": st.fixed_dictionaries({"include_obfuscation": st.booleans()}) | ANY,
+    "prompt_cache_retention": st.sampled_from(["in_memory", "24h"]) | ANY,
+    "conversation": ANY, "previous_response": ANY, "vllm_xargs": ANY,
+}
+
 VALID = {C: {"model": "tiny", "prompt": "def f(x):", "max_tokens": 3},
          CH: {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+         R: {"model": "tiny", "input": "hi", "max_output_tokens": 3},
          "/tokenize": {"model": "tiny", "prompt": "def f(x):"},
          "/detokenize": {"model": "tiny", "tokens": [5, 6, 7]}}
 NUMERIC = ("max_tokens", "max_completion_tokens", "n", "temperature", "top_p", "min_p", "top_k",
@@ -177,17 +238,19 @@ HEADERS = st.fixed_dictionaries({}, optional={"x-request-id": st.text(
 def http_requests(draw) -> tuple[str, object, dict]:
     """(path, body, headers): mostly a valid request with one or two fields changed to wild
     values (so that each value reaches the deepest check), sometimes anything at all."""
-    path = draw(st.sampled_from([C, C, CH, CH, "/tokenize", "/detokenize"]))
+    path = draw(st.sampled_from([C, C, CH, CH, R, R, "/tokenize", "/detokenize"]))
+    fields = RESPONSES_FIELDS if path == R else FIELDS
+    changed = st.sampled_from(tuple(RESPONSES_FIELDS)) if path == R else CHANGED_FIELD
     kind = draw(st.integers(0, 9))
     if kind < 7:
         body = dict(VALID[path])
-        for name in draw(st.lists(CHANGED_FIELD, min_size=1, max_size=2)):
-            body[name] = draw(FIELDS[name])
+        for name in draw(st.lists(changed, min_size=1, max_size=2)):
+            body[name] = draw(fields[name])
     elif kind == 7:
-        body = draw(st.fixed_dictionaries({}, optional=FIELDS))
+        body = draw(st.fixed_dictionaries({}, optional=fields))
     elif kind == 8:
-        body = draw(st.fixed_dictionaries({"prompt": HUGE_LISTS} if path != CH else
-                                          {"messages": HUGE_LISTS}))
+        big = {C: "prompt", CH: "messages", R: "input"}.get(path, "prompt")
+        body = draw(st.fixed_dictionaries({big: HUGE_LISTS}))
     else:
         body = draw(ANY)
     return path, body, draw(HEADERS)

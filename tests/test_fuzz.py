@@ -1,4 +1,4 @@
-"""Property-based fuzz of every input surface of a real `jaxserve serve`: the four JSON
+"""Property-based fuzz of every input surface of a real `jaxserve serve`: the five JSON
 endpoints (bodies and X-Request-Id) and gRPC Generate and Abort, with the grammar-bearing
 fields (schemas, regexes, grammars, choices, tools) drawn from a corpus of known bombs (tests/fuzz_requests.py). Every answer is
 a 2xx or a 4xx with the error envelope (gRPC: OK or a status that blames the request, never
@@ -55,6 +55,9 @@ def check_response(resp: httpx.Response, path: str) -> None:
     if resp.status_code >= 400:
         body = resp.json()
         assert set(body) == {"error"} and ENVELOPE_KEYS <= set(body["error"]), body
+    elif resp.headers.get("content-type", "").startswith("text/event-stream") and \
+            path == "/v1/responses":
+        check_responses_stream(resp)
     elif resp.headers.get("content-type", "").startswith("text/event-stream"):
         events = [ln[6:] for ln in resp.text.splitlines() if ln.startswith("data: ")]
         assert events and events[-1] == "[DONE]", resp.text[-300:]
@@ -62,6 +65,16 @@ def check_response(resp: httpx.Response, path: str) -> None:
         # never the server.
         errors = [json.loads(e)["error"] for e in events[:-1] if '"error"' in e[:12]]
         assert all(e["type"] == "invalid_request_error" for e in errors), errors
+
+
+def check_responses_stream(resp: httpx.Response) -> None:
+    """A /v1/responses stream: numbered events, ending with the response's terminal event or
+    an error event that blames the request (OpenAI's stream has no [DONE] line)."""
+    events = [json.loads(ln[6:]) for ln in resp.text.splitlines() if ln.startswith("data: ")]
+    assert events and [e["sequence_number"] for e in events] == list(range(len(events)))
+    last = events[-1]
+    assert last["type"] in ("response.completed", "response.incomplete", "error"), last
+    assert last["type"] != "error" or last["code"] not in ("internal_error", "engine_dead"), last
 
 
 def fuzz_http(server, expected_tokens, seconds: float, examples: int) -> None:

@@ -38,6 +38,9 @@ class StepResult:
     # W = 1 + num_speculative_tokens entries per row (row r's at r*W ..), the first
     # num_emitted[r] of them emitted. None: one token per row, sampled's fields are [R].
     num_emitted: Any | None = None
+    # f32[R, X]: each row's pooled hidden states (a sum, or one token's; logits through a
+    # classification head) on a pooling engine, when the step pooled any (core/pooling.py).
+    pooled: Any | None = None
 
 
 @dataclasses.dataclass(frozen=True)

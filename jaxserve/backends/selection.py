@@ -49,7 +49,8 @@ def create_runner(config: EngineConfig, rank: int = 0) -> Runner:
         except ImportError as err:  # triton, or a torch build without it
             raise ImportError(f"{TORCH_EXTRA} ({err})") from None
         return TorchRunner(config)
-    from jaxserve.backends.jax.runner import ModelRunner, replica_mesh
+    from jaxserve.backends.jax.distributed import replica_mesh
+    from jaxserve.backends.jax.runner import ModelRunner
 
     return ModelRunner(config, replica_mesh(config, rank))
 

@@ -22,6 +22,7 @@ from jaxserve.config.engine_config import (
     LOAD_FORMATS,
     SCHEDULING_POLICIES,
 )
+from jaxserve.config.pooler import CONVERTS, RUNNERS
 from jaxserve.models.quantization import CHECKPOINT_METHODS
 
 _PRECOMPILE = {"all": True, "background": "background", "lazy": False}
@@ -40,9 +41,10 @@ def _arg(default, help: str, *, choices=None, parse=None, aliases: tuple[str, ..
 
 # The --help groups, named as vLLM's (`vllm serve --help=CacheConfig`), and their fields.
 GROUPS = {
-    "ModelConfig": ("model", "tokenizer", "revision", "tokenizer_revision",
-                    "trust_remote_code", "dtype", "max_model_len", "seed", "generation_config",
-                    "quantization", "max_logprobs", "hf_token"),
+    "ModelConfig": ("model", "runner", "convert", "tokenizer", "revision",
+                    "tokenizer_revision", "trust_remote_code", "dtype", "max_model_len", "seed",
+                    "generation_config", "quantization", "max_logprobs", "hf_token",
+                    "pooler_config"),
     "LoadConfig": ("load_format", "download_dir"),
     "CacheConfig": ("block_size", "num_gpu_blocks_override", "gpu_memory_utilization",
                     "kv_cache_memory_bytes", "enable_prefix_caching",
@@ -110,6 +112,16 @@ class EngineArgs:
     model: str | None = _arg(
         None, "Hugging Face model folder (config.json, *.safetensors, tokenizer files); "
         "default: the built-in model")
+    runner: str = _arg(
+        "auto", "generate: a text-generation model; pooling: embeddings or classification "
+        "(LLM.embed / classify / score); auto: pooling for *Model and "
+        "*ForSequenceClassification checkpoints and folders with a sentence-transformers "
+        "Pooling module, else generate", choices=RUNNERS)
+    convert: str = _arg(
+        "auto", "how a pooling runner uses the model: embed (pool the final hidden states; "
+        "turns a *ForCausalLM into an embedding model), classify (a "
+        "*ForSequenceClassification's head), none (a pooling architecture as it is); auto: "
+        "classify for *ForSequenceClassification, else embed", choices=CONVERTS)
     tokenizer: str | None = _arg(
         None, "tokenizer folder or Hub id (default: the model's)")
     revision: str | None = _arg(
@@ -227,6 +239,11 @@ class EngineArgs:
         "\"ngram\", \"num_speculative_tokens\": K, \"prompt_lookup_min\": a, "
         "\"prompt_lookup_max\": b}; each step verifies up to K tokens proposed from the "
         "sequence's own earlier tokens (JAX backend)", parse=str, metavar="JSON")
+    pooler_config: dict | str | None = _arg(
+        None, "a pooling model's pooler, as vLLM's JSON: {\"pooling_type\": \"LAST\" | "
+        "\"MEAN\" | \"CLS\", \"normalize\": bool, \"dimensions\": int, "
+        "\"use_activation\": bool} (default: the folder's sentence-transformers Pooling and "
+        "Normalize modules, else LAST and normalized embeddings)", parse=str, metavar="JSON")
     request_limits: dict | str | None = _arg(
         None, "what one request may ask for, as JSON of limit names to values, e.g. "
         "{\"max_n\": 32, \"max_stop_strings\": 64} (the others keep their defaults; the "
@@ -332,7 +349,8 @@ class EngineArgs:
             scheduling_policy=self.scheduling_policy,
             async_scheduling=self.async_scheduling,
             speculative_config=self.speculative_config, quantization=self.quantization,
-            request_limits=limits, on_accelerator=on_accelerator)
+            request_limits=limits, runner=self.runner, convert=self.convert,
+            pooler_config=self.pooler_config, on_accelerator=on_accelerator)
 
 
 _TYPES = {"int": int, "float": float, "str": str}

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from jaxserve.config.generation_config import sampling_defaults
 from jaxserve.config.mesh import MeshShape, ModelDims, parse_mesh, plan_sharding
+from jaxserve.config.pooler import PoolerConfig, resolve_pooler
 from jaxserve.config.request_limits import RequestLimits
 from jaxserve.config.speculative import SpeculativeConfig
 from jaxserve.models import resolve_architecture
@@ -237,8 +238,14 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # n-gram speculative decoding (None: off)
     # What one request may ask for: every front end checks it (admission.py).
     limits: RequestLimits = RequestLimits()
+    # A pooling engine's settings (embeddings, classification: config/pooler.py); None: the
+    # engine generates.
+    pooler: PoolerConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.pooler is not None and self.speculative is not None:
+            raise ValueError("speculative_config: a pooling model (runner='pooling') "
+                             "generates no tokens to speculate on; drop speculative_config.")
         if self.precompile not in PRECOMPILE:
             raise ValueError(f"precompile must be True, False or 'background', got "
                              f"{self.precompile!r}.")
@@ -302,11 +309,15 @@ class EngineConfig:
         speculative_config: SpeculativeConfig | dict | str | None = None,
         quantization: str | None = None,
         request_limits: RequestLimits | dict | str | None = None,
+        runner: str = "auto",
+        convert: str = "auto",
+        pooler_config: dict | str | None = None,
         on_accelerator: bool = False,
     ) -> EngineConfig:
         """Resolve defaults against the model folder's config.json and validate everything."""
         hf_config = read_hf_config(model)
         resolve_architecture(hf_config)
+        pooler = resolve_pooler(runner, convert, pooler_config, hf_config, model)
         resolved_dtype = _resolve_dtype(dtype, hf_config, model, on_accelerator)
         limit = int(hf_config.get("max_position_embeddings") or 2048)
         if max_model_len is None:
@@ -353,6 +364,7 @@ class EngineConfig:
             precompile=precompile,
             speculative=speculative,
             limits=RequestLimits.parse(request_limits),
+            pooler=pooler,
         )
 
 

@@ -24,6 +24,8 @@ import json
 DESCRIPTIONS = {
     "max_n": "n (and best_of): sequences per prompt",
     "max_prompts": "prompts in one request (a batched completion)",
+    "max_embedding_inputs": "inputs in one embedding, classification or scoring request (texts, "
+                            "token lists or pairs)",
     "max_stop_strings": "stop strings",
     "max_stop_length": "characters of one stop string",
     "max_stop_token_ids": "stop_token_ids entries",
@@ -36,6 +38,9 @@ DESCRIPTIONS = {
     "max_request_id_length": "characters of request_id (X-Request-Id, gRPC request_id)",
     "max_response_bytes": "worst-case size of a response: choices x tokens x logprob entries",
     "max_abort_ids": "request ids in one gRPC Abort",
+    "max_input_items": "input items of one /v1/responses request (messages, function calls "
+                       "and their outputs, reasoning)",
+    "max_tools": "tools of one chat or /v1/responses request",
     "max_schema_depth": "JSON schema nesting with its $refs followed",
     "max_schema_refs": "$ref entries in one JSON schema",
     "max_schema_nodes": "objects and arrays in one JSON schema",
@@ -55,6 +60,7 @@ class RequestLimits:
 
     max_n: int = 16
     max_prompts: int = 256
+    max_embedding_inputs: int = 2048  # as OpenAI's embeddings API
     max_stop_strings: int = 16
     max_stop_length: int = 256
     max_stop_token_ids: int = 256
@@ -67,6 +73,8 @@ class RequestLimits:
     max_request_id_length: int = 256
     max_response_bytes: int = 256 * 2**20
     max_abort_ids: int = 1024
+    max_input_items: int = 2048
+    max_tools: int = 128  # OpenAI's own cap on functions per request
     max_schema_depth: int = 256
     max_schema_refs: int = 1000
     max_schema_nodes: int = 100_000

@@ -63,8 +63,8 @@ _NOT_SWITCHED_ON = _is(False)
 _TEXT_ONLY = ("jaxserve serves text models' language side only: no image, audio or video "
               "inputs")
 _NO_LORA = "jaxserve does not serve LoRA adapters yet"
-_NO_POOLING = ("jaxserve runs generative models only (no pooling, embedding or scoring "
-               "runner yet)")
+_TASK = ("--task is vLLM's older flag: use --runner pooling with --convert embed or "
+         "--convert classify (or --runner generate)")
 _HOSTS = ("jaxserve places data-parallel replicas itself: give the whole mesh (--mesh DxM or "
           "-dp/-tp) and join the hosts with --coordinator/--num-hosts/--host-id or "
           "--multi-host; every host runs the same command")
@@ -73,12 +73,8 @@ _XLA = ("jaxserve compiles each shape bucket of its step with XLA (see `jaxserve
 
 FLAGS: tuple[CompatFlag, ...] = (
     # ---- ModelConfig
-    CompatFlag(("--runner",), VALUE, "generation is jaxserve's runner", _NO_POOLING,
-               _is("auto", "generate")),
-    CompatFlag(("--convert",), VALUE, "jaxserve serves the model as it is", _NO_POOLING,
-               _is("auto", "none")),
-    CompatFlag(("--task",), VALUE, "generation is jaxserve's task", _NO_POOLING,
-               _is("auto", "generate")),
+    CompatFlag(("--task",), VALUE, "--task is vLLM's older flag: --runner (auto by default) "
+               "chooses generation", _TASK, _is("auto", "generate")),
     CompatFlag(("--tokenizer-mode",), VALUE, "jaxserve always uses the fast (Rust) tokenizer",
                "jaxserve loads tokenizers with Hugging Face tokenizers only (no slow, mistral "
                "or custom tokenizer modes)", _is("auto", "hf")),
@@ -109,7 +105,6 @@ FLAGS: tuple[CompatFlag, ...] = (
                _is("auto", "hf")),
     CompatFlag(("--hf-overrides",), VALUE, lacks="jaxserve reads config.json as published; "
                "copy the folder and edit its config.json"),
-    CompatFlag(("--pooler-config",), VALUE, lacks=_NO_POOLING),
     CompatFlag(("--override-generation-config",), VALUE, lacks="jaxserve takes default "
                "sampling parameters from a generation_config.json: put one in a folder and "
                "give --generation-config FOLDER"),
@@ -310,7 +305,8 @@ FLAGS: tuple[CompatFlag, ...] = (
                "--enable-log-requests"),
     CompatFlag(("--cohere-is-reasoning-model",), SWITCH, "jaxserve serves no Cohere API"),
     CompatFlag(("--cohere-format",), VALUE, "jaxserve serves no Cohere API"),
-    CompatFlag(("--enable-flash-late-interaction",), SWITCH, _NO_POOLING),
+    CompatFlag(("--enable-flash-late-interaction",), SWITCH, "jaxserve has no late-interaction "
+               "(ColBERT) scoring to speed up"),
     CompatFlag(("--uds",), VALUE, lacks="jaxserve listens on TCP (--host, --port) only"),
 )
 

@@ -25,6 +25,8 @@ Two kinds of request never read the cache (they still register their blocks for 
 - prompt_logprobs: every prompt position must be computed to be scored;
 - any penalty (presence, frequency, repetition): the device-side penalty state is built from
   the tokens fed to the model each step, so tokens served from the cache would never count.
+- mean or first-token pooling (core/pooling.py): every prompt position's hidden state is
+  pooled (last-token pooling reads the cache: its last token is always computed).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  *, seed: int, max_model_len: int, eos_token_ids: frozenset[int],
                  priority: int = 0, constraints: TokenConstraints | None = None,
-                 grammar=None) -> None:
+                 grammar=None, pooling=None) -> None:
         self.request_id = request_id
         self.params = params
         self.seed = seed
@@ -59,6 +59,9 @@ class Request:
         # the token it waits for before it applies (None: it applies from the start).
         self.grammar = grammar
         self.grammar_waits_for: int | None = None
+        # A pooling request (embeddings, classification: core/pooling.py's PoolingState):
+        # it ends when its prompt is computed, its sampled token discarded. None: generation.
+        self.pooling = pooling
         # i32[max_model_len]: prompt then outputs; the first num_tokens entries are valid.
         self.token_ids = np.zeros(self.num_prompt_tokens + self.max_output_tokens, np.int32)
         self.token_ids[: self.num_prompt_tokens] = prompt_token_ids
@@ -86,9 +89,11 @@ class Request:
         self.kv_room = 0
         # Prompt scoring needs every prompt position computed, and the device-side penalty
         # state counts only the tokens fed to the model: both must compute everything.
+        # So does mean or first-token pooling (every position's hidden state is pooled).
         self.reads_prefix_cache = params.prompt_logprobs is None and (
             params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
-            and params.repetition_penalty == 1.0)
+            and params.repetition_penalty == 1.0) and not (
+            pooling is not None and pooling.reads_all_tokens)
         # Speculative decoding proposes tokens only where every sampling stage is the same at
         # each proposed position: not with penalties (their counts would have to include the
         # proposals), bad words or structured outputs (their masks depend on the tokens

@@ -6,10 +6,12 @@ order, so that the cheap checks come before any expensive work:
 1. check_params: the request limits table (request_limits.py: n, stops, token-id lists,
    bad words, logit bias, logprobs, structured-output caps) and, for a structured output,
    its schema parsed with a depth bound and its structure checked (grammar_checks.py);
-   check_request_id, check_prompt_count, check_priority likewise;
+   check_request_id, check_prompt_count, check_priority likewise (a pooling request:
+   check_pooling_count, and its PoolingParams resolved against the engine's pooler);
 2. render_chat / encode: chat templates and tokenization (request text stays text);
 3. process: truncation, the model's checks (length, vocabulary), bad words tokenized, the
-   worst-case response size, the structured output's start token: an EngineRequest;
+   worst-case response size, the structured output's start token: an EngineRequest
+   (process_pooling for embeddings, classifications and scores);
 4. compile_grammar: the constraint compiled, first in the sandbox process
    (grammar_sandbox.py), then here; the server runs it on threads of its own, so grammar
    compiles never occupy the threads that parse ordinary requests.
@@ -29,11 +31,13 @@ from jaxserve.config.generation_config import eos_token_ids
 from jaxserve.config.request_limits import RequestLimits, limit_error
 from jaxserve.core import grammar_checks
 from jaxserve.core.input_builder import MAX_BANNED_IDS
+from jaxserve.core.pooling_params import PoolingParams
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.structured_output import GrammarCompiler
 from jaxserve.core.token_constraints import TokenConstraints
 from jaxserve.inputs.tokenizer import (
     apply_chat_template,
+    encode_pair,
     encode_prompt,
     load_tokenizer,
     with_special_tokens,
@@ -58,9 +62,18 @@ class EngineRequest:
     constraints: TokenConstraints | None = None  # logit_bias, allowed ids, bad words
     grammar: Any = None  # the compiled constraint (llguidance matcher), copied per sequence
     grammar_start: int | None = None  # the token after which the grammar applies
+    # A pooling request's settings, resolved (PoolingParams.resolve); params is then the
+    # engine's internal one-token SamplingParams (pooling_sampling_params). None: generation.
+    pooling: PoolingParams | None = None
 
     def with_grammar(self, grammar) -> EngineRequest:
         return dataclasses.replace(self, grammar=grammar)
+
+
+def pooling_sampling_params() -> SamplingParams:
+    """What a pooling request's sequence is scheduled with: one greedy token, which the
+    engine discards (its prompt's end finishes it: core/pooling.py)."""
+    return SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 
 class InputProcessor:
@@ -68,7 +81,9 @@ class InputProcessor:
     server calls it from several worker threads at once."""
 
     def __init__(self, model_config, scheduling_policy: str, tokenizer, eos_token_ids,
-                 grammars: GrammarCompiler, limits: RequestLimits) -> None:
+                 grammars: GrammarCompiler, limits: RequestLimits, pooler=None) -> None:
+        """pooler: the engine's config.pooler.PoolerConfig (None: it generates)."""
+        self.pooler = pooler
         self.max_model_len = model_config.max_model_len
         self.vocab_size = model_config.vocab_size
         self.scheduling_policy = scheduling_policy
@@ -86,7 +101,7 @@ class InputProcessor:
                                       tokenizer.eos_token_id))
         grammars = GrammarCompiler(tokenizer, config.model.vocab_size, eos)
         return cls(config.model, config.scheduler.policy, tokenizer, eos, grammars,
-                   config.limits)
+                   config.limits, config.pooler)
 
     # ---- 1. the limits table: cheap, before anything else -----------------------------------
     def check_params(self, params: SamplingParams) -> SamplingParams:
@@ -147,6 +162,13 @@ class InputProcessor:
             raise limit_error(field, "the number of prompts in one request", "max_prompts",
                               self.limits.max_prompts, count)
 
+    def check_pooling_count(self, count: int, field: str = "input") -> None:
+        """The inputs of one embedding, classification or scoring request (a pair counts
+        once) against max_embedding_inputs."""
+        if count > self.limits.max_embedding_inputs:
+            raise limit_error(field, "the number of inputs in one pooling request",
+                              "max_embedding_inputs", self.limits.max_embedding_inputs, count)
+
     def check_priority(self, priority: int) -> None:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r:.40}.")
@@ -159,6 +181,11 @@ class InputProcessor:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A prompt's token ids (the tokenizer releases the GIL while it works)."""
         return encode_prompt(self.tokenizer, text, add_special_tokens)
+
+    def encode_pair(self, text: str, text_pair: str) -> list[int]:
+        """A text pair's token ids as the tokenizer encodes pairs (a cross-encoder's input:
+        tokenizer(text, text_pair))."""
+        return encode_pair(self.tokenizer, text, text_pair)
 
     def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
                     add_special_tokens: bool = False, chat_template: str | None = None,
@@ -193,6 +220,11 @@ class InputProcessor:
         """One prompt of a request, ready for the engine (its params already through
         check_params). compile_grammar=False leaves the grammar to compile_grammar (the
         server runs that on its grammar threads) and with_grammar."""
+        if self.pooler is not None:
+            raise ValueError(f"This model is served for pooling ({self.pooler.task}: "
+                             "runner='pooling'): it generates no text. Send embedding, "
+                             "classification or scoring requests, or start the engine with "
+                             "runner='generate' on a generative model.")
         self.check_request_id(request_id)
         self.check_priority(priority)
         ids = self.check_prompt(self.truncate(prompt_token_ids, params))
@@ -210,13 +242,43 @@ class InputProcessor:
         return EngineRequest(request_id, prompt, ids, params, priority, cache_salt,
                              constraints, grammar, grammar_start)
 
-    def check_prompt(self, prompt_token_ids) -> list[int]:
-        """The prompt as a list of ints in the vocabulary, shorter than max_model_len."""
+    def process_pooling(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                        params: PoolingParams, priority: int = 0,
+                        cache_salt: str | None = None) -> EngineRequest:
+        """One input of an embedding, classification or scoring request, ready for the
+        engine: params resolved against the engine's pooler (ValueError naming the field it
+        cannot honour, or saying that this engine generates), the prompt truncated
+        (truncate_prompt_tokens: the last k tokens, -1: max_model_len) and checked; a
+        pooling prompt may fill max_model_len."""
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams, got "
+                             f"{type(params).__name__}.")
+        params = params.resolve(self.pooler)
+        self.check_request_id(request_id)
+        self.check_priority(priority)
+        ids = prompt_token_ids
+        k = params.truncate_prompt_tokens
+        if k is not None:
+            if k > self.max_model_len:
+                raise ValueError(f"truncate_prompt_tokens={k} cannot be greater than "
+                                 f"max_model_len={self.max_model_len}.")
+            ids = list(ids[-(self.max_model_len if k == -1 else k):])
+        ids = self.check_prompt(ids, pooling=True)
+        return EngineRequest(request_id, prompt, ids, pooling_sampling_params(), priority,
+                             cache_salt, pooling=params)
+
+    def check_prompt(self, prompt_token_ids, pooling: bool = False) -> list[int]:
+        """The prompt as a list of ints in the vocabulary, shorter than max_model_len (a
+        pooling prompt, which gets no output, at most max_model_len)."""
         max_len, vocab = self.max_model_len, self.vocab_size
         count = len(prompt_token_ids)
         if count == 0:
             raise ValueError("prompt must not be empty (it has 0 tokens).")
-        if count >= max_len:
+        if pooling and count > max_len:
+            raise ValueError(f"prompt is {count} tokens long, but may be at most "
+                             f"max_model_len={max_len} tokens (truncate_prompt_tokens keeps "
+                             "the last ones).")
+        if not pooling and count >= max_len:
             raise ValueError(f"prompt is {count} tokens long, but must be shorter than "
                              f"max_model_len={max_len} to leave room for output.")
         try:

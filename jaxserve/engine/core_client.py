@@ -333,6 +333,8 @@ class EngineCoreClient(EngineInterface):
         tracked.children[0].num_cached_tokens = extra["num_cached_tokens"]
         if extra["prompt_logprobs"] is not None:
             tracked.prompt_logprobs = extra["prompt_logprobs"]
+        if "pooled" in extra:
+            tracked.pooled = extra["pooled"]
         if "error" in extra and tracked.error is None:
             tracked.error, tracked.error_param = extra["error"], extra["error_param"]
             self._failed.append(tracked)

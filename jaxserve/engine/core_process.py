@@ -24,7 +24,7 @@ is (request id, choices, extra): choices lists (index, new token ids, finish
 reason or None, stop_reason, cumulative logprob or None, new logprob entries or None) for
 each choice with news since the last record; extra is None, or a dict with what a front end
 learns once or rarely (num_cached_tokens, prompt_logprobs, the choices' scheduled times,
-error and error_param).
+error and error_param; a finished pooling request's output array, "pooled").
 """
 
 from __future__ import annotations
@@ -299,7 +299,8 @@ class EngineCore:
                             child.stop_reason, cumulative, logprobs))
             sent[i] = None if finished else count
         extra = None
-        if tracked.request_id not in self._timed or tracked.error is not None:
+        if tracked.request_id not in self._timed or tracked.error is not None or \
+                tracked.pooled is not None:
             extra = self._extra(tracked)
         return tracked.request_id, choices, extra
 
@@ -316,6 +317,8 @@ class EngineCore:
                  "prompt_logprobs": tracked.prompt_logprobs}
         if tracked.error is not None:
             extra["error"], extra["error_param"] = tracked.error, tracked.error_param
+        if tracked.pooled is not None:
+            extra["pooled"] = tracked.pooled
         return extra
 
     def _stats(self) -> tuple:

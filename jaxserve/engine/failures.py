@@ -9,7 +9,8 @@ freeing their blocks:
   they are recomputed from scratch, each in a step of its own (suspects), and a suspect
   whose own step fails is the culprit;
 - a failure while reading one request's results, detokenizing it or building its output
-  fails that request.
+  fails that request; so does a structured output's grammar that gives up (its mask, or a
+  token it cannot take: _fail_masks, _advance_grammar).
 After a culprit's step failed, an empty step checks the device; only when that fails too (an
 error that persists with no request in it: the device is lost) does step() raise
 EngineDeadError.
@@ -57,6 +58,27 @@ class FailureIsolation:
                 f"the grammar's next-token mask ran past its per-step budget: "
                 f"{describe_error(req.grammar.get_error())}"), "while computing its "
                 "structured output's next-token mask", log=False, param="structured_outputs")
+
+    def _advance_grammar(self, tracked: TrackedRequest, req: Request, token: int) -> bool:
+        """Feed a sampled token to the request's grammar; a grammar that has reached its end
+        finishes the request ("stop"). False (the request failed) if the grammar refuses
+        the token, which the step's mask should have made impossible."""
+        if req.grammar_waits_for is not None:  # free text (reasoning) until its end token
+            if token == req.grammar_waits_for:
+                req.grammar_waits_for = None
+            return True
+        if not req.grammar.consume_token(token):
+            logger.info("Request %s failed: its structured output's grammar gave up at a "
+                        "token (over its per-step budget)", tracked.request_id[:64])
+            self._fail(tracked, RuntimeError(
+                f"the grammar gave up at the output's token {req.num_output_tokens} (its "
+                f"lexer or parser ran past its per-step budget): "
+                f"{describe_error(req.grammar.get_error())}"),
+                "while matching its structured output", log=False, param="structured_outputs")
+            return False
+        if req.grammar.is_stopped() and not req.finished:
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        return True
 
     def _step_failed(self, out: SchedulerOutput, err: Exception) -> None:
         """A step failed on the device. What it did to its requests' KV and penalty state is

@@ -20,10 +20,10 @@ from jaxserve.config.engine_config import EngineConfig
 from jaxserve.config.kv_groups import describe_groups
 from jaxserve.core.input_builder import grammar_masks, prompt_score_targets
 from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.pooling import PoolingState, fold_pooled
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import SchedulerOutput
-from jaxserve.core.structured_output import describe_error
 from jaxserve.engine.admission import EngineRequest, InputProcessor
 from jaxserve.engine.failures import EngineDeadError, FailureIsolation, describe
 from jaxserve.engine.interface import EngineInterface
@@ -71,6 +71,7 @@ class LLMEngine(FailureIsolation, EngineInterface):
         if config.precompile:
             self.runner.warm_up(background=config.precompile == "background")
         self._rng = np.random.default_rng(config.model.seed)
+        self._pooling = config.pooler is not None  # (pooling requests only: core/pooling.py)
         self.outputs = OutputBuilder(self.tokenizer)
         self._tracked: dict[str, TrackedRequest] = {}
         self._by_child: dict[str, TrackedRequest] = {}
@@ -150,7 +151,9 @@ class LLMEngine(FailureIsolation, EngineInterface):
         else can have changed since admission."""
         assert isinstance(request, EngineRequest), type(request)
         params, ids = request.params, request.prompt_token_ids
-        assert 0 < len(ids) < self.config.model.max_model_len, len(ids)
+        pooler = self.config.pooler
+        assert (request.pooling is None) == (pooler is None), "pooling on a pooling engine only"
+        assert 0 < len(ids) < self.config.model.max_model_len + (pooler is not None), len(ids)
         assert (params.structured_outputs is None) == (request.grammar is None), \
             "a structured output's grammar is compiled before the request is added"
         if request.request_id in self._tracked:
@@ -161,10 +164,12 @@ class LLMEngine(FailureIsolation, EngineInterface):
                     else int(self._rng.integers(0, 2**32)))
             grammar = (None if request.grammar is None else
                        self.grammars.new_matcher(request.grammar))
+            pooling = None if pooler is None else PoolingState(
+                request.pooling, pooler.pooling_type, pooler.task)
             child = Request(f"{request.request_id}#{i}", ids, params, seed=seed % 2**32,
                             max_model_len=self.config.model.max_model_len,
                             eos_token_ids=self.eos_token_ids, priority=request.priority,
-                            constraints=request.constraints, grammar=grammar)
+                            constraints=request.constraints, grammar=grammar, pooling=pooling)
             child.grammar_waits_for = request.grammar_start
             if request.cache_salt is not None:
                 child.extra_keys = ("cache_salt", str(request.cache_salt))
@@ -439,8 +444,11 @@ class LLMEngine(FailureIsolation, EngineInterface):
                                                         result.prompt_scores)
                 except Exception as err:  # noqa: BLE001 - this request only
                     self._fail(tracked, err, "while its results were read")
+        pooled = self._fold_pooled(out, result.pooled) if self._pooling else None
         sampled = result.sampled
         taken = self.scheduler.update_from_output(out, sampled, result.num_emitted)
+        if pooled:  # (pooling requests finished by this step: before any of its tokens)
+            taken = pooled + taken
         if not self._constrained and not self._with_logprobs:
             return taken
         appended = []
@@ -467,26 +475,16 @@ class LLMEngine(FailureIsolation, EngineInterface):
             appended.append((req, first, count))
         return appended
 
-    def _advance_grammar(self, tracked: TrackedRequest, req: Request, token: int) -> bool:
-        """Feed a sampled token to the request's grammar; a grammar that has reached its end
-        finishes the request ("stop"). False (the request failed) if the grammar refuses
-        the token, which the step's mask should have made impossible."""
-        if req.grammar_waits_for is not None:  # free text (reasoning) until its end token
-            if token == req.grammar_waits_for:
-                req.grammar_waits_for = None
-            return True
-        if not req.grammar.consume_token(token):
-            logger.info("Request %s failed: its structured output's grammar gave up at a "
-                        "token (over its per-step budget)", tracked.request_id[:64])
-            self._fail(tracked, RuntimeError(
-                f"the grammar gave up at the output's token {req.num_output_tokens} (its "
-                f"lexer or parser ran past its per-step budget): "
-                f"{describe_error(req.grammar.get_error())}"),
-                "while matching its structured output", log=False, param="structured_outputs")
-            return False
-        if req.grammar.is_stopped() and not req.finished:
-            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-        return True
+    def _fold_pooled(self, out: SchedulerOutput, pooled) -> list[tuple[Request, int, int]]:
+        """A pooling engine's step: each row's pooled hidden states into its request; the
+        requests whose prompt it ended finished with their output (core/pooling.py), as
+        (request, row, 0) for _step's changed requests."""
+        done, failed = fold_pooled(self.scheduler, out, pooled)
+        for req, err in failed:
+            self._fail(self._by_child[req.request_id], err, "while its output was pooled")
+        for req, _, _ in done:
+            self._by_child[req.request_id].pooled = req.pooling.result
+        return done
 
     def _prompt_score_targets(self, out: SchedulerOutput) -> np.ndarray | None:
         """The prompt tokens whose logprobs this step scores (input_builder's targets), for

@@ -16,6 +16,8 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.outputs import (
     CompletionOutput,
     Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
     RequestMetrics,
     RequestOutput,
     Snapshot,
@@ -38,6 +40,9 @@ class TrackedRequest:
     # Per child, per output token {token_id: Logprob} (chosen + top-k), when asked for.
     logprobs: list[list[dict]] = dataclasses.field(default_factory=list)
     metrics: RequestMetrics | None = None  # once every child has been scheduled
+    # A pooling request: its settings (PoolingParams), and its output f32[X] once finished.
+    pooling: object | None = None
+    pooled: object | None = None
 
     def __post_init__(self) -> None:
         self.logprobs = self.logprobs or [[] for _ in self.children]
@@ -53,6 +58,9 @@ def track(request, children: list[Request], tokenizer) -> TrackedRequest:
     """A TrackedRequest for an admitted request (admission.EngineRequest) and its children,
     each with a detokenizer of its own."""
     params = request.params
+    if request.pooling is not None:  # no text: its output is a vector
+        return TrackedRequest(request.request_id, request.prompt, request.prompt_token_ids,
+                              params, children, [], None, pooling=request.pooling)
     detoks = [IncrementalDetokenizer(
         tokenizer, request.prompt_token_ids, stop=params.stop,
         include_stop_str_in_output=params.include_stop_str_in_output,
@@ -96,7 +104,9 @@ class OutputBuilder:
     def make_output(self, tracked: TrackedRequest) -> RequestOutput:
         """The request's output now. Its cost does not grow with the output's length while
         it runs: token ids and logprobs are Snapshots, and only new tokens are
-        detokenized."""
+        detokenized. A pooling request's is a PoolingRequestOutput."""
+        if tracked.pooling is not None:
+            return self.pooling_output(tracked)
         completions = []
         for i, (child, detok) in enumerate(zip(tracked.children, tracked.detokenizers)):
             finished = child.finished
@@ -116,20 +126,20 @@ class OutputBuilder:
                 token_ids, reason = Snapshot(child.output_view, count), None
             completions.append(CompletionOutput(i, text, token_ids, cumulative, logprobs,
                                                 reason, child.stop_reason))
-        metrics = tracked.metrics
-        if metrics is None:  # kept once every choice has been scheduled: it cannot change
-            scheduled = [c.scheduled_time for c in tracked.children
-                         if c.scheduled_time is not None]
-            metrics = RequestMetrics(tracked.children[0].arrival_time,
-                                     min(scheduled) if scheduled else None)
-            if len(scheduled) == len(tracked.children):
-                tracked.metrics = metrics
         # Prompt tokens served from the prefix cache, for the first choice (with n > 1 the
         # other choices usually hit the blocks the first one computed).
         cached = tracked.children[0].num_cached_tokens or 0
         return RequestOutput(tracked.request_id, tracked.prompt, tracked.prompt_token_ids,
                              tracked.prompt_logprobs, completions, tracked.finished,
-                             num_cached_tokens=cached, metrics=metrics)
+                             num_cached_tokens=cached, metrics=_metrics(tracked))
+
+    def pooling_output(self, tracked: TrackedRequest) -> PoolingRequestOutput:
+        """A pooling request's output: its vector once finished."""
+        data = None if tracked.pooled is None else PoolingOutput(tracked.pooled)
+        return PoolingRequestOutput(tracked.request_id, data, tracked.prompt_token_ids,
+                                    tracked.finished, tracked.children[0].num_cached_tokens or 0,
+                                    tracked.prompt, _metrics(tracked), tracked.error,
+                                    tracked.error_param)
 
     def step_outputs(self, changed, failed: list[TrackedRequest], fail, final_only: bool,
                      wanted) -> list[RequestOutput]:
@@ -157,11 +167,25 @@ class OutputBuilder:
     def error_output(self, tracked: TrackedRequest) -> RequestOutput:
         """The last output of a failed request: every choice ends with "error", with the
         tokens it had (no text: the detokenizer may be what failed)."""
+        if tracked.pooling is not None:
+            return dataclasses.replace(self.pooling_output(tracked), outputs=None,
+                                       finished=True)
         completions = [CompletionOutput(i, "", child.output_token_ids, None, None, "error")
                        for i, child in enumerate(tracked.children)]
         return RequestOutput(tracked.request_id, tracked.prompt, tracked.prompt_token_ids,
                              None, completions, True, error=tracked.error,
                              error_param=tracked.error_param)
+
+
+def _metrics(tracked: TrackedRequest) -> RequestMetrics:
+    metrics = tracked.metrics
+    if metrics is None:  # kept once every choice has been scheduled: it cannot change
+        scheduled = [c.scheduled_time for c in tracked.children if c.scheduled_time is not None]
+        metrics = RequestMetrics(tracked.children[0].arrival_time,
+                                 min(scheduled) if scheduled else None)
+        if len(scheduled) == len(tracked.children):
+            tracked.metrics = metrics
+    return metrics
 
 
 def _catch_up(child: Request, detok: IncrementalDetokenizer) -> None:

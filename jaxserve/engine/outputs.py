@@ -1,9 +1,12 @@
-"""Result objects shaped like vLLM's (RequestOutput, CompletionOutput, Logprob)."""
+"""Result objects shaped like vLLM's (RequestOutput, CompletionOutput, Logprob; for pooling
+models PoolingRequestOutput and its embedding, classification and scoring forms)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+
+import numpy as np
 
 
 @dataclasses.dataclass
@@ -119,3 +122,112 @@ class RequestOutput:
     # The request field whose value made it fail (its structured output's grammar ran past
     # its per-step budget): the request's fault, not the engine's. None otherwise.
     error_param: str | None = None
+
+
+# ---- pooling (embeddings, classification, scores), as vLLM's ------------------------------
+@dataclasses.dataclass
+class PoolingOutput:
+    """A pooling request's result: an embedding f32[D'] or classification f32[L] (vLLM holds
+    a torch tensor here; jaxserve a numpy array)."""
+
+    data: np.ndarray
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, PoolingOutput) and np.array_equal(self.data, other.data)
+
+
+@dataclasses.dataclass
+class PoolingRequestOutput:
+    """The output of one pooling request (one input of LLM.embed / classify / encode):
+    `outputs.data`, set once it has finished (None while it runs, and for a request the
+    engine failed: then `error` says why)."""
+
+    request_id: str
+    outputs: PoolingOutput | None
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+    metrics: RequestMetrics | None = None
+    error: str | None = None  # as RequestOutput's
+    error_param: str | None = None
+
+    @property
+    def finish_reason(self) -> str | None:
+        """How it ended, in RequestOutput's words: "stop" (pooled), "error", "abort"; None
+        while it runs."""
+        if self.error is not None:
+            return "error"
+        if self.outputs is not None:
+            return "stop"
+        return "abort" if self.finished else None
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @classmethod
+    def from_base(cls, output: PoolingOutput) -> EmbeddingOutput:
+        if output.data.ndim != 1:
+            raise ValueError("an embedding is one vector; this output holds "
+                             f"{output.data.shape}")
+        return cls(output.data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclasses.dataclass
+class ClassificationOutput:
+    probs: list[float]  # per label, in id2label's order (logits when use_activation=False)
+
+    @classmethod
+    def from_base(cls, output: PoolingOutput) -> ClassificationOutput:
+        return cls(output.data.tolist())
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclasses.dataclass
+class ScoringOutput:
+    score: float  # cosine similarity (embedding models) or the cross-encoder's probability
+
+    @classmethod
+    def from_base(cls, output: PoolingOutput) -> ScoringOutput:
+        if output.data.size != 1:
+            raise ValueError(f"a score is one number; this output holds {output.data.size}")
+        return cls(float(output.data.reshape(-1)[0]))
+
+
+def _typed(kind):
+    """A PoolingRequestOutput subclass whose outputs are `kind` (vLLM's
+    EmbeddingRequestOutput and the others), with from_base."""
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput):
+        return cls(output.request_id, kind.from_base(output.outputs), output.prompt_token_ids,
+                   output.finished, output.num_cached_tokens, output.prompt, output.metrics)
+
+    return from_base
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """`outputs.embedding`: list[float]."""
+
+    from_base = _typed(EmbeddingOutput)
+
+
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """`outputs.probs`: list[float], one per label."""
+
+    from_base = _typed(ClassificationOutput)
+
+
+class ScoringRequestOutput(PoolingRequestOutput):
+    """`outputs.score`: float."""
+
+    from_base = _typed(ScoringOutput)

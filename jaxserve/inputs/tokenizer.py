@@ -224,3 +224,16 @@ def with_special_tokens(tokenizer, ids: list[int]) -> list[int]:
         if wrapped[start: start + len(plain)] == plain:
             return wrapped[:start] + list(ids) + wrapped[start + len(plain):]
     return list(ids)
+
+
+def encode_pair(tokenizer, text: str, text_pair: str) -> list[int]:
+    """tokenizer(text, text_pair)'s input ids: the pair encoding with the tokenizer's own
+    special tokens between and around (a cross-encoder's input), the GIL released while the
+    Rust tokenizer runs."""
+    encoders = _rust_encoders(tokenizer) if _plain_fast_class(tokenizer) else None
+    if encoders is None:
+        return list(tokenizer(text, text_pair)["input_ids"])
+    encoder = encoders.plain if getattr(tokenizer, "split_special_tokens", False) \
+        else encoders.parse
+    batch = getattr(encoder, "encode_batch_fast", None) or encoder.encode_batch
+    return batch([(text, text_pair)], add_special_tokens=True)[0].ids

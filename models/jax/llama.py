@@ -146,6 +146,8 @@ class LlamaForCausalLM(nnx.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         if not arch.tie_word_embeddings:
             self.lm_head = nnx.Param(jnp.zeros((arch.vocab_size, arch.hidden_size), dtype))
+        if arch.num_labels:  # a sequence-classification head, [D, L]
+            self.score = nnx.Param(jnp.zeros((arch.hidden_size, arch.num_labels), dtype))
 
     def __call__(self, kv_caches: list, batch, attend: Callable = None, groups=None):
         """Returns (updated per-layer (k, v) caches, final hidden states [T, D]).
@@ -171,6 +173,12 @@ class LlamaForCausalLM(nnx.Module):
         """hidden: [X, D] -> f32[X, V]."""
         head = self.embed if self.arch.tie_word_embeddings else self.lm_head
         return jnp.einsum("xd,vd->xv", hidden, head[...]).astype(jnp.float32)
+
+    def classify(self, hidden):
+        """hidden: [X, D] -> f32[X, L], the sequence-classification head's logits (linear,
+        no bias: it may be applied to sums of hidden states)."""
+        return jnp.einsum("xd,dl->xl", hidden.astype(jnp.float32),
+                          self.score[...].astype(jnp.float32))
 
 
 def reference_attend(q, k, v, kv_cache, batch, *, scale, sliding_window=None, soft_cap=None,

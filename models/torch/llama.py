@@ -183,6 +183,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         if not arch.tie_word_embeddings:
             self.lm_head = _param(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        if arch.num_labels:  # a sequence-classification head, [D, L]
+            self.score = _param(arch.hidden_size, arch.num_labels, dtype=dtype)
         self.register_buffer("inv_freq", self.rope_table(arch), persistent=False)
 
     def init_rope(self, device) -> None:
@@ -211,3 +213,7 @@ class LlamaForCausalLM(nn.Module):
         """hidden: [X, D] -> f32[X, V]."""
         head = self.embed if self.arch.tie_word_embeddings else self.lm_head
         return (hidden @ head.T).float()
+
+    def classify(self, hidden):
+        """hidden: [X, D] -> f32[X, L], the sequence-classification head's logits."""
+        return hidden.float() @ self.score.float()

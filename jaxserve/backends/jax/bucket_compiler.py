@@ -1,6 +1,8 @@
 """The runner's compiled functions: built once each, on demand or by a warm-up.
 
-Keys are ("step", T, R) for the step of bucket (T, R) and ("score", T) for prompt scoring.
+Keys are ("step", T, R) for the step of bucket (T, R), ("score", T) for prompt scoring and,
+on a pooling engine, ("pool", T, R) for the pooling function of bucket (T, R) (which is then
+all a warm-up compiles beside the steps: pooling requests never score, bias or constrain).
 A function is built (loaded from the executable cache, or traced, lowered and compiled) by
 whichever thread asks first; a thread asking while another builds it waits for that build.
 A warm-up builds every function on a pool of compile threads (XLA compiles in parallel and
@@ -30,10 +32,12 @@ COMPILE_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
 
 class CompiledFunctions:
     def __init__(self, build: Callable[[tuple], object], buckets: SchedulerConfig,
-                 cache=None) -> None:
+                 cache=None, pooling: bool = False) -> None:
         """build(key) -> a compiled function; buckets: the step buckets to warm up; cache:
-        the executable cache (its hits are logged)."""
+        the executable cache (its hits are logged); pooling: the engine pools (its warm-up
+        compiles each bucket's step and pooling function)."""
         self._build = build
+        self.pooling = pooling
         self.buckets = buckets
         self.cache = cache
         self._lock = threading.Lock()
@@ -102,6 +106,9 @@ class CompiledFunctions:
         its largest R, then the decode buckets of a few sequences, then by T."""
         pairs = list(self.buckets.step_buckets)
         first = max((p for p in pairs if p[0] == pairs[0][0]), key=lambda p: p[1])
+        if self.pooling:
+            rest = [p for p in pairs if p != first]
+            return [(kind, *p) for p in [first] + rest for kind in ("step", "pool")]
         order = [("step", *first)]
         for t, r in pairs:
             if (t, r) != first:

@@ -14,8 +14,9 @@ and serves each to host 0 as an engine core over a connection (engine/remote_rep
 engine core process's protocol), so each replica's host work runs on its own host. A host
 of a replica that spans hosts but does not lead it follows its lead host's steps
 (ModelRunner.follow): it receives each step the lead host is about to run (its (T, R)
-bucket, the packed int32 inputs, the prompt-scoring targets) through a StepChannel and runs
-the same compiled function on them, so the collectives inside the step line up.
+bucket, the packed int32 inputs, the prompt-scoring targets, the pooling inputs) through a
+StepChannel and runs the same compiled functions on them, so the collectives inside the step
+line up.
 
 The connections are multiprocessing.connection sockets authenticated with a key host 0 draws
 and shares through jax.distributed's key-value store, where every host also publishes the
@@ -35,6 +36,10 @@ from multiprocessing.connection import Client, Connection, Listener
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
+
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.config.mesh import AXES, ModelDims, check_devices
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +48,22 @@ _LOOKUP_TIMEOUT_MS = 15 * 60 * 1000  # how long a host waits for another's addre
 _STOP = None  # StepChannel's message to stop following
 
 _links: HostLinks | None = None
+
+
+def replica_mesh(config: EngineConfig, rank: int = 0) -> Mesh:
+    """The (1, model) mesh of data-parallel replica `rank`: the rank-th run of `model`
+    devices (host by host on several hosts). Checks first that the configured mesh fits the
+    devices there are."""
+    parallel = config.parallel
+    devices = jax.devices()
+    check_devices(parallel.mesh, len(devices), ModelDims.from_hf(config.model.hf_config),
+                  parallel.expert_parallel)
+    model = parallel.mesh.model
+    if jax.process_count() > 1:
+        replica_hosts(parallel.mesh.data, model)  # (checks the layout)
+        devices = ordered_devices()
+    mine = devices[rank * model:(rank + 1) * model]
+    return Mesh(np.array(mine).reshape(1, model), AXES)
 
 
 def initialize(coordinator: str | None, num_hosts: int | None, host_id: int | None) -> None:
@@ -201,17 +222,18 @@ class StepChannel:
 
     def send(self, num_tokens: int, num_rows: int, packed: np.ndarray,
              targets: np.ndarray | None, bias_rows: list[tuple[int, np.ndarray]],
-             grammar_rows: list[tuple[int, np.ndarray]]) -> None:
+             grammar_rows: list[tuple[int, np.ndarray]],
+             pool: np.ndarray | None = None) -> None:
         """bias_rows: [(sampler row, f32[V])]; grammar_rows: [(sampler row, i32[W])]: the
-        sampler-state rows to write before the step."""
-        self._send((num_tokens, num_rows, packed, targets, bias_rows, grammar_rows))
+        sampler-state rows to write before the step; pool: its pooling inputs i32[T + R]."""
+        self._send((num_tokens, num_rows, packed, targets, bias_rows, grammar_rows, pool))
 
     def send_stop(self) -> None:
         self._send(_STOP)
 
     def receive(self):
         """(num_tokens, num_rows, packed i32[X], targets i32[T] or None, bias rows, grammar
-        rows), or None: stop (also when the lead host is gone)."""
+        rows, pooling inputs or None), or None: stop (also when the lead host is gone)."""
         try:
             return self._source.recv()
         except (EOFError, OSError):

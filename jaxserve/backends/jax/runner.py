@@ -18,7 +18,7 @@ packed into one int32 buffer (one host-to-device transfer; unpacked inside by st
 slices, see packing.py), and the penalty state (per-request token counts, logit-bias rows,
 grammar bitmasks) rides along with the KV cache. kv_caches and penalty_state
 are donated, so both are updated in place. hidden (the final hidden states, [T, D]) stays
-on the device for prompt_logprobs.
+on the device for prompt_logprobs and, on a pooling engine, the pooling function (pooling.py).
 Every device array is placed through the engine's Mesh (one device by default).
 """
 
@@ -52,6 +52,7 @@ from jaxserve.backends.jax.compile_stats import (
 from jaxserve.backends.jax.executable_cache import executable_cache_for
 from jaxserve.backends.jax.orbax_checkpoint import is_orbax_folder, restore_params
 from jaxserve.backends.jax.packing import Layout, layout_of, pack_device, unpack, unpack_host
+from jaxserve.backends.jax.pooling import pool_rows
 from jaxserve.backends.jax.rejection_sampler import accept_drafts
 from jaxserve.backends.jax.sampler import (
     MASK_ROWS_PER_CALL,
@@ -69,16 +70,9 @@ from jaxserve.backends.protocol import PaddingStats, RunnerStats, StepResult
 from jaxserve.config import kv_sizing
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.config.kv_groups import kv_groups_for
-from jaxserve.config.mesh import (
-    AXES,
-    KV_CACHE_SPEC,
-    MODEL,
-    ModelDims,
-    check_devices,
-    param_spec,
-    plan_sharding,
-)
+from jaxserve.config.mesh import KV_CACHE_SPEC, MODEL, ModelDims, param_spec, plan_sharding
 from jaxserve.core.input_builder import StepInputBuilder, build_step_inputs
+from jaxserve.core.pooling import pool_inputs
 from jaxserve.core.sampling_params import MAX_LOGPROBS
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.kernels_pallas import ref
@@ -102,22 +96,7 @@ class InFlightStep:
     scores: jax.Array | None  # packed prompt scores, when asked for
     num_tokens: int  # the step's (T, R) bucket
     num_rows: int
-
-
-def replica_mesh(config: EngineConfig, rank: int = 0) -> Mesh:
-    """The (1, model) mesh of data-parallel replica `rank`: the rank-th run of `model`
-    devices (host by host on several hosts). Checks first that the configured mesh fits the
-    devices there are."""
-    parallel = config.parallel
-    devices = jax.devices()
-    check_devices(parallel.mesh, len(devices), ModelDims.from_hf(config.model.hf_config),
-                  parallel.expert_parallel)
-    model = parallel.mesh.model
-    if jax.process_count() > 1:
-        distributed.replica_hosts(parallel.mesh.data, model)  # (checks the layout)
-        devices = distributed.ordered_devices()
-    mine = devices[rank * model:(rank + 1) * model]
-    return Mesh(np.array(mine).reshape(1, model), AXES)
+    pooled: jax.Array | None = None  # f32[R, X] pooled rows, on a pooling engine
 
 
 class ModelRunner:
@@ -129,7 +108,7 @@ class ModelRunner:
         self.config = config
         self.num_speculative = (config.speculative.num_speculative_tokens
                                 if config.speculative is not None else 0)  # K
-        self.mesh = mesh or replica_mesh(config)
+        self.mesh = mesh or distributed.replica_mesh(config)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.local_device = next(d for d in self.mesh.devices.flat
                                  if d.process_index == jax.process_index())
@@ -192,6 +171,7 @@ class ModelRunner:
                           for i in range(self.kv_groups.num_slots)]
         self._step = jax.jit(self._step_fn, donate_argnums=(1, 2), static_argnames=("layout",))
         self._score = jax.jit(self._score_fn)
+        self._pool = jax.jit(self._pool_fn)
         self._set_bias = jax.jit(set_bias_row, donate_argnums=0)
         self._set_grammar = jax.jit(set_grammar_rows, donate_argnums=0)
         # Shapes and shardings to compile for: the live arrays are donated at every step.
@@ -200,7 +180,8 @@ class ModelRunner:
         self._kv_spec = jax.tree.map(spec, self.kv_caches)
         self._penalty_spec = jax.tree.map(spec, self.penalty_state)
         self.executables = executable_cache_for(config, self)
-        self.compiled = CompiledFunctions(self._build, config.scheduler, self.executables)
+        self.compiled = CompiledFunctions(self._build, config.scheduler, self.executables,
+                                          pooling=config.pooler is not None)
 
     # ---- sizing -------------------------------------------------------------------------
     def _log_placement(self) -> None:
@@ -308,6 +289,11 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, params)
         return pack_device(score_tokens(model.logits(hidden), targets))
 
+    def _pool_fn(self, params, hidden, rows):
+        pooler = self.config.pooler
+        return pool_rows(nnx.merge(self.graphdef, params), hidden, rows, pooler.pooling_type,
+                         pooler.applies_head)
+
     def _layout(self, num_tokens: int, num_rows: int) -> Layout:
         batch, sampling = build_step_inputs(SchedulerOutput([], [], []), num_tokens, num_rows,
                                             self.block_size, self.blocks_per_seq,
@@ -373,6 +359,13 @@ class ModelRunner:
             rows = jax.ShapeDtypeStruct((k,), jnp.int32, sharding=self.replicated)
             masks = jax.ShapeDtypeStruct((k, words), jnp.int32, sharding=self.replicated)
             return self._set_grammar.lower(self._penalty_spec, rows, masks)
+        if key[0] == "pool":
+            _, num_tokens, num_rows = key
+            hidden = jax.ShapeDtypeStruct((num_tokens, self.arch.hidden_size), self.dtype,
+                                          sharding=self.replicated)
+            rows = jax.ShapeDtypeStruct((num_tokens + num_rows,), jnp.int32,
+                                        sharding=self.replicated)
+            return self._pool.lower(self._params_spec, hidden, rows)
         if key[0] == "step":
             _, num_tokens, num_rows = key
             layout = self._layout(num_tokens, num_rows)
@@ -429,15 +422,21 @@ class ModelRunner:
                      for req in map(out.requests.__getitem__, out.new_rows)
                      if req.constraints is not None and req.constraints.has_row]
         grammar_rows = list(grammar_masks or [])
+        pooler = self.config.pooler
+        pool = None if pooler is None else pool_inputs(out, num_tokens, num_rows,
+                                                       pooler.pooling_type)
         if self.channel is not None:  # the replica's other hosts run the same step
-            self.channel.send(num_tokens, num_rows, packed, targets, bias_rows, grammar_rows)
-        return self._run(num_tokens, num_rows, packed, targets, bias_rows, grammar_rows)
+            self.channel.send(num_tokens, num_rows, packed, targets, bias_rows, grammar_rows,
+                              pool)
+        return self._run(num_tokens, num_rows, packed, targets, bias_rows, grammar_rows, pool)
 
     def _run(self, num_tokens: int, num_rows: int, packed: np.ndarray,
-             targets: np.ndarray | None, bias_rows: list, grammar_rows: list) -> InFlightStep:
-        """Launch the compiled step (and prompt scoring) on packed host inputs, after
-        writing the logit bias rows [(row, f32[V])] of requests starting this step and the
-        grammar bitmasks [(row, i32[W])] of its constrained rows."""
+             targets: np.ndarray | None, bias_rows: list, grammar_rows: list,
+             pool: np.ndarray | None = None) -> InFlightStep:
+        """Launch the compiled step (and prompt scoring, and pooling: pool i32[T + R]) on
+        packed host inputs, after writing the logit bias rows [(row, f32[V])] of requests
+        starting this step and the grammar bitmasks [(row, i32[W])] of its constrained
+        rows."""
         if bias_rows:
             set_bias = self.compiled.get(("bias",))
             for row, values in bias_rows:
@@ -461,7 +460,11 @@ class ModelRunner:
         if targets is not None:
             score = self._compile_score(num_tokens)
             scores = score(self.params, hidden, place(targets, self.replicated))
-        return InFlightStep(result, scores, num_tokens, num_rows)
+        pooled = None
+        if pool is not None:
+            pooled = self.compiled.get(("pool", num_tokens, num_rows))(
+                self.params, hidden, place(pool, self.replicated))
+        return InFlightStep(result, scores, num_tokens, num_rows, pooled)
 
     def follow(self) -> int:
         """The loop of a host that does not lead its replica: run the lead host's steps
@@ -483,14 +486,15 @@ class ModelRunner:
 
     def fetch(self, step: InFlightStep) -> StepResult:
         """Wait for a dispatched step; its results in one device-to-host transfer."""
-        result, scores = jax.device_get((_local(step.result), _local(step.scores)))
+        result, scores, pooled = jax.device_get((_local(step.result), _local(step.scores),
+                                                 _local(step.pooled)))
         num_emitted = None
         result = unpack_host(result, self._step_result_like(step.num_tokens, step.num_rows))
         if self.num_speculative:
             result, num_emitted = result
         if scores is not None:
             scores = unpack_host(scores, self._result_like(step.num_tokens))
-        return StepResult(result, scores, num_emitted)
+        return StepResult(result, scores, num_emitted, pooled)
 
 
 def _local(array: jax.Array | None) -> jax.Array | None:

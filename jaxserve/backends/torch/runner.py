@@ -7,7 +7,8 @@ place) and the torch sampler (backends/torch/sampler.py), and runs each step on 
 bucket and the same inputs (input_builder.StepInputBuilder) as the JAX runner:
 
     dispatch: inputs -> device, bias / grammar rows written, forward(batch) -> hidden [T, D],
-              logits of each row's last token, penalty state updated, sample; prompt scores
+              logits of each row's last token, penalty state updated, sample; prompt scores;
+              a pooling engine's pooled rows (pool_rows, the JAX runner's pooling.py)
     fetch:    one wait, results to numpy (a StepResult)
 
 On a GPU (CUDA or ROCm torch) attention is the Triton kernels of kernels_triton/ and the
@@ -46,6 +47,7 @@ from jaxserve.config import kv_sizing
 from jaxserve.config.engine_config import TORCH_ATTENTION_BACKENDS, EngineConfig
 from jaxserve.config.kv_groups import kv_groups_for
 from jaxserve.core.input_builder import StepInputBuilder, build_step_inputs
+from jaxserve.core.pooling import pool_inputs
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.kernels_triton import ref
 from jaxserve.models import model_family
@@ -81,6 +83,7 @@ class TorchBatch:
 class InFlightStep:
     result: SampleResult  # device tensors
     scores: SampleResult | None
+    pooled: torch.Tensor | None = None  # f32[R, X], on a pooling engine
 
 
 def torch_device() -> torch.device:
@@ -351,12 +354,18 @@ class TorchRunner:
             targets = np.zeros(num_tokens, np.int32)
             targets[: len(score_targets)] = np.maximum(score_targets, 0)
             scores = score_tokens(self.model.logits(hidden), self._put(targets))
-        return InFlightStep(result, scores)
+        pooler = self.config.pooler
+        rows = None if pooler is None else pool_inputs(out, num_tokens, num_rows,
+                                                       pooler.pooling_type)
+        pooled = None if rows is None else pool_rows(self.model, hidden, self._put(rows).long(),
+                                                     pooler.pooling_type, pooler.applies_head)
+        return InFlightStep(result, scores, pooled)
 
     def fetch(self, step: InFlightStep) -> StepResult:
         """Wait for a dispatched step; its results as numpy arrays."""
         scores = step.scores.to_host() if step.scores is not None else None
-        return StepResult(step.result.to_host(), scores)
+        pooled = step.pooled.cpu().numpy() if step.pooled is not None else None
+        return StepResult(step.result.to_host(), scores, pooled=pooled)
 
     # ---- helpers ------------------------------------------------------------------------
     def _put(self, value: np.ndarray) -> torch.Tensor:
@@ -377,6 +386,21 @@ class TorchRunner:
             rows = self._put(np.asarray([row for row, _ in grammar_masks], np.int64))
             masks = self._put(np.stack([mask for _, mask in grammar_masks]).astype(np.int32))
             state.grammar_mask[rows] = masks
+
+
+def pool_rows(model, hidden: torch.Tensor, rows: torch.Tensor, pooling_type: str,
+              head: bool) -> torch.Tensor:
+    """The JAX runner's pooling function (backends/jax/pooling.py) in torch: hidden [T, D],
+    rows i64[T + R] (core/pooling.py's pool_inputs) -> f32[R, X]."""
+    num_tokens = hidden.shape[0]
+    num_rows = rows.shape[0] - num_tokens
+    if pooling_type == "MEAN":  # each row's tokens summed; tokens of row R (padding) dropped
+        sums = torch.zeros(num_rows + 1, hidden.shape[1], dtype=torch.float32,
+                           device=hidden.device)
+        pooled = sums.index_add_(0, rows[:num_tokens], hidden.float())[:num_rows]
+    else:
+        pooled = hidden[rows[num_tokens:]].float()
+    return model.classify(pooled) if head else pooled
 
 
 def token_rows(batch: dict, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
