@@ -37,6 +37,7 @@ from jaxserve.server.openai_serving import (
     OpenAIServing,
     ResponseOptions,
 )
+from jaxserve.server.pooling_serving import PoolingServing
 from jaxserve.server.responses_serving import OpenAIResponses
 from jaxserve.server.responses_store import ResponseStore
 
@@ -163,6 +164,7 @@ class ServerState:
                                      options=config.responses)
         self.responses_api = OpenAIResponses(self.serving,
                                              ResponseStore(config.max_stored_responses))
+        self.pooling = PoolingServing(self.serving)
         self.draining = False
         self.started = time.time()
         self.num_preparing = 0  # requests in the admission path (event-loop thread only)
@@ -408,12 +410,16 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     async def cancel_response(response_id: str):
         return responses.cancel(response_id)
 
+    _install_pooling_routes(app, state, request_ids)
+
     @app.get("/v1/models")
     async def models():
+        # tasks (a jaxserve extension): what the model serves, in vLLM's task names
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": int(state.started),
             "owned_by": "jaxserve", "root": engine.engine.config.model.model,
-            "max_model_len": engine.engine.config.model.max_model_len}
+            "max_model_len": engine.engine.config.model.max_model_len,
+            "tasks": state.pooling.tasks}
             for name in config.served_names]}
 
     @app.post("/tokenize")
@@ -460,3 +466,26 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     async def metrics():
         body = engine.metrics.render() if engine.metrics else b""
         return PlainTextResponse(body, media_type="text/plain; version=0.0.4")
+
+
+def _install_pooling_routes(app: FastAPI, state: ServerState, request_ids) -> None:
+    """vLLM's pooling routes (pooling_serving.py): on a generating model each answers a 400
+    that says why, as the generation routes do on a pooling model."""
+    pooling = state.pooling
+
+    def route(prepare):
+        async def pooled(request: Request):
+            async with state.preparing():
+                prepared = await state.off_loop(prepare, await request.body(),
+                                                request_ids(request))
+            return await pooling.respond(prepared, request)
+        return pooled
+
+    routes = {("/v1/embeddings",): pooling.prepare_embeddings,
+              ("/pooling",): pooling.prepare_pooling, ("/classify",): pooling.prepare_classify,
+              ("/score", "/v1/score"): pooling.prepare_score,
+              ("/rerank", "/v1/rerank", "/v2/rerank"): pooling.prepare_rerank}
+    for paths, prepare in routes.items():
+        for path in paths:
+            app.add_api_route(path, route(prepare), methods=["POST"],
+                              name=prepare.__name__.removeprefix("prepare_"))

@@ -16,6 +16,11 @@ client written for vLLM's gRPC engine reads the same answers:
 - finish_reason is "stop", "length" or "abort"; matched_token_id is the stop token id,
   matched_stop_str the stop string (neither for EOS).
 
+Embed (a pooling model's embedding of one tokenized input; vLLM's servicer leaves it
+unimplemented): the input through the same admission path as /v1/embeddings
+(InputProcessor.process_pooling), refused with NotPooling (FAILED_PRECONDITION) on a model
+that does not embed.
+
 Fields jaxserve cannot honour (multimodal inputs, KV transfer for prefill/decode
 disaggregation, a data-parallel rank other than 0, structural tags, logprobs of the whole
 vocabulary) are refused with INVALID_ARGUMENT naming them, never ignored.
@@ -28,6 +33,7 @@ import math
 
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
+from jaxserve.core.pooling_params import PoolingParams
 from jaxserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxserve.core.structured_output import StructuredOutputsParams
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
@@ -76,6 +82,33 @@ def prompt_of(request: pb.GenerateRequest, encode) -> GrpcPrompt:
     if not request.text:
         raise BadRequest("text must not be empty.")
     return GrpcPrompt(request.text, encode(request.text))
+
+
+class NotPooling(ValueError):
+    """An Embed on a model that does not embed (FAILED_PRECONDITION: the server's model,
+    not the request, is what is wrong)."""
+
+
+def embed_request(request: pb.EmbedRequest, processor, request_id: str):
+    """An EmbedRequest as an admitted pooling request (admission.EngineRequest): its
+    request id and input checked, its embedding settings resolved against the served model
+    (NotPooling when it does not embed)."""
+    processor.check_request_id(request_id)
+    params = PoolingParams(task="embed")
+    try:
+        params.resolve(processor.pooler)  # (checked only: process_pooling resolves it)
+    except ValueError as err:
+        raise NotPooling(f"Embed: {err}") from None
+    ids = list(request.tokenized.input_ids)
+    if not ids:
+        raise BadRequest("tokenized.input_ids must not be empty (Embed takes a tokenized "
+                         "input).")
+    processor.check_pooling_count(1, "tokenized")
+    try:
+        return processor.process_pooling(request_id, request.tokenized.original_text or None,
+                                         ids, params)
+    except ValueError as err:
+        raise BadRequest(f"tokenized.input_ids: {err}") from None
 
 
 def sampling_params(proto: pb.SamplingParams, *, starts_after: str | None = None

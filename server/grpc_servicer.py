@@ -8,7 +8,8 @@ loop. Status codes: a bad request is INVALID_ARGUMENT naming the field, the admi
 RESOURCE_EXHAUSTED, a draining server, a dead engine or a full prepare queue UNAVAILABLE, a
 request whose grammar ran past its per-step budget INVALID_ARGUMENT, a request the engine
 failed INTERNAL; a call past its deadline is aborted (its blocks freed) and answered
-DEADLINE_EXCEEDED, and a cancelled call aborts its request.
+DEADLINE_EXCEEDED, and a cancelled call aborts its request. Embed serves an embedding model
+(grpc_requests.embed_request); on any other model it is FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
@@ -33,12 +34,14 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from jaxserve.config.version import VERSION
 from jaxserve.parsers.reasoning import END as REASONING_END
-from jaxserve.server.async_engine import EngineDeadError, OverloadedError
+from jaxserve.server.async_engine import EngineDeadError, OverloadedError, RequestFailedError
 from jaxserve.server.errors import APIError
 from jaxserve.server.grpc_requests import (
     BadRequest,
     ChoiceStream,
+    NotPooling,
     check_unsupported,
+    embed_request,
     prompt_of,
     sampling_params,
 )
@@ -304,10 +307,51 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             yield common_pb2.GetTokenizerChunk(
                 data=bundle[start:start + TOKENIZER_CHUNK_BYTES], sha256=digest if last else "")
 
+    # ---- Embed -----------------------------------------------------------------------------
+    async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
+        """One tokenized input's embedding, on a pooling model that embeds (otherwise
+        FAILED_PRECONDITION); admitted as /v1/embeddings' inputs are."""
+        self.last_receive = time.time()
+        if self.state.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "The server is shutting down.")
+        request_id = request.request_id or f"grpc-embed-{uuid.uuid4().hex}"
+        try:
+            async with self.state.preparing():
+                engine_request = await self.state.off_loop(
+                    embed_request, request, self.engine.processor, request_id)
+        except APIError as err:  # the prepare queue is full
+            await context.abort(grpc.StatusCode.UNAVAILABLE, err.message)
+        except NotPooling as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err)[:1000])
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err)[:1000])
+        timer, expired = self._deadline_timer(context, request_id)
+        try:
+            output = await self.async_engine.encode(engine_request)
+        except OverloadedError as err:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+        except EngineDeadError as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        except RequestFailedError as err:
+            code = grpc.StatusCode.INVALID_ARGUMENT if err.param is not None else \
+                grpc.StatusCode.INTERNAL
+            await context.abort(code, f"The engine failed this request: {err}"[:1000])
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err)[:1000])
+        finally:
+            if timer is not None:
+                timer.cancel()
+        if output.outputs is None:  # stopped before its end: the deadline, or an Abort
+            if expired.is_set():
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    "The call's deadline passed; the request was aborted.")
+            await context.abort(grpc.StatusCode.ABORTED, "The request was aborted.")
+        vector = output.outputs.data
+        return pb.EmbedResponse(embedding=vector.tolist(),
+                                prompt_tokens=len(output.prompt_token_ids),
+                                embedding_dim=int(vector.size))
+
     # ---- not served ------------------------------------------------------------------------
-    async def Embed(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "Embed: jaxserve serves generative models only.")
 
     async def StartProfile(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED,

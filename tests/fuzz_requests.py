@@ -15,6 +15,9 @@ from hypothesis import strategies as st
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 C, CH, R = "/v1/completions", "/v1/chat/completions", "/v1/responses"
+# The pooling routes (a generating model answers each with a 400 that says why)
+E, POOL, CLS, S, RR = "/v1/embeddings", "/pooling", "/classify", "/score", "/rerank"
+POOLING_PATHS = (E, POOL, CLS, S, "/v1/score", RR, "/v1/rerank", "/v2/rerank")
 
 
 def ref_chain(n: int) -> dict:
@@ -215,11 +218,53 @@ RESPONSES_FIELDS = {
     "conversation": ANY, "previous_response": ANY, "vllm_xargs": ANY,
 }
 
+# ---- the pooling routes: inputs, encodings, pooling settings, score pairs -----------------
+SCORE_SIDE = (TEXT | st.lists(TEXT, max_size=4)
+              | st.lists(st.fixed_dictionaries({"text": TEXT}), max_size=3)
+              | st.fixed_dictionaries({"content": st.lists(st.fixed_dictionaries(
+                  {"type": st.sampled_from(["text", "image_url", "x"]), "text": TEXT}),
+                  max_size=3)})
+              | st.just(["doc"] * 5000) | ANY)
+POOLING_FIELDS = {
+    "model": FIELDS["model"],
+    "input": (FIELDS["prompt"] | st.just(["a"] * 3000) | st.just([[5, 6]] * 3000)
+              | st.just([5] * 200) | MESSAGES),
+    "messages": MESSAGES, "add_special_tokens": st.booleans() | ANY,
+    "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(),
+    "chat_template_kwargs": FIELDS["chat_template_kwargs"], "chat_template": TEXT,
+    "encoding_format": st.sampled_from(["float", "base64", "bytes", "x"]) | ANY,
+    "embed_dtype": st.sampled_from(["float32", "float16", "bfloat16", "fp8_e4m3", "x"]) | ANY,
+    "endianness": st.sampled_from(["native", "big", "little", "x"]) | ANY,
+    "dimensions": st.integers(-1, 70) | INTS | FLOATS | ANY,
+    "normalize": st.booleans() | ANY, "use_activation": st.booleans() | ANY,
+    "activation": st.booleans() | ANY,
+    "truncate_prompt_tokens": st.integers(-2, 140) | INTS,
+    "truncation_side": st.sampled_from(["left", "right", "x"]),
+    "padding": st.sampled_from(["max_length", "do_not_pad", "x"]),
+    "task": st.sampled_from(["embed", "classify", "encode", "score", "token_embed", "x"]) | ANY,
+    "text_1": SCORE_SIDE, "text_2": SCORE_SIDE, "queries": SCORE_SIDE,
+    "documents": SCORE_SIDE, "items": SCORE_SIDE, "data_1": SCORE_SIDE, "data_2": SCORE_SIDE,
+    "query": SCORE_SIDE, "top_n": st.integers(-1, 8) | INTS, "return_documents": st.booleans()
+    | ANY, "max_tokens_per_query": INTS, "max_tokens_per_doc": INTS, "instruction": TEXT,
+    "priority": INTS, "cache_salt": TEXT, "user": TEXT | ANY,
+    "request_id": FIELDS["request_id"], "mm_processor_kwargs": ANY,
+}
+POOLING_VALID = {E: {"model": "tiny", "input": ["def f(x):", "import os"]},
+                 POOL: {"model": "tiny", "input": [5, 6, 7]},
+                 CLS: {"model": "tiny", "input": "def f(x):"},
+                 S: {"model": "tiny", "text_1": "def f", "text_2": ["import os", "x = 1"]},
+                 "/v1/score": {"model": "tiny", "queries": ["a", "b"], "documents": ["c", "d"]},
+                 RR: {"model": "tiny", "query": "def f", "documents": ["import os", "x"]},
+                 "/v1/rerank": {"model": "tiny", "query": "a", "documents": [{"text": "b"}],
+                                "top_n": 1},
+                 "/v2/rerank": {"model": "tiny", "query": "a", "documents": ["b", "c"],
+                                "return_documents": False}}
+
 VALID = {C: {"model": "tiny", "prompt": "def f(x):", "max_tokens": 3},
          CH: {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
          R: {"model": "tiny", "input": "hi", "max_output_tokens": 3},
          "/tokenize": {"model": "tiny", "prompt": "def f(x):"},
-         "/detokenize": {"model": "tiny", "tokens": [5, 6, 7]}}
+         "/detokenize": {"model": "tiny", "tokens": [5, 6, 7]}, **POOLING_VALID}
 NUMERIC = ("max_tokens", "max_completion_tokens", "n", "temperature", "top_p", "min_p", "top_k",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "min_tokens",
            "logprobs", "top_logprobs", "stop_token_ids", "tokens")
@@ -235,12 +280,14 @@ HEADERS = st.fixed_dictionaries({}, optional={"x-request-id": st.text(
 
 
 @st.composite
-def http_requests(draw) -> tuple[str, object, dict]:
+def http_requests(draw, paths=(C, C, CH, CH, R, R, "/tokenize", "/detokenize",
+                               *POOLING_PATHS)) -> tuple[str, object, dict]:
     """(path, body, headers): mostly a valid request with one or two fields changed to wild
     values (so that each value reaches the deepest check), sometimes anything at all."""
-    path = draw(st.sampled_from([C, C, CH, CH, R, R, "/tokenize", "/detokenize"]))
-    fields = RESPONSES_FIELDS if path == R else FIELDS
-    changed = st.sampled_from(tuple(RESPONSES_FIELDS)) if path == R else CHANGED_FIELD
+    path = draw(st.sampled_from(paths))
+    fields = RESPONSES_FIELDS if path == R else POOLING_FIELDS if path in POOLING_PATHS \
+        else FIELDS
+    changed = st.sampled_from(tuple(fields)) if fields is not FIELDS else CHANGED_FIELD
     kind = draw(st.integers(0, 9))
     if kind < 7:
         body = dict(VALID[path])
@@ -249,7 +296,8 @@ def http_requests(draw) -> tuple[str, object, dict]:
     elif kind == 7:
         body = draw(st.fixed_dictionaries({}, optional=fields))
     elif kind == 8:
-        big = {C: "prompt", CH: "messages", R: "input"}.get(path, "prompt")
+        big = {C: "prompt", CH: "messages", R: "input", E: "input", POOL: "input",
+               CLS: "input", S: "text_2", RR: "documents"}.get(path, "prompt")
         body = draw(st.fixed_dictionaries({big: HUGE_LISTS}))
     else:
         body = draw(ANY)
@@ -315,6 +363,16 @@ def grpc_requests(draw) -> pb.GenerateRequest:
     else:
         request.text = _proto_text(draw, TEXT)
     return request
+
+
+@st.composite
+def embed_requests(draw) -> pb.EmbedRequest:
+    """An EmbedRequest: token ids in and out of the vocabulary, empty, huge; any ids."""
+    ids = draw(st.lists(UINT32 | st.integers(0, 1023), max_size=8) | st.just([5] * 3000)
+               | st.just([]))
+    return pb.EmbedRequest(request_id=_proto_text(draw, TEXT | st.just("r" * 300)),
+                           tokenized=pb.TokenizedInput(original_text=_proto_text(draw, TEXT),
+                                                       input_ids=ids))
 
 
 ABORTS = st.builds(lambda ids: pb.AbortRequest(request_ids=ids), st.lists(

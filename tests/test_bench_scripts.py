@@ -14,11 +14,19 @@ import subprocess
 import sys
 
 import pytest
+import test_pooling
 from server_helpers import SMALL_ENGINE
 
 SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
 # The HTTP tests' engine shape: the executable cache serves the compiles to both.
 ENGINE = SMALL_ENGINE
+
+
+# The tiny pooling checkpoints (test_pooling.py's session fixture), for bench_embeddings.py.
+pooling_checkpoints = test_pooling.pooling_checkpoints
+# test_pooling.py's engine shape: the executable cache serves its compiles here too.
+POOL_ENGINE = ["--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--max-model-len", "128",
+               "--num-kv-blocks", "10", "--attention-backend", "reference"]
 
 
 def run_script(name: str, *args, timeout=600) -> subprocess.CompletedProcess:
@@ -61,6 +69,21 @@ def test_bench_offline_with_hf_baseline(tiny_checkpoints, tmp_path):
     assert data["hf"]["output_tokens"] == data["output_tokens"]
     assert data["hf"]["generated_tokens"] >= data["output_tokens"]
     assert sum(len(o) for o in data["jaxserve"]["outputs"]) == data["output_tokens"]
+
+
+def test_bench_embeddings_matches_transformers_and_counts_tokens(pooling_checkpoints,
+                                                                 tmp_path):
+    report = tmp_path / "report.json"
+    out = run_script("bench_embeddings.py", "--model", str(pooling_checkpoints["qwen3-embed"]),
+                     "--num-inputs", "12", "--median-len", "24", "--max-len", "100",
+                     "--hf-batch-size", "4", "--json", str(report), *POOL_ENGINE)
+    assert "jaxserve / HF tok/s" in out.stdout
+    data = json.loads(report.read_text())
+    ours, hf = data["jaxserve"], data["hf"]
+    assert data["inputs"] == 12 and ours["tokens"] == hf["tokens"] == data["tokens"]
+    assert hf["padded_tokens"] >= data["tokens"] and ours["recompilations_after_warm_up"] == 0
+    assert ours["tok_s"] > 0 and data["ratio"] == pytest.approx(ours["tok_s"] / hf["tok_s"])
+    assert data["max_cosine_distance"] < 1e-5  # the same embeddings, LAST-pooled, normalized
 
 
 def test_bench_structured_compares_constrained_and_free_batches(tiny_checkpoints, tmp_path):

@@ -1,9 +1,11 @@
-"""Property-based fuzz of every input surface of a real `jaxserve serve`: the five JSON
-endpoints (bodies and X-Request-Id) and gRPC Generate and Abort, with the grammar-bearing
-fields (schemas, regexes, grammars, choices, tools) drawn from a corpus of known bombs (tests/fuzz_requests.py). Every answer is
-a 2xx or a 4xx with the error envelope (gRPC: OK or a status that blames the request, never
-INTERNAL or UNKNOWN), the server process is the same one afterwards and still gives the same
-greedy tokens, and its log holds no ERROR line."""
+"""Property-based fuzz of every input surface of a real `jaxserve serve`: the JSON endpoints
+(bodies and X-Request-Id; the pooling routes too, which this generating model refuses: a
+pooling model's fuzz pass is in test_pooling_api.py) and gRPC Generate, Abort and Embed,
+with the grammar-bearing fields (schemas, regexes, grammars, choices, tools) drawn from a
+corpus of known bombs (tests/fuzz_requests.py). Every answer is a 2xx or a 4xx with the
+error envelope (gRPC: OK or a status that blames the request, never INTERNAL or UNKNOWN),
+the server process is the same one afterwards and still gives the same greedy tokens, and
+its log holds no ERROR line."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import time
 import grpc
 import httpx
 import pytest
-from fuzz_requests import ABORTS, encode, grpc_requests, http_requests
+from fuzz_requests import ABORTS, embed_requests, encode, grpc_requests, http_requests
 from hypothesis import HealthCheck, example, given, settings
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
@@ -21,7 +23,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 NORMAL = {"model": "tiny", "prompt": [1, 5, 6, 7], "max_tokens": 4, "temperature": 0,
           "ignore_eos": True, "logprobs": 0}
 ENVELOPE_KEYS = {"message", "type", "param", "code"}
-# What a gRPC call may end with: the request's fault, or the server's load.
+# What a gRPC call may end with: the request's fault, or the server's load (and Embed, on a
+# model that does not embed: FAILED_PRECONDITION).
 GRPC_REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                  grpc.StatusCode.UNAVAILABLE}
 
@@ -112,7 +115,7 @@ def fuzz_grpc(server, expected_tokens, seconds: float, examples: int) -> None:
 
         @settings(max_examples=examples, deadline=None, database=None,
                   suppress_health_check=list(HealthCheck))
-        @given(request=grpc_requests() | ABORTS)
+        @given(request=grpc_requests() | ABORTS | embed_requests())
         # A valid request always among them: the drawn ones can all be refusals (seen once
         # in ~20 runs), and the fuzz must show the engine serving amid them.
         @example(request=pb.GenerateRequest(
@@ -125,9 +128,16 @@ def fuzz_grpc(server, expected_tokens, seconds: float, examples: int) -> None:
                 if isinstance(request, pb.AbortRequest):
                     stub.Abort(request, timeout=60)
                     return
+                if isinstance(request, pb.EmbedRequest):
+                    reply = stub.Embed(request, timeout=60)
+                    assert reply.embedding_dim == len(reply.embedding) > 0, reply
+                    outcomes.append(grpc.StatusCode.OK)
+                    return
                 responses = list(stub.Generate(request, timeout=60))
             except grpc.RpcError as err:
-                assert err.code() in GRPC_REFUSALS, (err.code(), err.details(), request)
+                allowed = GRPC_REFUSALS | ({grpc.StatusCode.FAILED_PRECONDITION}
+                                           if isinstance(request, pb.EmbedRequest) else set())
+                assert err.code() in allowed, (err.code(), err.details(), request)
                 assert "Error" not in err.details()[:40], err.details()  # no class names
                 outcomes.append(err.code())
                 return

@@ -326,8 +326,11 @@ def test_health_reflection_and_what_is_not_served(stub, server):
         services = {s.name for s in reply.list_services_response.service}
         assert {SERVICE, "grpc.health.v1.Health"} <= services
     assert stub.HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy
-    for call in (lambda: stub.Embed(pb.EmbedRequest(request_id="e"), timeout=10),
-                 lambda: stub.StartProfile(common_pb2.StartProfileRequest(), timeout=10),
+    # Embed needs a pooling model (tests/test_pooling_api.py serves one): this one generates
+    code, details = status_of(lambda: stub.Embed(pb.EmbedRequest(
+        request_id="e", tokenized=pb.TokenizedInput(input_ids=[5, 6])), timeout=10))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "generates text" in details
+    for call in (lambda: stub.StartProfile(common_pb2.StartProfileRequest(), timeout=10),
                  lambda: list(stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(),
                                                      timeout=10))):
         code, details = status_of(call)
