@@ -10,23 +10,21 @@ import sys
 import time
 from collections.abc import Sequence
 
-import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.backends.selection import on_accelerator
 from jaxserve.config.engine_args import EngineArgs
-from jaxserve.core.pooling import normalize
 from jaxserve.core.pooling_params import PoolingParams
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.data_parallel import create_engine
 from jaxserve.engine.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
-    PoolingOutput,
     PoolingRequestOutput,
     RequestOutput,
     ScoringRequestOutput,
 )
+from jaxserve.engine.scoring import plan_scores
 
 logger = logging.getLogger(__name__)
 
@@ -218,38 +216,13 @@ class LLM:
         data_1 with every data_2. An embedding model (bi-encoder) gives the cosine of the
         two embeddings; a classifier with one label (cross-encoder) reads each pair
         tokenized together (tokenizer(text_1, text_2)) and gives its sigmoid."""
-        pooler = self.engine.config.pooler
         params = (pooling_params or PoolingParams()).clone(task="score")
         if truncate_prompt_tokens is not None:
             params = params.clone(truncate_prompt_tokens=truncate_prompt_tokens)
-        params.resolve(pooler)  # (refusals first: a generating engine, a multi-label head)
-        firsts = [_hashable(p) for p in _normalise_prompts(data_1)]
-        seconds = [_hashable(p) for p in _normalise_prompts(data_2)]
-        if len(firsts) == 1:
-            firsts = firsts * len(seconds)
-        elif len(firsts) != len(seconds):
-            raise ValueError(f"score: data_1 has {len(firsts)} inputs and data_2 "
-                             f"{len(seconds)}; give one data_1 (scored against each data_2) "
-                             "or as many as data_2.")
-        self.engine.processor.check_pooling_count(len(seconds), "data_2")
-        if pooler.task == "classify":  # a cross-encoder: each pair in one sequence
-            pairs = [(None, self.engine.processor.encode_pair(_text(a), _text(b)))
-                     for a, b in zip(firsts, seconds)]
-            outputs = self._pooled(pairs, [params] * len(pairs), use_tqdm)
-            return [ScoringRequestOutput.from_base(o) for o in outputs]
-        unique = list(dict.fromkeys(firsts + seconds))  # each text embedded once
-        outputs = dict(zip(unique, self._pooled(
-            [(text, list(ids) if ids is not None else self._encode(text))
-             for text, ids in unique],
-            [params] * len(unique), use_tqdm)))
-        scores = []
-        for a, b in zip(firsts, seconds):
-            one, two = outputs[a], outputs[b]
-            cosine = float(normalize(one.outputs.data) @ normalize(two.outputs.data))
-            scores.append(ScoringRequestOutput.from_base(PoolingRequestOutput(
-                f"{one.request_id}_{two.request_id}", PoolingOutput(np.float32([cosine])),
-                one.prompt_token_ids + two.prompt_token_ids, True)))
-        return scores
+        # (the server's /score and /rerank pair, pool and score through the same plan)
+        job = plan_scores(self.engine.processor, _normalise_prompts(data_1),
+                          _normalise_prompts(data_2), params)
+        return job.scores(self._pooled(job.prompts, [params] * len(job.prompts), use_tqdm))
 
     def _pool(self, prompts, pooling_params, task: str | None, truncate: int | None,
               use_tqdm: bool) -> list[PoolingRequestOutput]:
@@ -375,18 +348,3 @@ def _per_prompt(params, count: int, default, kind=SamplingParams) -> list:
     return params
 
 
-def _hashable(prompt: tuple) -> tuple:
-    """A (text, token ids) prompt as a dictionary key."""
-    text, ids = prompt
-    return text, None if ids is None else tuple(ids)
-
-
-def _text(prompt: tuple) -> str:
-    """A cross-encoder input's text: token ids are refused (a pair is tokenized together)."""
-    text, ids = prompt
-    if text is None or ids is not None:
-        raise ValueError("score: a cross-encoder tokenizes each pair together "
-                         "(tokenizer(text_1, text_2)): give data_1 and data_2 as strings.")
-    if not isinstance(text, str) or not text:
-        raise ValueError("score: data_1 and data_2 must be non-empty strings.")
-    return text

@@ -245,6 +245,12 @@ def test_matryoshka_dimensions_truncation_and_settings(qwen3, pooling_checkpoint
         qwen3.embed([ids], PoolingParams(dimensions=65), use_tqdm=False)
     with pytest.raises(ValueError, match="dimensions must be >= 1"):
         PoolingParams(dimensions=0)
+    # use_activation: vLLM's current name for an embedding's normalization
+    unnormalized = qwen3.embed([ids], PoolingParams(use_activation=False), use_tqdm=False)[0]
+    assert unnormalized.outputs.embedding == plain.outputs.embedding
+    with pytest.raises(ValueError, match="use_activation and normalize disagree"):
+        qwen3.embed([ids], PoolingParams(use_activation=False, normalize=True),
+                    use_tqdm=False)
 
 
 def test_mean_pooling_sums_chunks_and_ignores_the_prefix_cache(qwen3_mean,
@@ -369,7 +375,7 @@ def test_cross_encoder_classify_and_score_equal_transformers_sigmoid(pooling_che
             np.testing.assert_allclose(output.outputs.probs, hf_probs(folder, ids), atol=1e-5)
         query, docs = "what is os", ["import os", "def f(): pass"]
         scores = llm.score(query, docs, use_tqdm=False)
-        with pytest.raises(ValueError, match="give data_1 and data_2 as strings"):
+        with pytest.raises(ValueError, match="data_.: a cross-encoder .* give the inputs as strings"):
             llm.score([[5, 6]], [[7, 8]], use_tqdm=False)
     for output, doc in zip(scores, docs):
         pair = tokenizer(query, doc, return_tensors="pt")

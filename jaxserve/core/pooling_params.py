@@ -75,6 +75,17 @@ class PoolingParams:
         if task == "score" and pooler.task == "classify" and pooler.num_labels != 1:
             raise ValueError(f"score needs an embedding model or a classifier with one label "
                              f"(a cross-encoder); this classifier has {pooler.num_labels}.")
+        params = self
+        if pooler.task == "embed" and self.use_activation is not None:
+            # vLLM's current name for an embedding's normalization (normalize: its older one)
+            if self.normalize not in (None, self.use_activation):
+                raise ValueError("use_activation and normalize disagree (on an embedding "
+                                 "model both choose L2-normalization); give one of them.")
+            params = dataclasses.replace(self, normalize=self.use_activation,
+                                         use_activation=None)
+        return params._resolved(pooler, task)
+
+    def _resolved(self, pooler, task: str) -> PoolingParams:
         allowed = () if task == "score" and pooler.task == "embed" else _FIELDS[pooler.task]
         for field in ("dimensions", "normalize", "use_activation"):
             if getattr(self, field) is not None and field not in allowed:
