@@ -9,7 +9,9 @@ import shutil
 import sys
 import tempfile
 
+import pooling_helpers
 import pytest
+from pooling_helpers import KINDS, make_pooling_checkpoint
 
 from jaxserve.benchmarks import checkpoint_checks, checkpoints
 
@@ -36,20 +38,14 @@ def tiny_checkpoints(pytestconfig) -> dict[str, pathlib.Path]:
     root = pathlib.Path(
         pytestconfig.getoption("--checkpoint-cache") or "~/.cache/jaxserve-tests"
     ).expanduser()
-    final = root / _cache_key()
-    if not final.is_dir():
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix=".building-", dir=root))
+    root.mkdir(parents=True, exist_ok=True)
+
+    def build(tmp: pathlib.Path) -> None:
         tmp.chmod(0o755)
-        try:
-            for arch in checkpoints.ARCHS:
-                checkpoints.make_checkpoint(arch, tmp / arch)
-            os.rename(tmp, final)  # atomic: readers see all checkpoints or none
-        except OSError:
-            if not final.is_dir():  # not just another process finishing first
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        for arch in checkpoints.ARCHS:
+            checkpoints.make_checkpoint(arch, tmp / arch)
+
+    final = _built_once(root / _cache_key(), build)  # every checkpoint or none
     return {arch: final / arch for arch in checkpoints.ARCHS}
 
 
@@ -59,18 +55,10 @@ def mesh_checkpoints(tiny_checkpoints) -> dict[str, pathlib.Path]:
     once beside the tiny checkpoints."""
     folders = {}
     for arch in ("llama", "qwen2"):
-        final = tiny_checkpoints[arch].parent / f"mesh-{arch}"
-        if not final.is_dir():
-            tmp = pathlib.Path(tempfile.mkdtemp(prefix=".building-", dir=final.parent))
-            try:
-                checkpoints.make_checkpoint(arch, tmp, overrides=checkpoints.MESH_OVERRIDES)
-                os.rename(tmp, final)
-            except OSError:
-                if not final.is_dir():
-                    raise
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-        folders[arch] = final
+        folders[arch] = _built_once(
+            tiny_checkpoints[arch].parent / f"mesh-{arch}",
+            lambda tmp, arch=arch: checkpoints.make_checkpoint(
+                arch, tmp, overrides=checkpoints.MESH_OVERRIDES))
     return folders
 
 
@@ -104,3 +92,34 @@ def checkpoint_script():
     """jaxserve.benchmarks.checkpoint_checks: check_prompts, greedy_margins, ... (the tiny
     checkpoints' prompts, once in scripts/make_tiny_checkpoint.py)."""
     return checkpoint_checks
+
+
+@pytest.fixture(scope="session")
+def pooling_checkpoints(tiny_checkpoints) -> dict[str, pathlib.Path]:
+    """kind -> folder (pooling_helpers.KINDS), the tiny pooling checkpoints, built once beside
+    the tiny checkpoints (named by pooling_helpers.py's hash: a change there builds them
+    again)."""
+    tokenizer = tiny_checkpoints["llama"]
+    digest = hashlib.sha256(pathlib.Path(pooling_helpers.__file__).read_bytes()).hexdigest()
+    folders = {}
+    for kind in KINDS:
+        folders[kind] = _built_once(
+            tokenizer.parent / f"pooling-{kind}-{digest[:8]}",
+            lambda tmp, kind=kind: make_pooling_checkpoint(kind, tmp, tokenizer))
+    return folders
+
+
+def _built_once(final: pathlib.Path, build) -> pathlib.Path:
+    """final, built by build(folder) in a temporary folder beside it and renamed into place
+    (so that concurrent test processes never see half a checkpoint), unless it exists."""
+    if not final.is_dir():
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=".building-", dir=final.parent))
+        try:
+            build(tmp)
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():  # not just another process finishing first
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -14,7 +14,6 @@ import subprocess
 import sys
 
 import pytest
-import test_pooling
 from server_helpers import SMALL_ENGINE
 
 SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
@@ -22,9 +21,7 @@ SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
 ENGINE = SMALL_ENGINE
 
 
-# The tiny pooling checkpoints (test_pooling.py's session fixture), for bench_embeddings.py.
-pooling_checkpoints = test_pooling.pooling_checkpoints
-# test_pooling.py's engine shape: the executable cache serves its compiles here too.
+# The pooling tests' engine shape (pooling_refs.POOL_ENGINE): the executable cache serves its compiles here too.
 POOL_ENGINE = ["--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--max-model-len", "128",
                "--num-kv-blocks", "10", "--attention-backend", "reference"]
 

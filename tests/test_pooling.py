@@ -2,7 +2,8 @@
 engine's scheduler, batching and prefix cache, against Hugging Face transformers.
 
 The tiny pooling checkpoints (tests/pooling_helpers.py) are built once beside the tiny test
-checkpoints. Every default engine here has one shape (POOL_ENGINE: 16-token steps of at
+checkpoints (conftest.pooling_checkpoints). Every default engine here has one shape
+(pooling_refs.POOL_ENGINE: 16-token steps of at
 most 2 sequences, a 10-block KV cache, the reference attention) so that the checkpoints of
 one architecture share their compiled steps through the executable cache: prompts longer
 than a step are prefilled in chunks, more prompts than max_num_seqs wait, and the small
@@ -11,96 +12,24 @@ cache preempts."""
 from __future__ import annotations
 
 import asyncio
-import functools
-import hashlib
-import os
-import pathlib
 import shutil
-import tempfile
 
 import numpy as np
-import pooling_helpers
 import pytest
-from pooling_helpers import KINDS, make_pooling_checkpoint, write_sentence_transformers
+from pooling_helpers import write_sentence_transformers
+from pooling_refs import (
+    COSINE_F32,
+    POOL_ENGINE,
+    cosine_distance,
+    hf_hidden,
+    hf_probs,
+    random_prompts,
+    unit,
+)
 
 from jaxserve import LLM, PoolingParams, SamplingParams
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.engine.outputs import EmbeddingRequestOutput, PoolingRequestOutput
-
-POOL_ENGINE = dict(dtype="float32", max_num_seqs=2, max_num_batched_tokens=16,
-                   max_model_len=128, num_gpu_blocks_override=10, attention_backend="reference",
-                   seed=0)
-COSINE_F32 = 1e-5
-
-
-@pytest.fixture(scope="session")
-def pooling_checkpoints(tiny_checkpoints) -> dict[str, pathlib.Path]:
-    """kind -> folder (pooling_helpers.KINDS), built once beside the tiny checkpoints (named
-    by pooling_helpers.py's hash: a change there builds them again)."""
-    tokenizer = tiny_checkpoints["llama"]
-    digest = hashlib.sha256(pathlib.Path(pooling_helpers.__file__).read_bytes()).hexdigest()
-    folders = {}
-    for kind in KINDS:
-        final = tokenizer.parent / f"pooling-{kind}-{digest[:8]}"
-        if not final.is_dir():
-            tmp = pathlib.Path(tempfile.mkdtemp(prefix=".building-", dir=final.parent))
-            try:
-                make_pooling_checkpoint(kind, tmp, tokenizer)
-                os.rename(tmp, final)
-            except OSError:
-                if not final.is_dir():
-                    raise
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-        folders[kind] = final
-    return folders
-
-
-@functools.lru_cache(maxsize=None)
-def _hf(folder: str, classifier: bool, dtype: str = "float32"):
-    import torch
-    import transformers
-
-    cls = (transformers.AutoModelForSequenceClassification if classifier
-           else transformers.AutoModel)
-    return cls.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
-
-
-def hf_hidden(folder, ids: list[int]) -> np.ndarray:
-    """f32[L, D]: transformers' last_hidden_state of one unpadded sequence."""
-    import torch
-
-    with torch.no_grad():
-        out = _hf(str(folder), False)(torch.tensor([ids]))
-    return out.last_hidden_state[0].float().numpy()
-
-
-def hf_probs(folder, ids: list[int] | dict, activation: bool = True,
-             dtype: str = "float32") -> np.ndarray:
-    """transformers' sequence-classification logits of one unpadded sequence (or a pair's
-    encoding), through sigmoid (one label) or softmax."""
-    import torch
-
-    inputs = ids if isinstance(ids, dict) else {"input_ids": torch.tensor([ids])}
-    with torch.no_grad():
-        logits = _hf(str(folder), True, dtype)(**inputs).logits[0].float()
-    if not activation:
-        return logits.numpy()
-    return (torch.sigmoid(logits) if logits.shape[0] == 1 else torch.softmax(logits, -1)).numpy()
-
-
-def unit(v) -> np.ndarray:
-    v = np.asarray(v, np.float64)
-    return v / np.linalg.norm(v)
-
-
-def cosine_distance(a, b) -> float:
-    return 1.0 - float(unit(a) @ unit(b))
-
-
-def random_prompts(lengths, seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)  # ids >= 5: no special token (pad is 4)
-    return [rng.integers(5, 1024, n).tolist() for n in lengths]
 
 
 # ---- configuration ------------------------------------------------------------------------

@@ -3,8 +3,8 @@ a real `jaxserve serve` of a tiny embedding model, against LLM.embed / LLM.score
 checkpoint and Hugging Face transformers; their refusals on it and on the shared generating
 server; a fuzz pass over them.
 
-The server runs test_pooling.py's engine shape (POOL_ENGINE: one 16-token step bucket of up
-to 2 sequences), so the executable cache serves both modules' compiles."""
+The server runs the pooling tests' engine shape (pooling_refs.POOL_ENGINE: one 16-token step
+bucket of up to 2 sequences), so the executable cache serves both modules' compiles."""
 
 from __future__ import annotations
 
@@ -17,14 +17,9 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import test_pooling
 from fuzz_requests import POOLING_PATHS, POOLING_VALID, embed_requests, encode, http_requests
 from hypothesis import HealthCheck, given, settings
-from server_helpers import running_server
-from smg_grpc_proto.generated import vllm_engine_pb2 as pb
-from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
-from test_fuzz import check_response
-from test_pooling import (
+from pooling_refs import (
     COSINE_F32,
     POOL_ENGINE,
     cosine_distance,
@@ -32,11 +27,12 @@ from test_pooling import (
     hf_probs,
     random_prompts,
 )
+from server_helpers import running_server
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
+from test_fuzz import check_response
 
 from jaxserve import LLM, PoolingParams
-
-# The tiny pooling checkpoints, built once (test_pooling.py's session fixture).
-pooling_checkpoints = test_pooling.pooling_checkpoints
 
 POOL_FLAGS = [arg for name, value in POOL_ENGINE.items()
               for arg in ("--" + name.replace("_", "-"), str(value))]
