@@ -68,6 +68,8 @@ def test_bench_offline_with_hf_baseline(tiny_checkpoints, tmp_path):
     assert sum(len(o) for o in data["jaxserve"]["outputs"]) == data["output_tokens"]
 
 
+# Slow (the suite's time budget): pooling against transformers is in test_pooling.py.
+@pytest.mark.slow
 def test_bench_embeddings_matches_transformers_and_counts_tokens(pooling_checkpoints,
                                                                  tmp_path):
     report = tmp_path / "report.json"

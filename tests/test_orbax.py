@@ -26,6 +26,8 @@ def greedy(folder, dtype: str) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
+# Slow (the suite's time budget): conversion and restore are tested by default below.
+@pytest.mark.slow
 def test_the_command_line_converts_to_bfloat16(tiny_checkpoints, tmp_path):
     """`jaxserve convert MODEL --out DIR --dtype bfloat16`; the restored bf16 model gives the
     tokens the HF folder gives in bf16."""

@@ -155,6 +155,8 @@ def _start(checkpoint, folder) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+# Slow (two engines compiling at once: the suite's time budget).
+@pytest.mark.slow
 def test_concurrent_starts_share_the_cache_folder(tiny_checkpoint, tmp_path):
     """Two processes at once on an empty folder both start (each compiles and stores,
     atomically); a third process runs what they stored without compiling."""

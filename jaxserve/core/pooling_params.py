@@ -76,7 +76,7 @@ class PoolingParams:
             raise ValueError(f"score needs an embedding model or a classifier with one label "
                              f"(a cross-encoder); this classifier has {pooler.num_labels}.")
         params = self
-        if pooler.task == "embed" and self.use_activation is not None:
+        if pooler.task == "embed" and task != "score" and self.use_activation is not None:
             # vLLM's current name for an embedding's normalization (normalize: its older one)
             if self.normalize not in (None, self.use_activation):
                 raise ValueError("use_activation and normalize disagree (on an embedding "
