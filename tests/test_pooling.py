@@ -237,6 +237,19 @@ def test_llama_embeddings_cls_pooling_and_refusals(pooling_checkpoints, tiny_che
         generator.embed(["def"], use_tqdm=False)
 
 
+@pytest.mark.slow  # (the suite's budget: MEAN is checked by default on qwen3's steps)
+def test_llama_mean_pooling_equals_transformers(pooling_checkpoints):
+    """LlamaModel pooled by MEAN under chunked prefill (prompts longer than a step): the
+    mean of transformers' hidden states, normalized."""
+    folder = pooling_checkpoints["llama-embed"]
+    prompts = random_prompts([40, 7, 23], seed=12)
+    with LLM(str(folder), pooler_config={"pooling_type": "MEAN"}, **POOL_ENGINE) as llm:
+        for ids, output in zip(prompts, llm.embed(prompts, use_tqdm=False)):
+            assert cosine_distance(output.outputs.embedding,
+                                   hf_hidden(folder, ids).mean(axis=0)) < COSINE_F32
+            assert abs(np.linalg.norm(output.outputs.embedding) - 1) < 1e-5
+
+
 def test_bi_encoder_score_is_the_cosine_of_the_embeddings(qwen3, pooling_checkpoints):
     folder = pooling_checkpoints["qwen3-embed"]
     tokenizer = qwen3.get_tokenizer()
