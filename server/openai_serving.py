@@ -206,8 +206,11 @@ class OpenAIServing:
 
     def _params(self, body, prompt_param: str) -> SamplingParams:
         """The body's SamplingParams through the request limits (admission.py)."""
-        try:  # tools counted before their schemas become a grammar
-            check_tool_count(len(getattr(body, "tools", None) or ()), self.processor.limits)
+        # tools counted before their schemas become a grammar (a completion body declares
+        # none: a "tools" there is an unknown field, logged and ignored as vLLM does)
+        tools = body.tools if "tools" in type(body).model_fields else None
+        try:
+            check_tool_count(len(tools or ()), self.processor.limits)
             return self.processor.check_params(body.sampling_params(self.sampling_defaults))
         except ValueError as err:
             if getattr(err, "param", None) == "structured_outputs":
