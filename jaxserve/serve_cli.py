@@ -206,7 +206,7 @@ def _grpc_args(g) -> None:
 def server_config(args: argparse.Namespace):
     """The ServerConfig of the parsed flags (checked: a bad value is a ValueError)."""
     from jaxserve.server.app import ServerConfig
-    from jaxserve.server.openai_serving import ChatSettings, ResponseOptions
+    from jaxserve.server.serving_options import ChatSettings, ResponseOptions
 
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}.")

@@ -31,15 +31,11 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from jaxserve.config.version import VERSION
 from jaxserve.server.async_engine import AsyncLLMEngine
 from jaxserve.server.errors import APIError, from_validation_error
-from jaxserve.server.openai_serving import (
-    REQUEST_ID_KEY,
-    ChatSettings,
-    OpenAIServing,
-    ResponseOptions,
-)
+from jaxserve.server.openai_serving import REQUEST_ID_KEY, OpenAIServing
 from jaxserve.server.pooling_serving import PoolingServing
 from jaxserve.server.responses_serving import OpenAIResponses
 from jaxserve.server.responses_store import ResponseStore
+from jaxserve.server.serving_options import ChatSettings, ResponseOptions
 
 logger = logging.getLogger(__name__)
 

@@ -45,40 +45,13 @@ from jaxserve.server.protocol import (
 from jaxserve.server.request_body import parse_body
 from jaxserve.server.request_log import log_received
 from jaxserve.server.response_view import ResponseView
+from jaxserve.server.serving_options import ChatSettings, ResponseOptions
 from jaxserve.server.tool_calls import check_tool_count
 
 logger = logging.getLogger(__name__)
 
 _DISCONNECT_POLL_S = 0.5
 REQUEST_ID_KEY = "jaxserve_request_id"  # in the ASGI scope's state, set by the app's guard
-
-
-@dataclasses.dataclass(frozen=True)
-class ChatSettings:
-    """Server-wide chat-template settings (vLLM's flags)."""
-
-    template: str | None = None  # --chat-template: instead of the tokenizer's own
-    default_kwargs: dict = dataclasses.field(default_factory=dict)  # --default-chat-template-kwargs
-    trust_request_template: bool = False  # --trust-request-chat-template
-    # --enable-auto-tool-choice --tool-call-parser NAME: tool_choice "auto" reads calls out
-    # of the model's text with this parser (jaxserve/parsers/tools.py).
-    tool_call_parser: str | None = None
-    # --reasoning-parser NAME: the thinking goes to reasoning_content (and reasoning), and
-    # a structured output applies after it (jaxserve/parsers/reasoning.py).
-    reasoning_parser: str | None = None
-    # --exclude-tools-when-tool-choice-none: tool_choice "none" renders no tools
-    exclude_tools_when_none: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class ResponseOptions:
-    """Server-wide response and request-log settings (vLLM's flags)."""
-
-    return_tokens_as_token_ids: bool = False  # the default of the request field of that name
-    force_include_usage: bool = False  # usage in every stream, as if include_usage were set
-    log_requests: bool = False  # --enable-log-requests: lines per request (received, finished)
-    log_outputs: bool = False  # --enable-log-outputs: the finished line's output text too
-    max_log_len: int | None = None  # --max-log-len: characters / ids of prompts and outputs
 
 
 @dataclasses.dataclass

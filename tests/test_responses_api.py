@@ -393,7 +393,7 @@ def test_a_bfloat16_server_with_parsers_answers_and_streams(tiny_checkpoints):
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.server.app import ServerConfig, create_app
     from jaxserve.server.async_engine import AsyncLLMEngine
-    from jaxserve.server.openai_serving import ChatSettings
+    from jaxserve.server.serving_options import ChatSettings
 
     config = EngineConfig.create(str(tiny_checkpoints["llama"]), dtype="bfloat16", seed=0,
                                  precompile=False, **SMALL_ENGINE_ARGS)

@@ -19,7 +19,7 @@ from jaxserve.config.engine_config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.server.app import ServerConfig, create_app
 from jaxserve.server.async_engine import AsyncLLMEngine
-from jaxserve.server.openai_serving import ChatSettings
+from jaxserve.server.serving_options import ChatSettings
 
 WEATHER = {"type": "object", "required": ["city", "days"], "additionalProperties": False,
            "properties": {"city": {"type": "string", "maxLength": 10},

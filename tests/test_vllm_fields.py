@@ -23,8 +23,8 @@ from jaxserve.config.request_limits import RequestLimits
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.server.app import ServerConfig, create_app
 from jaxserve.server.async_engine import AsyncLLMEngine
-from jaxserve.server.openai_serving import ChatSettings
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from jaxserve.server.serving_options import ChatSettings
 
 VLLM_VERSION = "0.33.0"
 COMPLETION_FIELDS = [
