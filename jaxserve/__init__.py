@@ -28,6 +28,7 @@ from jaxserve.engine.outputs import (
     RequestOutput,
     ScoringRequestOutput,
 )
+from jaxserve.models.lora import LoRARequest
 
 __version__ = VERSION
 
@@ -50,7 +51,7 @@ _default_logging()
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams",
            "RequestOutput", "CompletionOutput", "Logprob", "PoolingParams",
            "PoolingRequestOutput", "EmbeddingRequestOutput", "ClassificationRequestOutput",
-           "ScoringRequestOutput", "default_model_path", "resolve_model"]
+           "ScoringRequestOutput", "LoRARequest", "default_model_path", "resolve_model"]
 
 
 def __getattr__(name: str):

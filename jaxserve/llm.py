@@ -25,6 +25,7 @@ from jaxserve.engine.outputs import (
     ScoringRequestOutput,
 )
 from jaxserve.engine.scoring import plan_scores
+from jaxserve.models.lora import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,34 @@ class LLM:
         """Forget every cached prompt prefix (as vLLM's LLM.reset_prefix_cache)."""
         self.engine.reset_prefix_cache()
 
+    # ---- sleep mode and weight updates (engine/sleep_mode.py) ----------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the device memory of the KV cache and the weights between generation phases
+        (as vLLM's LLM.sleep; needs enable_sleep_mode=True): level 1 keeps the weights in
+        host memory, level 2 drops them (wake_up reads the model's folder again). Requests
+        must have finished. Sleeping again at the same or a lower level does nothing;
+        generate() and chat() raise until wake_up()."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what tags name: "weights", "kv_cache" (None: both, weights first), as
+        vLLM's LLM.wake_up. The KV cache comes back empty (so does the prefix cache) and
+        nothing recompiles. Waking what is awake does nothing."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """Whether the weights or the KV cache are off the device."""
+        return self.engine.is_sleeping()
+
+    def update_weights(self, weights) -> int:
+        """Replace weights without recompiling, awake or asleep: weights is a dict {Hugging
+        Face tensor name: array} (numpy, torch or jax; a partial update changes only the
+        parameters those tensors map to) or a folder of safetensors (every tensor in it).
+        Each tensor must fit its parameter's shape; ValueError naming the first that does
+        not (or an unknown name), before anything changes. The prefix cache is reset. Returns
+        how many parameters changed."""
+        return self.engine.update_weights(weights)
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (temperature,
         top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens), unless the
@@ -117,25 +146,30 @@ class LLM:
         return SamplingParams(**self.engine.config.model.sampling_defaults)
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] |
-                 None = None, *, use_tqdm: bool = True,
+                 None = None, *, use_tqdm: bool = True, lora_request: LoRARequest |
+                 Sequence[LoRARequest | None] | None = None,
                  priority: list[int] | None = None) -> list[RequestOutput]:
         """prompts: a string, a list of strings, a list of token ids, a list of token-id
         lists, or {"prompt": ...} / {"prompt_token_ids": ...} dicts. Outputs come back in the
-        order of the prompts. Every prompt is checked before any is scheduled."""
+        order of the prompts. Every prompt is checked before any is scheduled.
+        lora_request: the LoRA adapter (LoRARequest) of every prompt, or one per prompt
+        (None: the base model), with enable_lora=True."""
         items = _normalise_prompts(prompts)
         params = self._checked_params(sampling_params, len(items))
         if priority is not None and len(priority) != len(items):
             raise ValueError(f"priority has {len(priority)} entries for {len(items)} prompts; "
                              "give one per prompt.")
+        loras = _per_prompt_lora(lora_request, len(items))
         tokenized = [(text, ids if ids is not None else self._encode(text))
                      for text, ids in items]
-        return self._run(self._admitted(tokenized, params, priority), use_tqdm)
+        return self._run(self._admitted(tokenized, params, priority, loras), use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] |
              None = None, *, use_tqdm: bool = True, add_generation_prompt: bool = True,
              continue_final_message: bool = False, documents: list[dict] | None = None,
-             chat_template: str | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             ) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
         continue_final_message: the last (assistant) message is left open for the model to
         continue (then add_generation_prompt must be False); documents: passed to the
@@ -144,6 +178,7 @@ class LLM:
             raise ValueError("continue_final_message=True needs add_generation_prompt=False.")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = self._checked_params(sampling_params, len(conversations))
+        loras = _per_prompt_lora(lora_request, len(conversations))
         kwargs = dict(chat_template_kwargs or {})
         if documents is not None:
             kwargs["documents"] = documents
@@ -154,7 +189,7 @@ class LLM:
                 continue_final_message=continue_final_message, chat_template=chat_template,
                 **kwargs)
             tokenized.append((self.engine.tokenizer.decode(ids), ids))
-        return self._run(self._admitted(tokenized, params, None), use_tqdm)
+        return self._run(self._admitted(tokenized, params, None, loras), use_tqdm)
 
     def _checked_params(self, sampling_params, count: int) -> list[SamplingParams]:
         """One SamplingParams per prompt, each through the request limits (admission.py)
@@ -167,7 +202,7 @@ class LLM:
                 checked[id(p)] = processor.check_params(p)
         return [checked[id(p)] for p in params]
 
-    def _admitted(self, tokenized, params, priority) -> list:
+    def _admitted(self, tokenized, params, priority, loras) -> list:
         """Every prompt through the admission path (truncation, the model's checks, its
         grammar) before any is scheduled."""
         processor = self.engine.processor
@@ -175,7 +210,8 @@ class LLM:
         out = []
         for i, ((text, ids), p) in enumerate(zip(tokenized, params)):
             request = processor.process(str(next(self._ids)), text, ids, p,
-                                        priority[i] if priority else 0, compile_grammar=False)
+                                        priority[i] if priority else 0, compile_grammar=False,
+                                        lora=loras[i])
             if p.structured_outputs is not None:
                 if id(p) not in grammars:
                     grammars[id(p)] = processor.compile_grammar(p)
@@ -326,6 +362,19 @@ def _normalise_prompts(prompts) -> list[tuple[str | None, list[int] | None]]:
             raise ValueError(f"Unsupported prompt {prompt!r:.80}: use a string, a list of token "
                              "ids, or a {'prompt': ...} / {'prompt_token_ids': ...} dict.")
     return items
+
+
+def _per_prompt_lora(lora_request, count: int) -> list:
+    """One adapter (or None) per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    if isinstance(lora_request, (str, bytes)) or not isinstance(lora_request, Sequence):
+        raise ValueError("lora_request must be a LoRARequest, a list of them (None for the "
+                         f"base model), one per prompt, or None; got {type(lora_request)}.")
+    if len(lora_request) != count:
+        raise ValueError(f"lora_request has {len(lora_request)} entries for {count} prompts; "
+                         "give one LoRARequest or one per prompt.")
+    return list(lora_request)
 
 
 def _per_prompt(params, count: int, default, kind=SamplingParams) -> list:

@@ -40,6 +40,7 @@ def add_serve_parser(sub) -> None:
     _limit_args(p.add_argument_group("Server limits", "what the server takes on at once"))
     _log_args(p.add_argument_group("Logging"))
     _grpc_args(p.add_argument_group("gRPC", "vLLM's gRPC engine service beside HTTP"))
+    _lora_args(p.add_argument_group("LoRA adapters", "served by name (with --enable-lora)"))
     add_distributed_args(p.add_argument_group("Multi-host", "one command on every host"))
     add_compat_args(p)
     p.set_defaults(func=run_serve)
@@ -203,9 +204,27 @@ def _grpc_args(g) -> None:
     g.add_argument("--grpc-ssl-keyfile", default=None, help="gRPC TLS: the private key")
 
 
+def _lora_args(g) -> None:
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) served under their names: a request's "
+                   "model picks one; name=path, or JSON {\"name\": ..., \"path\": ..., "
+                   "\"base_model_name\": ...}")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
+                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, also honoured)")
+    g.add_argument("--allowed-lora-paths", nargs="+", default=None, metavar="DIR",
+                   help="folders adapters may be loaded from at run time (a lora_path "
+                   "elsewhere is refused)")
+
+
 def server_config(args: argparse.Namespace):
     """The ServerConfig of the parsed flags (checked: a bad value is a ValueError)."""
     from jaxserve.server.app import ServerConfig
+    from jaxserve.server.lora_models import (
+        LoraSettings,
+        parse_lora_modules,
+        runtime_updates_from_env,
+    )
     from jaxserve.server.serving_options import ChatSettings, ResponseOptions
 
     if args.max_log_len is not None and args.max_log_len < 0:
@@ -246,7 +265,25 @@ def server_config(args: argparse.Namespace):
                                      args.disable_access_log_for_endpoints.split(",")
                                      if p.strip()),
         h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
-        log_stats=not args.disable_log_stats)
+        log_stats=not args.disable_log_stats,
+        lora=LoraSettings(parse_lora_modules(args.lora_modules),
+                          args.allow_runtime_lora_updating or runtime_updates_from_env(),
+                          tuple(args.allowed_lora_paths or ())))
+
+
+def _check_lora_flags(args: argparse.Namespace) -> None:
+    """LoRA's flags mean nothing without --enable-lora: refused rather than ignored."""
+    if args.enable_lora:
+        return
+    for flag, given in (("--lora-modules", args.lora_modules),
+                        ("--max-loras", args.max_loras != 1),
+                        ("--max-lora-rank", args.max_lora_rank != 16),
+                        ("--max-cpu-loras", args.max_cpu_loras is not None),
+                        ("--allow-runtime-lora-updating", args.allow_runtime_lora_updating),
+                        ("--allowed-lora-paths", args.allowed_lora_paths)):
+        if given:
+            raise ValueError(f"{flag} configures LoRA adapters, which are off: add "
+                             "--enable-lora (or drop the flag).")
 
 
 def check_serve_args(args: argparse.Namespace):
@@ -256,6 +293,7 @@ def check_serve_args(args: argparse.Namespace):
     from jaxserve.config.request_limits import RequestLimits
 
     check_compat(args, logger.warning)
+    _check_lora_flags(args)
     config = server_config(args)
     # --max-n and --max-prompts-per-request are request limits, as --request-limits holds.
     limits = RequestLimits.parse(args.request_limits).replace(

@@ -30,7 +30,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from jaxserve.config.version import VERSION
 from jaxserve.server.async_engine import AsyncLLMEngine
+from jaxserve.server.dev_routes import install_dev_routes
 from jaxserve.server.errors import APIError, from_validation_error
+from jaxserve.server.lora_models import LoraModels, LoraSettings, install_lora_routes
 from jaxserve.server.openai_serving import REQUEST_ID_KEY, OpenAIServing
 from jaxserve.server.pooling_serving import PoolingServing
 from jaxserve.server.responses_serving import OpenAIResponses
@@ -87,6 +89,8 @@ class ServerConfig:
     access_log_quiet_paths: tuple[str, ...] = ()  # --disable-access-log-for-endpoints
     h11_max_incomplete_event_size: int | None = None  # bytes of headers (uvicorn's default)
     log_stats: bool = True  # the throughput line every few seconds (--disable-log-stats)
+    # LoRA adapters by name (--lora-modules), runtime updates and their allowed folders
+    lora: LoraSettings = dataclasses.field(default_factory=LoraSettings)
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -158,6 +162,8 @@ class ServerState:
         self.serving = OpenAIServing(engine, config.served_names, config.chat,
                                      grammar_pool=self.grammar_workers, encoders=self.encoders,
                                      options=config.responses)
+        self.serving.loras = LoraModels(engine.engine.processor, config.served_names[0],
+                                        config.lora)
         self.responses_api = OpenAIResponses(self.serving,
                                              ResponseStore(config.max_stored_responses))
         self.pooling = PoolingServing(self.serving)
@@ -197,6 +203,7 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                            allow_headers=list(config.cors_headers),
                            allow_credentials=config.cors_credentials)
     _install_routes(app, state)
+    install_dev_routes(app, state)  # VLLM_SERVER_DEV_MODE=1: /sleep, /wake_up, ...
     return app
 
 
@@ -407,6 +414,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         return responses.cancel(response_id)
 
     _install_pooling_routes(app, state, request_ids)
+    install_lora_routes(app, state)
 
     @app.get("/v1/models")
     async def models():
@@ -416,7 +424,8 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
             "owned_by": "jaxserve", "root": engine.engine.config.model.model,
             "max_model_len": engine.engine.config.model.max_model_len,
             "tasks": state.pooling.tasks}
-            for name in config.served_names]}
+            for name in config.served_names] + state.serving.loras.cards(
+                int(state.started), engine.engine.config.model.max_model_len)}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

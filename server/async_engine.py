@@ -8,7 +8,8 @@ its consumer takes it, and a slow reader holds one output, never a queue of them
 serves every connection at once (continuous batching across connections). A request whose
 consumer goes away (client disconnect, cancelled task) is aborted and its KV blocks are freed
 on the next loop turn. Pooling requests (embeddings, classifications, scores) take the same
-path and end with one output (encode, encode_many).
+path and end with one output (encode, encode_many). Calls on the engine (the prefix-cache
+flush, sleep mode, weight updates) cross the same queue and are awaited: engine_calls.py.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from collections.abc import AsyncIterator
 from jaxserve.engine.admission import EngineRequest
 from jaxserve.engine.llm_engine import EngineDeadError, LLMEngine
 from jaxserve.engine.outputs import PoolingRequestOutput, RequestOutput
+from jaxserve.engine.sleep_mode import EngineSleepingError
 from jaxserve.engine.stats import EngineStats
+from jaxserve.server.engine_calls import EngineAsleepError, EngineCalls, run_call
 from jaxserve.server.loads import RollingRate
 from jaxserve.server.metrics import EngineMetrics
 from jaxserve.server.request_log import log_finished
@@ -100,7 +103,7 @@ class _Stream:
                 return item
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(EngineCalls):
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int = 1024,
                  metrics: EngineMetrics | None = None, log_requests: bool = False,
                  log_outputs: bool = False, log_stats: bool = True,
@@ -199,6 +202,7 @@ class AsyncLLMEngine:
         did the work off the event loop)."""
         if not self.is_running:
             raise EngineDeadError(self.dead_reason or "the engine loop has stopped")
+        self.check_awake()  # (sleep mode: engine_calls.py)
         loop = asyncio.get_running_loop()
         max_len = self.engine.config.model.max_model_len
         streams = [_Stream(loop, time.monotonic(), len(r.prompt_token_ids), r.params.n,
@@ -291,19 +295,6 @@ class AsyncLLMEngine:
             ids = list(self._streams)
         self.stop_requests(ids)
 
-    async def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix, on the engine thread (running requests keep their
-        blocks); returns once done."""
-        if not self.is_running:
-            raise EngineDeadError(self.dead_reason or "the engine loop has stopped")
-        done = asyncio.get_running_loop().create_future()
-        self._inbox.put(("reset-prefix-cache", done))
-        self._notify()
-        while not done.done():  # bounded by the loop's life: a dead loop never answers
-            await asyncio.wait([done], timeout=0.1)
-            if not done.done() and not self.is_running:
-                raise EngineDeadError(self.dead_reason or "the engine loop has stopped")
-
     # ---- the engine thread --------------------------------------------------------------
     def _run(self) -> None:
         """The engine thread. A request the engine fails ends alone (its output carries the
@@ -349,6 +340,9 @@ class AsyncLLMEngine:
                     stream = self._streams.get(request_id)
                 try:
                     self.engine.add_processed(payload)
+                except EngineSleepingError:  # (sleep came first in the inbox)
+                    self._close(request_id, EngineAsleepError())
+                    continue
                 except EngineDeadError:
                     raise  # not this request's failure: the loop stops
                 except ValueError as err:
@@ -375,9 +369,8 @@ class AsyncLLMEngine:
                     output = self.engine.abort_request(request_id)
                     if output is not None:
                         self._deliver(output, time.monotonic())
-            elif kind == "reset-prefix-cache":
-                self.engine.reset_prefix_cache()
-                _resolve(payload)
+            elif kind == "call":  # prefix-cache flush, sleep mode (engine_calls.py)
+                run_call(payload)
 
     def _wants_output(self, request_id: str) -> bool:
         """Engine thread: whether a request's stream has taken its last output (a newer one
@@ -476,18 +469,6 @@ class AsyncLLMEngine:
                                             stats.spec_accepted_per_pos)
         if self.metrics and self.log_stats:
             self._stats_log.maybe_log(stats, self.metrics)
-
-
-def _resolve(future: asyncio.Future) -> None:
-    """Complete a future of the event loop from the engine thread (if that loop still runs)."""
-    def done() -> None:
-        if not future.done():
-            future.set_result(None)
-
-    try:
-        future.get_loop().call_soon_threadsafe(done)
-    except RuntimeError:  # the loop has closed: nobody waits
-        pass
 
 
 def _set_ready(events) -> None:

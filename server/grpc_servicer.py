@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 TOKENIZER_CHUNK_BYTES = 64 * 1024
+LORA_METADATA = "lora-name"  # a Generate call's metadata naming a LoRA adapter
 # The tokenizer bundle GetTokenizer zips (as vLLM's servicer): these names, and any file
 # with these suffixes, from the tokenizer's folder.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json",
@@ -156,7 +157,8 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         loop = asyncio.get_running_loop()
         try:
             async with self.state.preparing():
-                engine_request = await self.state.off_loop(self._prepare, request)
+                lora_name = dict(context.invocation_metadata() or ()).get(LORA_METADATA)
+                engine_request = await self.state.off_loop(self._prepare, request, lora_name)
                 params = engine_request.params
                 if params.structured_outputs is not None:
                     grammar = await loop.run_in_executor(
@@ -175,9 +177,11 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             await context.abort(grpc.StatusCode.INTERNAL,
                                 "internal error while preparing the request")
 
-    def _prepare(self, request: pb.GenerateRequest):
+    def _prepare(self, request: pb.GenerateRequest, lora_name: str | None = None):
         """Prepare thread: the request as an admission.EngineRequest (grammar not compiled
-        yet), checked as the engine will run it (ValueError naming the field otherwise)."""
+        yet), checked as the engine will run it (ValueError naming the field otherwise).
+        lora_name: the call's `lora-name` metadata, a LoRA adapter the server serves (vLLM's
+        GenerateRequest has no field for one)."""
         check_unsupported(request)
         processor = self.engine.processor
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
@@ -200,7 +204,24 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             raise BadRequest(f"max_tokens={params.max_tokens} does not fit beside the "
                              f"{len(ids)}-token prompt: this model's maximum context length "
                              f"is {limit} tokens.")
-        return processor.process(request_id, prompt.text, ids, params, compile_grammar=False)
+        return processor.process(request_id, prompt.text, ids, params, compile_grammar=False,
+                                 lora=self._lora(lora_name))
+
+    def _lora(self, name: str | None):
+        """The adapter the `lora-name` metadata names (None: the base model)."""
+        if name is None:
+            return None
+        limit = self.engine.processor.limits.max_lora_name_length
+        if len(name) > limit:
+            raise BadRequest(f"{LORA_METADATA} metadata: an adapter's name is limited to "
+                             f"{limit} characters (request limit max_lora_name_length).")
+        loras = self.state.serving.loras
+        lora = loras.lookup(name) if loras is not None else None
+        if lora is None:
+            known = ", ".join(map(repr, loras.names()[:16])) if loras is not None else ""
+            raise BadRequest(f"{LORA_METADATA} metadata: no LoRA adapter {name[:64]!r} is "
+                             f"served{' (serving ' + known + ')' if known else ''}.")
+        return lora
 
     def _deadline_timer(self, context, request_id: str):
         """Abort the request just before the call's deadline (None: no deadline)."""

@@ -198,7 +198,9 @@ def serve(engine, server_config: ServerConfig, grpc_config=None) -> int:
                             num_speculative_tokens=(
                                 engine.config.speculative.num_speculative_tokens
                                 if engine.config.speculative else 0),
-                            compile_records=engine.compile_records)
+                            compile_records=engine.compile_records,
+                            lora_stats=(lambda: async_engine.stats) if engine.config.lora
+                            else None)
     options = server_config.responses
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=server_config.max_waiting_requests,
                                   metrics=metrics, log_requests=options.log_requests,

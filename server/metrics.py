@@ -33,6 +33,7 @@ series up to max_model_len.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -95,17 +96,39 @@ class CompileCollector:
                                 value=float(self.warm_up_done()))
 
 
+class LoraCollector:
+    """vllm:lora_requests_info, read at each scrape from the engine's latest stats: its
+    labels name the adapters of the running and of the waiting requests (comma-separated)
+    and max_lora; its value is the time of the reading (vLLM's)."""
+
+    def __init__(self, model_name: str, stats: Callable) -> None:
+        self.model_name, self.stats = model_name, stats
+
+    def collect(self):
+        stats = self.stats()
+        info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                                 labels=["model_name", "max_lora", "waiting_lora_adapters",
+                                         "running_lora_adapters"])
+        info.add_metric([self.model_name, str(stats.max_loras), ",".join(stats.lora_waiting),
+                         ",".join(stats.lora_running)], time.time())
+        yield info
+
+
 class EngineMetrics:
     def __init__(self, model_name: str, *,
                  warm_up_done: Callable[[], bool] = lambda: True,
                  max_model_len: int = 8192, num_speculative_tokens: int = 0,
-                 compile_records: Callable[[], CompileRecords] = compile_records) -> None:
+                 compile_records: Callable[[], CompileRecords] = compile_records,
+                 lora_stats: Callable | None = None) -> None:
         """warm_up_done: whether the engine has compiled every bucket (for the gauge);
         max_model_len: the top of the token-count buckets; num_speculative_tokens: K of
         speculative decoding (0: off, and no vllm:spec_decode_* series); compile_records:
-        the compile records of the engine's process (default: this one's)."""
+        the compile records of the engine's process (default: this one's); lora_stats: the
+        engine's latest EngineStats, with LoRA on (vllm:lora_requests_info)."""
         self.registry = CollectorRegistry()
         self.registry.register(CompileCollector(model_name, warm_up_done, compile_records))
+        if lora_stats is not None:
+            self.registry.register(LoraCollector(model_name, lora_stats))
         labels = {"model_name": model_name}
         r = self.registry
 

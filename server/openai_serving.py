@@ -22,6 +22,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -47,6 +48,10 @@ from jaxserve.server.request_log import log_received
 from jaxserve.server.response_view import ResponseView
 from jaxserve.server.serving_options import ChatSettings, ResponseOptions
 from jaxserve.server.tool_calls import check_tool_count
+
+if TYPE_CHECKING:
+    from jaxserve.models.lora import LoRARequest
+    from jaxserve.server.lora_models import LoraModels
 
 logger = logging.getLogger(__name__)
 
@@ -101,16 +106,24 @@ class OpenAIServing:
         self.vocab_size = engine.engine.config.model.vocab_size
         self.sampling_defaults = engine.engine.config.model.sampling_defaults
         self.grammar_pool, self.encoders = grammar_pool, encoders
+        self.loras: LoraModels | None = None  # the LoRA adapters by name (the server sets)
 
     def check_model(self, name: str | None) -> str:
-        """The served name a request's `model` picks (any alias; none or "": the first)."""
+        """The served name a request's `model` picks (any alias, or a LoRA adapter's name:
+        lora_models.py; none or "": the first)."""
         if not name:
             return self.model_name
-        if name not in self.served_names:
+        if name not in self.served_names and (self.loras is None
+                                              or self.loras.lookup(name) is None):
+            adapters = self.loras.names() if self.loras is not None else []
+            known = ", ".join(map(repr, [*self.served_names, *adapters][:16]))
             raise APIError(404, f"The model {name[:64]!r} does not exist; this server serves "
-                           f"{', '.join(map(repr, self.served_names))}.", param="model",
-                           code="model_not_found")
+                           f"{known}.", param="model", code="model_not_found")
         return name
+
+    def lora_of(self, model: str) -> LoRARequest | None:
+        """The adapter a checked `model` names (None: the base model)."""
+        return None if self.loras is None else self.loras.lookup(model)
 
     # ---- worker thread: parse, check, render, tokenize --------------------------------------
     def prepare_completion(self, raw: bytes, ids: tuple[str | None, str]) -> Prepared:
@@ -199,9 +212,10 @@ class OpenAIServing:
             prompts = [(text, processor.truncate(ids, params)) for text, ids in prompts]
             self._check_context(prompts, params, param)
             processor.check_response_size(params, [len(ids) for _, ids in prompts])
+            lora = self.lora_of(model)
             requests = [processor.process(f"{request_id}-{i}", text, ids, params,
                                           body.priority, body.cache_salt,
-                                          compile_grammar=False)
+                                          compile_grammar=False, lora=lora)
                         for i, (text, ids) in enumerate(prompts)]
         except ValueError as err:
             raise from_value_error(err, param) from None

@@ -378,3 +378,63 @@ def embed_requests(draw) -> pb.EmbedRequest:
 ABORTS = st.builds(lambda ids: pb.AbortRequest(request_ids=ids), st.lists(
     st.text(max_size=20).map(lambda t: t.encode("utf-8", "replace").decode("utf-8")),
     max_size=5) | st.just([f"id-{i}" for i in range(2000)]))
+
+
+# ---- the development-mode routes (VLLM_SERVER_DEV_MODE=1: server/dev_routes.py) -----------
+# A server is in development mode only when started so; test_sleep_mode.py sends these.
+DEV_PATHS = ("/sleep", "/wake_up", "/is_sleeping", "/update_weights")
+DEV_METHODS = {"/sleep": "POST", "/wake_up": "POST", "/is_sleeping": "GET",
+               "/update_weights": "POST"}
+DEV_QUERY_VALUES = st.sampled_from(["1", "2", "0", "3", "-1", "1.0", " 2", "1e0", "0x1",
+                                    "weights", "kv_cache", "WEIGHTS", "all", "", "\x00",
+                                    "9" * 400]) | st.text(max_size=20)
+DEV_QUERIES = st.lists(st.tuples(st.sampled_from(["level", "level", "tags", "tags", "x",
+                                                  "path", "Level", "level[]"])
+                                 | st.text(max_size=10), DEV_QUERY_VALUES), max_size=4)
+# (folders that hold no checkpoint: an update from one would change the weights)
+DEV_FOLDERS = st.sampled_from(["/", "/nonexistent", "", "/dev/null", "/proc/self", "a\x00b",
+                               "x" * 5000, "~", "C:\\models", "/etc/../"])
+DEV_BODIES = st.one_of(
+    st.fixed_dictionaries({"path": DEV_FOLDERS | TEXT | ANY}),
+    st.fixed_dictionaries({"path": DEV_FOLDERS}, optional={
+        "paths": ANY, "weights": ANY, "model": FIELDS["model"], "format": TEXT}),
+    st.fixed_dictionaries({}, optional={"level": INTS | ANY, "tags": st.lists(TEXT) | ANY}),
+    ANY)
+
+
+@st.composite
+def dev_requests(draw, folders=()) -> tuple[str, str, list, bytes | None]:
+    """(method, path, query pairs, raw body or None): the development routes with wild query
+    parameters (levels, tags, unknown names) and /update_weights bodies (folders that are
+    not checkpoints, extra and missing fields, bad JSON); folders: valid ones to draw too.
+    The method is mostly the route's own."""
+    path = draw(st.sampled_from(DEV_PATHS))
+    method = DEV_METHODS[path] if draw(st.integers(0, 9)) else draw(
+        st.sampled_from(["GET", "POST", "PUT", "DELETE"]))
+    kind = draw(st.integers(0, 9))
+    if path == "/update_weights" and folders and kind == 0:
+        body = encode({"path": draw(st.sampled_from(list(folders)))})
+    elif path == "/update_weights" or kind == 1:
+        body = encode(draw(DEV_BODIES)) if kind != 2 else draw(st.sampled_from(
+            [b"", b"{", b"[]", b"null", b'{"path": NaN}', b'{"path": "\\ud800"}',
+             b"\xff\xfe", b"[" * 5000 + b"]" * 5000]))
+    else:
+        body = None
+    return method, path, draw(DEV_QUERIES), body
+
+
+# ---- LoRA adapters (a LoRA server: test_lora_api.py) -----------------------------------------
+# Names and folders that once could have escaped a check: traversal, NUL, links to devices,
+# huge strings, types that are not strings.
+LORA_FOLDERS = st.sampled_from(["/", "/etc", "../../../../etc", "", "/dev/null", "/proc/self",
+                                "a\x00b", "x" * 5000, "/" + "a/" * 3000, "~", "/tmp/../etc",
+                                "C:\\adapters\\x"])
+LORA_NAMES = st.sampled_from(["tiny", "a0", "", " ", "x" * 300, "a0\x00", "../a0", "A0",
+                              "<|im_start|>"]) | TEXT
+LORA_BODIES = st.one_of(
+    st.tuples(st.just("/v1/load_lora_adapter"), st.fixed_dictionaries(
+        {"lora_name": LORA_NAMES | ANY, "lora_path": LORA_FOLDERS | TEXT | ANY},
+        optional={"load_inplace": ANY, "base_model_name": ANY})),
+    st.tuples(st.just("/v1/unload_lora_adapter"), st.fixed_dictionaries(
+        {"lora_name": LORA_NAMES | ANY}, optional={"lora_int_id": INTS | ANY})),
+    st.tuples(st.sampled_from(["/v1/load_lora_adapter", "/v1/unload_lora_adapter"]), ANY))

@@ -45,7 +45,7 @@ VLLM_SERVE_FLAGS = [
     ("--config-format mistral", REFUSE), ("--hf-token", OK), ("--hf-token hf_abc", OK),
     ("--hf-overrides '{{}}'", REFUSE), ("--pooler-config '{{}}'", OK),
     ("--generation-config vllm", OK), ("--override-generation-config '{{}}'", REFUSE),
-    ("--enable-sleep-mode", REFUSE), ("--model-impl auto", WARN),
+    ("--enable-sleep-mode", OK), ("--model-impl auto", WARN),
     ("--model-impl transformers", REFUSE), ("--override-attention-dtype float32", REFUSE),
     ("--logits-processors a.B", REFUSE), ("--io-processor-plugin p", REFUSE),
     ("--max-seq-len-to-capture 8192", WARN),
@@ -89,9 +89,13 @@ VLLM_SERVE_FLAGS = [
     ("--mm-encoder-tp-mode data", WARN), ("--interleave-mm-strings", REFUSE),
     ("--skip-mm-profiling", WARN),
     # ---- LoRAConfig
-    ("--enable-lora", REFUSE), ("--lora-modules a=/tmp/a", REFUSE), ("--max-loras 4", REFUSE),
-    ("--max-lora-rank 16", REFUSE), ("--max-cpu-loras 8", REFUSE), ("--lora-dtype auto", REFUSE),
-    ("--fully-sharded-loras", REFUSE), ("--enable-lora-bias", REFUSE),
+    # (the LoRA sizes without --enable-lora would be ignored: refused instead)
+    ("--enable-lora", OK), ("--lora-modules a=/tmp/a", REFUSE),
+    ("--enable-lora --lora-modules a=/tmp/a", OK), ("--max-loras 4", REFUSE),
+    ("--enable-lora --max-loras 4", OK), ("--max-lora-rank 16", OK),
+    ("--max-cpu-loras 8", REFUSE), ("--lora-dtype auto", WARN),
+    ("--lora-dtype float16", REFUSE), ("--fully-sharded-loras", REFUSE),
+    ("--enable-lora-bias", REFUSE),
     ("--default-mm-loras '{{}}'", REFUSE),
     # ---- ObservabilityConfig
     ("--show-hidden-metrics-for-version 0.32", WARN),

@@ -7,6 +7,8 @@ each checkpoint tensor name to its parameter path(s) and transform (models/*_arc
 parameter_values checks every tensor against the shapes the model expects, stacks
 per-expert tensors, and yields finished parameters one by one, so a backend places each
 (JAX: onto its sharding; torch: into its module) and the host never holds the whole model.
+named_values does the same for tensors given by name (a weight update's: any subset of the
+checkpoint's names, through the same mapping).
 Each file's header is checked first as the safetensors library checks it (header size,
 JSON object, known dtypes, byte sizes that match shapes, tensors tiling the data buffer
 with no gap or overlap), so a malformed or hostile file fails with a ValueError naming it
@@ -169,7 +171,7 @@ def _targets(target) -> list[tuple]:
 
 
 def parameter_values(folder: str | Path, path_of: Callable, shapes: dict[tuple, tuple],
-                     dtype, quant: LinearQuant | None = None
+                     dtype, quant: LinearQuant | None = None, *, partial: bool = False
                      ) -> Iterator[tuple[tuple, np.ndarray]]:
     """Yield (parameter path, host array) for every parameter of `shapes` (path -> shape the
     model expects), read from the checkpoint in `folder`, with a progress bar. Float
@@ -185,52 +187,81 @@ def parameter_values(folder: str | Path, path_of: Callable, shapes: dict[tuple, 
     names. A quantized module's tensors (`X.qweight`, `X.scales`, ...) are gathered the same
     way and mapped as `X.weight` (quant_tensors.py). A stacked parameter is staged in one
     host array and yielded once all its slices have arrived. Raises ValueError naming the
-    first tensor that does not fit, or the parameters the checkpoint lacks.
+    first tensor that does not fit, or the parameters the checkpoint lacks (partial: the
+    folder may hold only some of them, as a weight update's may).
     """
-    staged: dict[tuple, tuple[np.ndarray, set]] = {}  # path -> (stack, slices filled)
-    pieces: dict[str, dict] = {}  # tensor name -> {piece: array} of a Piece-stored tensor
-    done: set[tuple] = set()
     files = safetensors_files(folder)
     headers = [_read_header(f)[1] for f in files]
     names = {name for header in headers for name in header}
     mapped = _quantized_path_of(path_of, quant, names) if quant else path_of
-    with progress(total=len(names), desc="Loading weights", unit="tensor") as bar:
-        for file in files:
-            for name, array in read_safetensors(file):
-                bar.update(1)
-                try:
-                    target = mapped(name)
-                    if isinstance(target, Piece):  # the tensor once all its pieces arrived
-                        name, array = _combine(pieces, target, array, f"{file.name}: {name!r}")
-                        if array is None:
+    tensors = ((file.name, name, array) for file in files
+               for name, array in read_safetensors(file))
+    yield from _mapped(tensors, len(names), mapped, path_of, shapes, dtype, quant,
+                       f"The checkpoint in {folder}", partial)
+
+
+def named_values(tensors: dict, path_of: Callable, shapes: dict[tuple, tuple],
+                 dtype) -> Iterator[tuple[tuple, np.ndarray]]:
+    """parameter_values for {checkpoint tensor name: host array} (a weight update's tensors,
+    any subset of the checkpoint's): the same mapping (path_of), checks and transforms, for
+    the parameters those tensors give."""
+    yield from _mapped(((None, name, array) for name, array in tensors.items()), len(tensors),
+                       path_of, path_of, shapes, dtype, None, "update_weights", partial=True,
+                       desc="Updating weights")
+
+
+def _mapped(tensors, total: int, mapped: Callable, path_of: Callable, shapes: dict, dtype,
+            quant, source: str, partial: bool, desc: str = "Loading weights"):
+    """parameter_values over (file name or None, tensor name, array) triples; source names
+    where they come from in the errors about the whole set."""
+    staged: dict[tuple, tuple[np.ndarray, set]] = {}  # path -> (stack, slices filled)
+    pieces: dict[str, dict] = {}  # tensor name -> {piece: array} of a Piece-stored tensor
+    done: set[tuple] = set()
+    with progress(total=total, desc=desc, unit="tensor") as bar:
+        for file, name, array in tensors:
+            bar.update(1)
+            at = f"{file}: " if file else ""
+            try:
+                target = mapped(name)
+                if isinstance(target, Piece):  # the tensor once all its pieces arrived
+                    name, array = _combine(pieces, target, array, f"{at}{name!r}")
+                    if array is None:
+                        continue
+                    target = path_of(name)
+                targets = _targets(target)
+            except KeyError:
+                hint = ("the checkpoint does not match its config.json" if file else
+                        "this model has no weight of that name (give the Hugging Face "
+                        "checkpoint's tensor names)")
+                raise ValueError(f"{at}unexpected tensor {name!r} for this architecture; "
+                                 f"{hint}.") from None
+            for path, transform, index in targets:
+                where = f"{at}tensor {name!r}"
+                for part_path, value in _values(path, transform, index, array, shapes,
+                                                dtype, quant, where):
+                    if index is not None:
+                        value = _stage(staged, part_path, value, index,
+                                       shapes[part_path], where)
+                        if value is None:
                             continue
-                        target = path_of(name)
-                    targets = _targets(target)
-                except KeyError:
-                    raise ValueError(f"{file.name}: unexpected tensor {name!r} for this "
-                                     "architecture; the checkpoint does not match its "
-                                     "config.json.") from None
-                for path, transform, index in targets:
-                    where = f"{file.name}: tensor {name!r}"
-                    for part_path, value in _values(path, transform, index, array, shapes,
-                                                    dtype, quant, where):
-                        if index is not None:
-                            value = _stage(staged, part_path, value, index,
-                                           shapes[part_path], where)
-                            if value is None:
-                                continue
-                        done.add(part_path)
-                        yield part_path, value
+                    done.add(part_path)
+                    yield part_path, value
     if pieces:
         name, got = next(iter(pieces.items()))
-        raise ValueError(f"The checkpoint in {folder} has only the {', '.join(sorted(got))} "
-                         f"of tensor {name!r} (and {len(pieces) - 1} more incomplete); "
-                         "it is truncated or corrupt.")
+        raise ValueError(f"{source} has only the {', '.join(sorted(got))} of tensor "
+                         f"{name!r} (and {len(pieces) - 1} more incomplete); it is truncated "
+                         "or corrupt.")
+    if partial and staged:
+        path, (stack, filled) = next(iter(staged.items()))
+        raise ValueError(f"{source}: {'.'.join(map(str, path))} is stacked from one tensor "
+                         f"per expert, and only {len(filled)} of its {stack.shape[0]} were "
+                         "given; give every expert's tensor (the parameter is replaced "
+                         "whole).")
     missing = sorted(set(shapes) - done, key=str)
-    if missing:
+    if missing and not partial:
         names = ", ".join(".".join(map(str, p)) for p in missing[:5])
-        raise ValueError(f"The checkpoint in {folder} lacks {len(missing)} weights the model "
-                         f"needs, e.g. {names}.")
+        raise ValueError(f"{source} lacks {len(missing)} weights the model needs, e.g. "
+                         f"{names}.")
 
 
 def _quantized_path_of(path_of: Callable, quant: LinearQuant, names: set[str]) -> Callable:

@@ -57,6 +57,8 @@ GROUPS = {
                           "precompile"),
     "SpeculativeConfig": ("speculative_config",),
     "AdmissionConfig": ("request_limits",),
+    "LoRAConfig": ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras"),
+    "SleepConfig": ("enable_sleep_mode",),
 }
 
 
@@ -244,6 +246,23 @@ class EngineArgs:
         "\"MEAN\" | \"CLS\", \"normalize\": bool, \"dimensions\": int, "
         "\"use_activation\": bool} (default: the folder's sentence-transformers Pooling and "
         "Normalize modules, else LAST and normalized embeddings)", parse=str, metavar="JSON")
+    enable_lora: bool = _arg(
+        False, "serve LoRA adapters (PEFT folders) per request: LLM.generate(lora_request="
+        "LoRARequest(...)), serve's --lora-modules and a request's model naming one (JAX "
+        "backend)")
+    max_loras: int = _arg(
+        1, "LoRA adapters one step may use at once (device slots; requests for another "
+        "adapter wait for a free slot)")
+    max_lora_rank: int = _arg(
+        16, "the largest LoRA rank served; every device slot is this wide (an adapter of a "
+        "higher rank is refused)")
+    max_cpu_loras: int | None = _arg(
+        None, "LoRA adapters kept read in host memory, least recently used dropped first "
+        "(default: max_loras)")
+    enable_sleep_mode: bool = _arg(
+        False, "allow LLM.sleep() / wake_up() (and serve's /sleep and /wake_up routes in "
+        "development mode): free the KV cache and the weights' device memory between "
+        "generation phases (JAX backend)")
     request_limits: dict | str | None = _arg(
         None, "what one request may ask for, as JSON of limit names to values, e.g. "
         "{\"max_n\": 32, \"max_stop_strings\": 64} (the others keep their defaults; the "
@@ -350,7 +369,10 @@ class EngineArgs:
             async_scheduling=self.async_scheduling,
             speculative_config=self.speculative_config, quantization=self.quantization,
             request_limits=limits, runner=self.runner, convert=self.convert,
-            pooler_config=self.pooler_config, on_accelerator=on_accelerator)
+            pooler_config=self.pooler_config, enable_lora=self.enable_lora,
+            max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_cpu_loras, enable_sleep_mode=self.enable_sleep_mode,
+            on_accelerator=on_accelerator)
 
 
 _TYPES = {"int": int, "float": float, "str": str}

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from jaxserve.config.generation_config import sampling_defaults
+from jaxserve.config.lora import LoraConfig
 from jaxserve.config.mesh import MeshShape, ModelDims, parse_mesh, plan_sharding
 from jaxserve.config.pooler import PoolerConfig, resolve_pooler
 from jaxserve.config.request_limits import RequestLimits
@@ -241,8 +242,19 @@ class EngineConfig:
     # A pooling engine's settings (embeddings, classification: config/pooler.py); None: the
     # engine generates.
     pooler: PoolerConfig | None = None
+    lora: LoraConfig | None = None  # LoRA adapters served per request (None: off)
+    enable_sleep_mode: bool = False  # LLM.sleep / wake_up allowed (vLLM's flag)
 
     def __post_init__(self) -> None:
+        if self.lora is not None and self.backend == "torch":
+            raise ValueError("enable_lora: LoRA adapters run on the JAX backend only; drop "
+                             "enable_lora or use backend='jax'.")
+        if self.lora is not None and self.pooler is not None:
+            raise ValueError("enable_lora: a pooling model (runner='pooling') serves no LoRA "
+                             "adapters; drop enable_lora.")
+        if self.enable_sleep_mode and self.backend == "torch":
+            raise ValueError("enable_sleep_mode: sleep and wake_up run on the JAX backend "
+                             "only; drop enable_sleep_mode or use backend='jax'.")
         if self.pooler is not None and self.speculative is not None:
             raise ValueError("speculative_config: a pooling model (runner='pooling') "
                              "generates no tokens to speculate on; drop speculative_config.")
@@ -312,6 +324,11 @@ class EngineConfig:
         runner: str = "auto",
         convert: str = "auto",
         pooler_config: dict | str | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
+        enable_sleep_mode: bool = False,
         on_accelerator: bool = False,
     ) -> EngineConfig:
         """Resolve defaults against the model folder's config.json and validate everything."""
@@ -365,7 +382,15 @@ class EngineConfig:
             speculative=speculative,
             limits=RequestLimits.parse(request_limits),
             pooler=pooler,
+            lora=LoraConfig.create(enable_lora, max_loras, max_lora_rank, max_cpu_loras),
+            enable_sleep_mode=_check_switch("enable_sleep_mode", enable_sleep_mode),
         )
+
+
+def _check_switch(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}.")
+    return value
 
 
 def resolve_backend(backend: str) -> str:

@@ -41,6 +41,11 @@ DESCRIPTIONS = {
     "max_input_items": "input items of one /v1/responses request (messages, function calls "
                        "and their outputs, reasoning)",
     "max_tools": "tools of one chat or /v1/responses request",
+    "max_lora_name_length": "characters of a LoRA adapter's name (lora_name; a request's "
+                            "model naming one)",
+    "max_lora_path_length": "characters of a LoRA adapter's folder (lora_path)",
+    "max_lora_adapters": "LoRA adapters a server knows at once (--lora-modules and those "
+                         "loaded at run time)",
     "max_schema_depth": "JSON schema nesting with its $refs followed",
     "max_schema_refs": "$ref entries in one JSON schema",
     "max_schema_nodes": "objects and arrays in one JSON schema",
@@ -75,6 +80,9 @@ class RequestLimits:
     max_abort_ids: int = 1024
     max_input_items: int = 2048
     max_tools: int = 128  # OpenAI's own cap on functions per request
+    max_lora_name_length: int = 256
+    max_lora_path_length: int = 4096  # PATH_MAX
+    max_lora_adapters: int = 1024
     max_schema_depth: int = 256
     max_schema_refs: int = 1000
     max_schema_nodes: int = 100_000

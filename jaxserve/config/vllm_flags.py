@@ -62,7 +62,8 @@ def _all_zero(value) -> bool:
 _NOT_SWITCHED_ON = _is(False)
 _TEXT_ONLY = ("jaxserve serves text models' language side only: no image, audio or video "
               "inputs")
-_NO_LORA = "jaxserve does not serve LoRA adapters yet"
+_NO_LORA_SHARDING = ("jaxserve splits each LoRA weight the way its base kernel is split on "
+                     "the mesh")
 _TASK = ("--task is vLLM's older flag: use --runner pooling with --convert embed or "
          "--convert classify (or --runner generate)")
 _HOSTS = ("jaxserve places data-parallel replicas itself: give the whole mesh (--mesh DxM or "
@@ -108,8 +109,6 @@ FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(("--override-generation-config",), VALUE, lacks="jaxserve takes default "
                "sampling parameters from a generation_config.json: put one in a folder and "
                "give --generation-config FOLDER"),
-    CompatFlag(("--enable-sleep-mode",), SWITCH, "sleep mode stays off",
-               "jaxserve has no sleep mode yet", _NOT_SWITCHED_ON),
     CompatFlag(("--model-impl",), VALUE, "jaxserve runs its own model code",
                "jaxserve runs its own implementation of each supported architecture (no "
                "transformers or other model implementations)", _is("auto", "vllm")),
@@ -211,16 +210,14 @@ FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(("--skip-mm-profiling",), SWITCH, "there is no multimodal encoder to "
                "profile"),
     # ---- LoRAConfig
-    CompatFlag(("--enable-lora",), SWITCH, "LoRA stays off", _NO_LORA, _NOT_SWITCHED_ON),
-    CompatFlag(("--lora-modules",), VALUES, lacks=_NO_LORA),
-    CompatFlag(("--max-loras",), VALUE, lacks=_NO_LORA),
-    CompatFlag(("--max-lora-rank",), VALUE, lacks=_NO_LORA),
-    CompatFlag(("--max-cpu-loras",), VALUE, lacks=_NO_LORA),
-    CompatFlag(("--lora-dtype",), VALUE, lacks=_NO_LORA),
-    CompatFlag(("--fully-sharded-loras",), SWITCH, "LoRA stays off", _NO_LORA,
+    CompatFlag(("--lora-dtype",), VALUE, "LoRA weights take the model's dtype",
+               "LoRA weights are kept in the model's dtype", _is("auto")),
+    CompatFlag(("--fully-sharded-loras",), SWITCH, "LoRA weights are split as their base "
+               "kernels are", _NO_LORA_SHARDING, _NOT_SWITCHED_ON),
+    CompatFlag(("--enable-lora-bias",), SWITCH, "LoRA bias stays off",
+               "jaxserve's LoRA adapters have no bias terms (PEFT's bias='none')",
                _NOT_SWITCHED_ON),
-    CompatFlag(("--enable-lora-bias",), SWITCH, "LoRA stays off", _NO_LORA, _NOT_SWITCHED_ON),
-    CompatFlag(("--default-mm-loras",), VALUE, lacks=_NO_LORA),
+    CompatFlag(("--default-mm-loras",), VALUE, lacks=_TEXT_ONLY),
     # ---- ObservabilityConfig
     CompatFlag(("--show-hidden-metrics-for-version",), VALUE, "jaxserve hides no deprecated "
                "metrics"),

@@ -17,11 +17,12 @@ MAX_BANNED_IDS = 32
 
 
 def build_step_inputs(out: SchedulerOutput, num_tokens: int, num_rows: int, block_size: int,
-                      blocks_per_seq: int, num_groups: int = 1) -> tuple[dict, dict]:
+                      blocks_per_seq: int, num_groups: int = 1,
+                      lora: bool = False) -> tuple[dict, dict]:
     """One step's inputs with a builder of its own (for a step formed by hand, and the
     shapes of a bucket); a runner keeps one StepInputBuilder for all its steps."""
     slots = max((r.state_slot for r in out.requests), default=0)
-    return StepInputBuilder(slots, block_size, blocks_per_seq, num_groups).build(
+    return StepInputBuilder(slots, block_size, blocks_per_seq, num_groups, lora).build(
         out, num_tokens, num_rows, refresh=True)
 
 
@@ -40,6 +41,9 @@ SAMPLING_FIELDS = (("temperature", "float32", 1), ("top_k", "int32", 0),
                    ("wants_logprobs", "bool", 0), ("banned_ids", "int32", -1),
                    ("has_bias", "bool", 0), ("has_grammar", "bool", 0),
                    ("num_proposed", "int32", 0))
+# With LoRA adapters (enable_lora): each token's adapter slot, -1 for the base model (the
+# runner pops it before the sampling inputs).
+LORA_FIELDS = (("lora_slots", "int32", -1),)
 
 
 class PackedStep:
@@ -50,15 +54,16 @@ class PackedStep:
     per field and a concatenation)."""
 
     def __init__(self, num_tokens: int, num_rows: int, blocks_per_seq: int,
-                 num_groups: int = 1) -> None:
+                 num_groups: int = 1, lora: bool = False) -> None:
         # Several KV groups (config/kv_groups.py): a block table and slot mapping per group.
         groups = (num_groups,) if num_groups > 1 else ()
         shapes = dict(token_ids=(num_tokens,), positions=(num_tokens,),
                       slot_mapping=groups + (num_tokens,), feed_slots=(num_tokens,),
                       cu_q_lens=(num_rows + 1,),
                       block_tables=groups + (num_rows, blocks_per_seq),
-                      num_seqs=(1,), banned_ids=(num_rows, MAX_BANNED_IDS))
-        fields = BATCH_FIELDS + SAMPLING_FIELDS
+                      num_seqs=(1,), banned_ids=(num_rows, MAX_BANNED_IDS),
+                      lora_slots=(num_tokens,))
+        fields = BATCH_FIELDS + SAMPLING_FIELDS + (LORA_FIELDS if lora else ())
         self.layout = tuple((name, shapes.get(name, (num_rows,)), dtype)
                             for name, dtype, _ in fields)
         sizes = [int(np.prod(shape)) for _, shape, _ in self.layout]
@@ -98,8 +103,9 @@ class StepInputBuilder:
     so they are read masked, never weighed or written)."""
 
     def __init__(self, max_num_seqs: int, block_size: int, blocks_per_seq: int,
-                 num_groups: int = 1) -> None:
+                 num_groups: int = 1, lora: bool = False) -> None:
         self.block_size, self.blocks_per_seq = block_size, blocks_per_seq
+        self.lora = lora  # each token's LoRA slot too (Request.lora_slot)
         self.num_groups = num_groups  # KV groups: block tables [G, R, B] when G > 1
         # Per state slot: sampling_floats, and (top_k, seed, prompt length, step_extras).
         self._floats = np.zeros((max_num_seqs + 1, 8), np.float32)
@@ -134,7 +140,7 @@ class StepInputBuilder:
         step = self._packed.get((num_tokens, num_rows))
         if step is None:
             step = self._packed[num_tokens, num_rows] = PackedStep(
-                num_tokens, num_rows, self.blocks_per_seq, self.num_groups)
+                num_tokens, num_rows, self.blocks_per_seq, self.num_groups, self.lora)
             if len(self._arange) < max(num_tokens, num_rows):
                 self._arange = np.arange(max(num_tokens, num_rows), dtype=np.int32)
             if len(self._ones) < num_rows:
@@ -217,6 +223,8 @@ class StepInputBuilder:
         if several:
             placeholder &= num_proposed[rows] == 0
         a["feed_slots"][:total] = slots[rows] * placeholder
+        if self.lora:
+            a["lora_slots"][:total] = np.array([r.lora_slot for r in reqs], np.int32)[rows]
         token_ids = a["token_ids"]
         firsts_list = out.num_computed_tokens
         decode = firsts < known  # decode rows with a known token (and chunks: rewritten)

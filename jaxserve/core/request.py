@@ -33,7 +33,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  *, seed: int, max_model_len: int, eos_token_ids: frozenset[int],
                  priority: int = 0, constraints: TokenConstraints | None = None,
-                 grammar=None, pooling=None) -> None:
+                 grammar=None, pooling=None, lora=None) -> None:
         self.request_id = request_id
         self.params = params
         self.seed = seed
@@ -62,6 +62,10 @@ class Request:
         # A pooling request (embeddings, classification: core/pooling.py's PoolingState):
         # it ends when its prompt is computed, its sampled token discarded. None: generation.
         self.pooling = pooling
+        # The LoRA adapter it runs with (a models.lora.LoRARequest; None: the base model),
+        # and the device slot the scheduler gave it while it runs (-1: none).
+        self.lora = lora
+        self.lora_slot = -1
         # i32[max_model_len]: prompt then outputs; the first num_tokens entries are valid.
         self.token_ids = np.zeros(self.num_prompt_tokens + self.max_output_tokens, np.int32)
         self.token_ids[: self.num_prompt_tokens] = prompt_token_ids
@@ -82,7 +86,7 @@ class Request:
         # Prefix caching: the hash chain of every full block of token_ids (grows as blocks
         # fill, outputs included), and how many leading blocks are registered in the cache.
         self.block_hashes: list[bytes] = []
-        self.extra_keys: tuple = ()  # hashed into every block (a LoRA id, later)
+        self.extra_keys: tuple = ()  # hashed into every block (its adapter, a cache salt)
         self.num_registered_blocks = 0
         # The computed-token count its blocks hold with nothing for the KV cache manager to
         # do (no new block, no block to name): kept by the manager, read by the scheduler.

@@ -33,6 +33,7 @@ from collections import deque
 from jaxserve.config.engine_config import SchedulerConfig
 from jaxserve.config.speculative import SpeculativeConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.lora_slots import LoraSlots
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.core.spec_decode import SpecDecodeStats, propose_ngram
@@ -41,8 +42,11 @@ from jaxserve.core.spec_policy import StepTimes, expected_gains, proposals_to_ke
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None,
+                 lora_slots: LoraSlots | None = None) -> None:
+        """lora_slots: the device's LoRA slots (enable_lora), handed out at admission."""
         self.config = config
+        self.lora_slots = lora_slots
         self.kv_manager = kv_manager
         self.speculative = speculative
         self.spec_stats = SpecDecodeStats.empty(
@@ -192,6 +196,12 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < max_seqs and len(scheduled) < max_seqs):
             request = self.waiting[0]
+            if self.lora_slots is not None and not self.lora_slots.can_admit(request.lora):
+                # Its adapter waits for a slot: the first request that can run goes first.
+                request = next((r for r in self.waiting
+                                if self.lora_slots.can_admit(r.lora)), None)
+                if request is None:
+                    break
             if request.steps_in_flight:
                 break  # preempted while a step held it: it starts over once that is folded
             hits = self.kv_manager.get_computed_blocks(request)  # no reference taken yet
@@ -199,7 +209,12 @@ class Scheduler:
             num_new = min(request.num_tokens - num_hit, budget)
             if not self.kv_manager.allocate_slots(request, num_new, hits):
                 break
-            self.waiting.popleft()
+            if request is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(request)
+            if self.lora_slots is not None:
+                request.lora_slot = self.lora_slots.acquire(request.lora)
             request.num_computed_tokens = num_hit
             self.kv_manager.record_lookup(request, num_hit)
             if request.num_cached_tokens is None:
@@ -217,6 +232,14 @@ class Scheduler:
             counts.append(num_new)
             budget -= num_new
         return budget
+
+    def lora_adapters(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(running, waiting): the names of the LoRA adapters of the running and of the
+        waiting requests (vllm:lora_requests_info)."""
+        if self.lora_slots is None:
+            return (), ()
+        waiting = sorted({r.lora.lora_name for r in self.waiting if r.lora is not None})
+        return self.lora_slots.running_names(), tuple(waiting)
 
     def _propose(self, request: Request, room: int) -> int:
         """Propose up to K tokens for a decoding request (written after its tokens, see
@@ -362,6 +385,9 @@ class Scheduler:
             self._preempt(request)
 
     def _release_slot(self, request: Request) -> None:
+        if request.lora_slot >= 0:
+            self.lora_slots.release(request.lora_slot)
+            request.lora_slot = -1
         if request.state_slot:
             self._free_slots.append(request.state_slot)
             request.state_slot = 0

@@ -42,6 +42,7 @@ from jaxserve.inputs.tokenizer import (
     load_tokenizer,
     with_special_tokens,
 )
+from jaxserve.models.lora import LoRARequest, inspect_adapter
 
 # What one token of a response can cost in bytes, for the worst-case size: its text and id,
 # and each logprob entry ({"token", "logprob", "bytes", ...} in JSON).
@@ -65,9 +66,20 @@ class EngineRequest:
     # A pooling request's settings, resolved (PoolingParams.resolve); params is then the
     # engine's internal one-token SamplingParams (pooling_sampling_params). None: generation.
     pooling: PoolingParams | None = None
+    lora: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
 
     def with_grammar(self, grammar) -> EngineRequest:
         return dataclasses.replace(self, grammar=grammar)
+
+    def cache_keys(self) -> tuple:
+        """What its sequences' prefix-cache blocks are keyed by beside their tokens: its
+        adapter (KV computed through one is not the base model's) and its cache salt."""
+        keys = ()
+        if self.lora is not None:
+            keys += ("lora", self.lora.lora_name, self.lora.lora_int_id, self.lora.lora_path)
+        if self.cache_salt is not None:
+            keys += ("cache_salt", str(self.cache_salt))
+        return keys
 
 
 def pooling_sampling_params() -> SamplingParams:
@@ -81,9 +93,13 @@ class InputProcessor:
     server calls it from several worker threads at once."""
 
     def __init__(self, model_config, scheduling_policy: str, tokenizer, eos_token_ids,
-                 grammars: GrammarCompiler, limits: RequestLimits, pooler=None) -> None:
-        """pooler: the engine's config.pooler.PoolerConfig (None: it generates)."""
+                 grammars: GrammarCompiler, limits: RequestLimits, pooler=None,
+                 lora=None) -> None:
+        """pooler: the engine's config.pooler.PoolerConfig (None: it generates); lora: its
+        config.lora.LoraConfig (None: LoRA off)."""
         self.pooler = pooler
+        self.lora, self.hf_config = lora, getattr(model_config, "hf_config", None)
+        self._adapters: dict = {}  # adapters checked (check_lora), oldest first
         self.max_model_len = model_config.max_model_len
         self.vocab_size = model_config.vocab_size
         self.scheduling_policy = scheduling_policy
@@ -101,7 +117,7 @@ class InputProcessor:
                                       tokenizer.eos_token_id))
         grammars = GrammarCompiler(tokenizer, config.model.vocab_size, eos)
         return cls(config.model, config.scheduler.policy, tokenizer, eos, grammars,
-                   config.limits, config.pooler)
+                   config.limits, config.pooler, config.lora)
 
     # ---- 1. the limits table: cheap, before anything else -----------------------------------
     def check_params(self, params: SamplingParams) -> SamplingParams:
@@ -149,6 +165,36 @@ class InputProcessor:
             if checked is not structured:
                 params = params.clone(structured_outputs=checked)
         return params
+
+    def check_lora(self, lora, field: str = "lora_request") -> None:
+        """A request's adapter: LoRA on, a LoRARequest, its folder a PEFT adapter that fits
+        the model within max_lora_rank (models/lora.py's checks on its config and tensor
+        header, no weights read; each adapter checked once)."""
+        if lora is None:
+            return
+        if self.lora is None:
+            raise ValueError(f"{field}: LoRA adapters are off on this engine; start it with "
+                             "enable_lora=True (--enable-lora).")
+        if not isinstance(lora, LoRARequest):
+            raise ValueError(f"{field} must be a LoRARequest, got {type(lora).__name__}.")
+        limits = self.limits
+        if len(lora.lora_name) > limits.max_lora_name_length:
+            raise limit_error(f"{field}.lora_name", "an adapter's name",
+                              "max_lora_name_length", limits.max_lora_name_length,
+                              len(lora.lora_name))
+        if len(lora.lora_path) > limits.max_lora_path_length:
+            raise limit_error(f"{field}.lora_path", "an adapter's folder",
+                              "max_lora_path_length", limits.max_lora_path_length,
+                              len(lora.lora_path))
+        if lora in self._adapters:
+            return
+        try:
+            inspect_adapter(lora.lora_path, self.hf_config, self.lora.max_lora_rank)
+        except ValueError as err:
+            raise ValueError(f"{field}: LoRA adapter {lora.lora_name!r}: {err}") from None
+        if len(self._adapters) >= 1024:
+            self._adapters.pop(next(iter(self._adapters)), None)
+        self._adapters[lora] = True
 
     def check_request_id(self, request_id: str, field: str = "request_id") -> None:
         if not isinstance(request_id, str) or not request_id:
@@ -216,10 +262,12 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                 params: SamplingParams, priority: int = 0, cache_salt: str | None = None,
-                *, compile_grammar: bool = True) -> EngineRequest:
+                *, compile_grammar: bool = True,
+                lora: LoRARequest | None = None) -> EngineRequest:
         """One prompt of a request, ready for the engine (its params already through
         check_params). compile_grammar=False leaves the grammar to compile_grammar (the
-        server runs that on its grammar threads) and with_grammar."""
+        server runs that on its grammar threads) and with_grammar. lora: the adapter it runs
+        with (check_lora)."""
         if self.pooler is not None:
             raise ValueError(f"This model is served for pooling ({self.pooler.task}: "
                              "runner='pooling'): it generates no text. Send embedding, "
@@ -227,6 +275,7 @@ class InputProcessor:
                              "runner='generate' on a generative model.")
         self.check_request_id(request_id)
         self.check_priority(priority)
+        self.check_lora(lora)
         ids = self.check_prompt(self.truncate(prompt_token_ids, params))
         self.check_response_size(params, [len(ids)])
         vocab = self.vocab_size
@@ -240,7 +289,7 @@ class InputProcessor:
             if compile_grammar:
                 grammar = self.compile_grammar(params)
         return EngineRequest(request_id, prompt, ids, params, priority, cache_salt,
-                             constraints, grammar, grammar_start)
+                             constraints, grammar, grammar_start, lora=lora)
 
     def process_pooling(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                         params: PoolingParams, priority: int = 0,

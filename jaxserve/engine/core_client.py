@@ -13,19 +13,23 @@ detokenizer finds the same match, since both see the same tokens.
 
 A reader thread drains the core's messages as they come (so the core never blocks on a
 full pipe); step() folds in everything that came since the last call and builds outputs
-once per request, however many steps the core ran meanwhile.
+once per request, however many steps the core ran meanwhile. Sleep mode and weight updates
+are utility calls: a "call" the core runs between steps and answers with a "reply", whose
+result is returned (or exception raised) in the caller (_call).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import multiprocessing
 import os
 import signal
 import threading
 import time
+from concurrent.futures import Future
 
 from jaxserve.backends.jax.compile_stats import CompileRecords
 from jaxserve.core.request import Request, RequestStatus
@@ -40,6 +44,12 @@ from jaxserve.engine.output_processor import (
     track,
 )
 from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.sleep_mode import (
+    EngineSleepingError,
+    check_level,
+    check_tags,
+    host_weights,
+)
 from jaxserve.engine.stats import EngineStats, HostTimes
 
 logger = logging.getLogger(__name__)
@@ -116,6 +126,9 @@ class EngineCoreClient(EngineInterface):
         self._news_ready = threading.Condition()
         self._dead: str | None = None
         self._closed = False
+        self._calls: dict[int, Future] = {}  # utility calls sent, waiting for their reply
+        self._call_ids = itertools.count()
+        self._sleeping = False  # as of the last sleep / wake_up call (they all come here)
         self._reader = threading.Thread(target=self._read, name="jaxserve-core-reader",
                                         daemon=True)
         self._reader.start()
@@ -135,6 +148,8 @@ class EngineCoreClient(EngineInterface):
             raise ValueError(f"request_id {request.request_id!r} is already in use.")
         if self._dead is not None:
             raise EngineDeadError(self._dead)
+        if self._sleeping:
+            raise EngineSleepingError()
         params = request.params
         max_len = self.config.model.max_model_len
         children = [Request(f"{request.request_id}#{i}", request.prompt_token_ids, params,
@@ -219,6 +234,39 @@ class EngineCoreClient(EngineInterface):
         """Sent to the core, which handles it before any request sent after it."""
         self._send(("reset-prefix-cache",))
 
+    # ---- utility calls: run by the core between steps, answered in order ------------------
+    def sleep(self, level: int = 1) -> None:
+        self._call("sleep", check_level(level))
+        self._sleeping = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._call("wake_up", check_tags(tags))
+        self._sleeping = self._call("is_sleeping")
+
+    def is_sleeping(self) -> bool:
+        return self._sleeping
+
+    def update_weights(self, weights) -> int:
+        """The tensors cross the pipe (a folder, by its path: the core reads it)."""
+        return self._call("update_weights", host_weights(weights))
+
+    def _call(self, method: str, *args):
+        """engine.method(*args) in the core: its result, or what it raised (EngineDeadError
+        when the core dies first)."""
+        future: Future = Future()
+        with self._news_ready:  # (the reader fails the calls waiting when the core dies)
+            if self._dead is not None:
+                raise EngineDeadError(self._dead)
+            call_id = next(self._call_ids)
+            self._calls[call_id] = future
+        try:
+            self._send(("call", call_id, method, args))
+        except BaseException:
+            with self._news_ready:
+                self._calls.pop(call_id, None)
+            raise
+        return future.result()
+
     def close(self) -> None:
         """Stop the core (it closes its engine) and wait for it to exit."""
         if self._closed:
@@ -269,6 +317,9 @@ class EngineCoreClient(EngineInterface):
             if message[0] == "dead":
                 reason = f"the engine core stopped: {message[1]}"
                 break
+            if message[0] == "reply":
+                self._reply(*message[1:])
+                continue
             _, ids, tokens, records, stats = message
             # The load and counters at once (stats() reads them while no step runs too);
             # the requests' news when step() folds it in.
@@ -286,7 +337,20 @@ class EngineCoreClient(EngineInterface):
         with self._news_ready:
             self._dead = self._dead or reason
             self._news_ready.notify_all()
+            calls, self._calls = self._calls, {}
+        for future in calls.values():
+            future.set_exception(EngineDeadError(self._dead))
         self._on_news()
+
+    def _reply(self, call_id: int, ok: bool, value) -> None:
+        with self._news_ready:
+            future = self._calls.pop(call_id, None)
+        if future is None:
+            return  # (its caller gave up)
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
 
     def _exit_reason(self) -> str:
         """Why the core's pipe closed (its process exited)."""

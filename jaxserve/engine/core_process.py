@@ -10,13 +10,17 @@ front end's (the client mirrors every request, output_processor's code on its si
 The protocol, two one-way pipes (multiprocessing.Connection, pickled tuples):
 - front end -> core: ("add", EngineRequest without its compiled grammar: the core compiles
   it again from the request, unsandboxed, since the front end's admission path compiled it
-  in its sandbox), ("abort", request id), ("reset-prefix-cache",), ("close",). A closed
-  pipe (the front end is gone) stops the core too.
+  in its sandbox), ("abort", request id), ("reset-prefix-cache",), ("call", call id,
+  method, args): a utility call, one of UTILITY_CALLS on the engine (sleep mode, weight
+  updates), answered by a "reply"; ("close",). A closed pipe (the front end is gone) stops
+  the core too.
 - core -> front end: ("ready", EngineConfig) or ("failed", exception) once at start-up;
   then ("step", ids, tokens, records, stats) after each step and ("stats", [], [], [],
-  stats) when idle and commands or compiles changed something; ("dead", reason) before it
-  exits on an engine failure. stats is (EngineStats, sequences added so far, HostTimes steps, HostTimes
-  seconds, compile_stats.CompileRecords or None when they have not changed).
+  stats) when idle and commands or compiles changed something; ("reply", call id, True,
+  result) or ("reply", call id, False, exception) for each call, in the order they came;
+  ("dead", reason) before it exits on an engine failure. stats is (EngineStats, sequences
+  added so far, HostTimes steps, HostTimes seconds, compile_stats.CompileRecords or None
+  when they have not changed).
 
 ids[k], tokens[k]: request ids[k] (of one choice) got the one token tokens[k] and goes on,
 the common case, kept flat so that a step of hundreds of sequences pickles fast. A record
@@ -39,8 +43,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from jaxserve.engine.failures import EngineDeadError, describe
+from jaxserve.engine.sleep_mode import EngineSleepingError, RequestsUnfinishedError
 
 logger = logging.getLogger(__name__)
+
+# The engine methods a "call" may run (interface.EngineInterface's), and the exceptions that
+# cross back as they are (anything else: a RuntimeError saying what it was).
+UTILITY_CALLS = ("sleep", "wake_up", "is_sleeping", "update_weights")
+_PLAIN_ERRORS = (ValueError, RuntimeError, RequestsUnfinishedError, EngineSleepingError)
 
 _IDLE_WAIT_S = 0.05  # how long an idle core waits for a command before it looks again
 _COMPILE_POLL_S = 0.005  # how often one with only grammars compiling looks at them
@@ -194,11 +204,28 @@ class EngineCore:
                 self._forget(request_id)
         elif kind == "reset-prefix-cache":
             self.engine.reset_prefix_cache()
+        elif kind == "call":
+            self._send(("reply", message[1], *self._call(message[2], message[3])))
         elif kind == "close":
             return False
         else:
             raise ValueError(f"unknown engine core command {kind!r}")
         return True
+
+    def _call(self, method: str, args: tuple) -> tuple[bool, object]:
+        """(True, result) of a utility call, or (False, the exception it raised, as one
+        that crosses the pipe)."""
+        try:
+            if method not in UTILITY_CALLS:
+                raise ValueError(f"unknown engine core call {method!r}")
+            return True, getattr(self.engine, method)(*args)
+        except Exception as err:  # noqa: BLE001 - the caller's to raise
+            if type(err) in _PLAIN_ERRORS:
+                return False, type(err)(str(err))
+            if isinstance(err, ValueError):
+                return False, ValueError(str(err))
+            logger.error("The engine core's %s call failed", method, exc_info=err)
+            return False, RuntimeError(f"{method} failed in the engine core: {describe(err)}")
 
     def _add_compiled(self) -> int:
         """Add the requests at the head of _compiling whose grammars are compiled, in

@@ -21,7 +21,8 @@ are RemoteReplicas (remote_replica.py): engine cores stepping on their own hosts
 this front end collects without waiting on any one of them. A replica that is lost (its
 host died: its connection broke; or its devices failed: EngineDeadError) fails the requests
 it had, is never routed to again, and is reported in the stats (/health, /metrics); the
-front end goes on with the others, and is dead only when every replica is lost.
+front end goes on with the others, and is dead only when every replica is lost. Sleep mode
+and weight updates go to every live replica, once checked here (sleep_mode.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ from jaxserve.engine.interface import EngineInterface
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.remote_replica import RemoteReplica
+from jaxserve.engine.sleep_mode import (
+    check_enabled,
+    check_level,
+    check_tags,
+    host_weights,
+    unfinished,
+)
 from jaxserve.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -116,6 +124,41 @@ class DataParallelEngine(EngineInterface):
     def reset_prefix_cache(self) -> None:
         for rank in self._live():
             self.replicas[rank].reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Every live replica to sleep, once all are checked (sleep_mode.py's rules)."""
+        level = check_level(level)
+        check_enabled(self.config)
+        if self._owner:
+            raise unfinished(len(self._owner))
+        self._each("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._each("wake_up", check_tags(tags))
+
+    def is_sleeping(self) -> bool:
+        return any(self.replicas[rank].is_sleeping() for rank in self._live())
+
+    def update_weights(self, weights) -> int:
+        """The same tensors into every live replica (each checks them all before it changes
+        anything: the first refuses what every replica would)."""
+        counts = self._each("update_weights", host_weights(weights))
+        return counts[0] if counts else 0
+
+    def _each(self, method: str, *args) -> list:
+        """replica.method(*args) on every live replica, in rank order; a remote replica lost
+        meanwhile is dropped (as a step drops it)."""
+        results = []
+        for rank in self._live():
+            replica = self.replicas[rank]
+            try:
+                results.append(getattr(replica, method)(*args))
+            except EngineDeadError as err:
+                if not _is_remote(replica):
+                    raise
+                self._lose(rank, err)
+        self._check_alive()
+        return results
 
     def close(self) -> None:
         for replica in self.replicas:

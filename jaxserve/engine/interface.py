@@ -81,6 +81,30 @@ class EngineInterface(abc.ABC):
         """Forget every cached prefix (vLLM's reset_prefix_cache): later prompts hit nothing
         cached before now. Running requests keep their blocks; nothing is preempted."""
 
+    # ---- sleep mode and weight updates (sleep_mode.py) ----------------------------------
+    @abc.abstractmethod
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache's and the weights' device memory (level 1: the weights kept in
+        host memory; level 2: dropped). ValueError without enable_sleep_mode, or while
+        requests are unfinished (RequestsUnfinishedError); asleep already at that level or
+        deeper: nothing."""
+
+    @abc.abstractmethod
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what tags name ("weights", "kv_cache"; None: both); the prefix cache
+        starts empty. What is awake stays as it is."""
+
+    @abc.abstractmethod
+    def is_sleeping(self) -> bool:
+        """Whether the weights or the KV cache are off the device."""
+
+    @abc.abstractmethod
+    def update_weights(self, weights) -> int:
+        """Replace the weights the given tensors map to ({Hugging Face tensor name: array},
+        or a folder of safetensors), asleep or awake, without recompiling; ValueError naming
+        a tensor that does not fit, before anything changes. Returns how many parameters
+        changed."""
+
     @abc.abstractmethod
     def close(self) -> None:
         """Stop background work (warm-up, grammar sandboxes) and release other hosts."""
@@ -88,15 +112,15 @@ class EngineInterface(abc.ABC):
     # ---- derived ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, lora_request=None) -> None:
         """Admit a request through the admission path (self.processor: limits, the model's
         checks, bad words, the grammar) and queue it; ValueError naming the field for
         anything it refuses. priority: lower runs first (needs the priority scheduling
         policy); cache_salt: the request shares cached prefix blocks only with requests of
-        the same salt."""
+        the same salt; lora_request: its LoRA adapter (a LoRARequest; enable_lora)."""
         params = self.processor.check_params(params)
         self.add_processed(self.processor.process(request_id, prompt, prompt_token_ids, params,
-                                                  priority, cache_salt))
+                                                  priority, cache_salt, lora=lora_request))
 
     @property
     def num_unfinished_requests(self) -> int:

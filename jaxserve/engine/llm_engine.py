@@ -4,7 +4,7 @@ A request with n > 1 becomes n sequences (children) that share the prompt; each 
 its own seed (seed + i when a seed is given), detokenizer and finish reason.
 
 One request never stops the engine: failures.py finds the request(s) that caused a failure
-and fails only those.
+and fails only those. Sleep mode and weight updates: sleep_mode.py.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from jaxserve.config.engine_config import EngineConfig
 from jaxserve.config.kv_groups import describe_groups
 from jaxserve.core.input_builder import grammar_masks, prompt_score_targets
 from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.lora_slots import LoraSlots
 from jaxserve.core.pooling import PoolingState, fold_pooled
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
@@ -34,12 +35,13 @@ from jaxserve.engine.output_processor import (
     track,
 )
 from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.sleep_mode import SleepMode
 from jaxserve.engine.stats import EngineStats, HostTimes
 
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine(FailureIsolation, EngineInterface):
+class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
     def __init__(self, config: EngineConfig, runner: Runner | None = None,
                  rank: int = 0) -> None:
         """runner: the device side; built from config on data-parallel replica `rank`'s
@@ -55,7 +57,9 @@ class LLMEngine(FailureIsolation, EngineInterface):
         groups = self.runner.kv_groups
         self.kv_manager = KVCacheManager(blocks, size, windows=groups.windows,
                                          enable_caching=config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.speculative)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.speculative,
+                                   None if config.lora is None
+                                   else LoraSlots(config.lora.max_loras))
         max_len = config.model.max_model_len
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at "
                     "max_model_len=%d: %.2f; prefix caching %s%s", blocks - 1, size,
@@ -113,6 +117,7 @@ class LLMEngine(FailureIsolation, EngineInterface):
         (other threads read the snapshot, never the queues)."""
         scheduler, kv, runner = self.scheduler, self.kv_manager, self.runner.stats()
         spec = scheduler.spec_stats
+        lora_running, lora_waiting = scheduler.lora_adapters()
         return EngineStats(
             running=len(scheduler.running), waiting=len(scheduler.waiting),
             unfinished_requests=len(self._tracked), kv_usage=kv.usage,
@@ -122,7 +127,9 @@ class LLMEngine(FailureIsolation, EngineInterface):
             compiling=runner.compiling, warm_up_done=runner.warm_up_done,
             spec_drafts=spec.num_drafts, spec_draft_tokens=spec.num_draft_tokens,
             spec_accepted_tokens=spec.num_accepted_tokens,
-            spec_accepted_per_pos=tuple(spec.accepted_per_pos))
+            spec_accepted_per_pos=tuple(spec.accepted_per_pos), lora_running=lora_running,
+            lora_waiting=lora_waiting,
+            max_loras=self.config.lora.max_loras if self.config.lora else 0)
 
     @property
     def async_scheduling(self) -> bool:
@@ -158,6 +165,7 @@ class LLMEngine(FailureIsolation, EngineInterface):
             "a structured output's grammar is compiled before the request is added"
         if request.request_id in self._tracked:
             raise ValueError(f"request_id {request.request_id!r} is already in use.")
+        self._check_awake()  # (sleep mode: sleep_mode.py)
         children = []
         for i in range(params.n):
             seed = (params.seed + i if params.seed is not None
@@ -169,10 +177,10 @@ class LLMEngine(FailureIsolation, EngineInterface):
             child = Request(f"{request.request_id}#{i}", ids, params, seed=seed % 2**32,
                             max_model_len=self.config.model.max_model_len,
                             eos_token_ids=self.eos_token_ids, priority=request.priority,
-                            constraints=request.constraints, grammar=grammar, pooling=pooling)
+                            constraints=request.constraints, grammar=grammar, pooling=pooling,
+                            lora=request.lora)
             child.grammar_waits_for = request.grammar_start
-            if request.cache_salt is not None:
-                child.extra_keys = ("cache_salt", str(request.cache_salt))
+            child.extra_keys = request.cache_keys()
             children.append(child)
         tracked = track(request, children, self.tokenizer)
         self._tracked[request.request_id] = tracked
@@ -254,6 +262,7 @@ class LLMEngine(FailureIsolation, EngineInterface):
 
     def _advance(self, final_only: bool) -> list[TrackedRequest]:
         """Collect, launch, match stop strings: the requests that changed (see _step)."""
+        self._check_awake()
         if self._async and not self._launched_ahead:
             self.begin_step()
         ahead, self._launched_ahead = self._launched_ahead, False

@@ -33,6 +33,11 @@ class EngineStats:
     # Data parallelism: replicas in all, and (rank, why) of those lost (their host died).
     replicas: int = 1
     replicas_lost: tuple[tuple[int, str], ...] = ()
+    # LoRA (enable_lora): the adapters of the running and of the waiting requests, by name,
+    # and the engine's max_loras (0: LoRA off).
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    max_loras: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -57,7 +62,10 @@ class EngineStats:
             spec_draft_tokens=sum(p.spec_draft_tokens for p in parts),
             spec_accepted_tokens=sum(p.spec_accepted_tokens for p in parts),
             spec_accepted_per_pos=tuple(map(sum, zip(*(p.spec_accepted_per_pos
-                                                       for p in parts)))))
+                                                       for p in parts)))),
+            lora_running=tuple(sorted({n for p in parts for n in p.lora_running})),
+            lora_waiting=tuple(sorted({n for p in parts for n in p.lora_waiting})),
+            max_loras=parts[0].max_loras)
 
 
 # The stages of the engine thread's work per step, in order (HostTimes).

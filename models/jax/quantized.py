@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve.models.jax.lora import ATTRIBUTE
 from jaxserve.models.mxfp4 import FP4_VALUES
 from jaxserve.models.quant_config import LinearQuant
 from jaxserve.models.quantization import CONTRACTED, SCALE_SUFFIX, scale_shape, stored_shapes
@@ -242,7 +243,15 @@ def matmul(spec: str, x, module: nnx.Module, name: str):
     """einsum(spec, x, kernel) in x's dtype; an int8 kernel's product is scaled per output
     channel (the kernel's axes must end the output, as in every projection here); a
     checkpoint-quantized kernel quantizes x as its scheme says: per-channel 8-bit kernels
-    multiply codes by codes (_quantized_product), the others are dequantized in the step."""
+    multiply codes by codes (_quantized_product), the others are dequantized in the step.
+    With LoRA adapters in the step (models/jax/lora.py), their delta is added."""
+    y = _product(spec, x, module, name)
+    lora = getattr(module, ATTRIBUTE, None)
+    delta = lora.delta(spec, x, name) if lora is not None else None
+    return y if delta is None else y + delta.astype(y.dtype)
+
+
+def _product(spec: str, x, module: nnx.Module, name: str):
     w = getattr(module, name)
     if isinstance(w, QuantizedKernel):
         contracted = len(CONTRACTED[name])

@@ -32,11 +32,13 @@ COMPILE_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
 
 class CompiledFunctions:
     def __init__(self, build: Callable[[tuple], object], buckets: SchedulerConfig,
-                 cache=None, pooling: bool = False) -> None:
+                 cache=None, pooling: bool = False, extra: tuple[str, ...] = ()) -> None:
         """build(key) -> a compiled function; buckets: the step buckets to warm up; cache:
         the executable cache (its hits are logged); pooling: the engine pools (its warm-up
-        compiles each bucket's step and pooling function)."""
+        compiles each bucket's step and pooling function); extra: the names of functions
+        without a bucket a warm-up builds too (("lora",): writing an adapter's slot)."""
         self._build = build
+        self.extra = extra
         self.pooling = pooling
         self.buckets = buckets
         self.cache = cache
@@ -117,7 +119,7 @@ class CompiledFunctions:
                 order.append(("score", t))
         order += [("score", t) for t in self.buckets.token_buckets
                   if ("score", t) not in order]
-        return order + [("bias",), ("grammar",)]
+        return order + [("bias",), ("grammar",)] + [(name,) for name in self.extra]
 
     def warm_up(self, background: bool = False) -> None:
         """Compile (or load) every (T, R) step bucket and the prompt-scoring function per T,

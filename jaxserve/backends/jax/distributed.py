@@ -223,17 +223,20 @@ class StepChannel:
     def send(self, num_tokens: int, num_rows: int, packed: np.ndarray,
              targets: np.ndarray | None, bias_rows: list[tuple[int, np.ndarray]],
              grammar_rows: list[tuple[int, np.ndarray]],
-             pool: np.ndarray | None = None) -> None:
+             pool: np.ndarray | None = None, loads: list = ()) -> None:
         """bias_rows: [(sampler row, f32[V])]; grammar_rows: [(sampler row, i32[W])]: the
-        sampler-state rows to write before the step; pool: its pooling inputs i32[T + R]."""
-        self._send((num_tokens, num_rows, packed, targets, bias_rows, grammar_rows, pool))
+        sampler-state rows to write before the step; pool: its pooling inputs i32[T + R];
+        loads: the LoRA adapters to write into their slots first [(slot, LoRARequest)]
+        (each host reads the adapter's folder itself)."""
+        self._send((num_tokens, num_rows, packed, targets, bias_rows, grammar_rows, pool,
+                    list(loads)))
 
     def send_stop(self) -> None:
         self._send(_STOP)
 
     def receive(self):
         """(num_tokens, num_rows, packed i32[X], targets i32[T] or None, bias rows, grammar
-        rows, pooling inputs or None), or None: stop (also when the lead host is gone)."""
+        rows, pooling inputs or None, LoRA loads), or None: stop (also when the lead host is gone)."""
         try:
             return self._source.recv()
         except (EOFError, OSError):

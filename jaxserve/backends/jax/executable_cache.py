@@ -227,6 +227,7 @@ def executable_cache_for(config, runner) -> ExecutableCache | None:
         "expert_parallel": config.parallel.expert_parallel, "arch": repr(runner.arch),
         "speculative_tokens": runner.num_speculative, "quantization": repr(model.weights_scheme),
         "kv_cache_dtype": cache.kv_cache_dtype, "pooler": repr(config.pooler),
+        "lora": repr(config.lora),
     }
     directory = os.path.join(config.compilation_cache_dir, "executables")
     return ExecutableCache(directory, fingerprint, runner.mesh.devices.flat)

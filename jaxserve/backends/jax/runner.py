@@ -1,10 +1,12 @@
 """Model runner: owns the weights, the paged KV cache and the compiled step per (T, R) bucket.
 
-The step is one jitted function, compiled per bucket (bucket_compiler.py: on first use or by
-a warm-up, through the executable cache):
+The step is one jitted function (step.py), compiled per bucket (bucket_compiler.py: on
+first use or by a warm-up, through the executable cache):
 
-    step(params, kv_caches, penalty_state, packed_inputs)
+    step(params, kv_caches, penalty_state, packed_inputs, loras)
         -> (kv_caches, penalty_state, hidden, packed_sample_result)
+
+loras holds the LoRA adapter slots (lora_weights.py: enable_lora; {} otherwise).
 
 With speculative decoding (K proposals at most), a step in which some row verifies
 proposals samples at each proposal of a row and at its last token, and keeps the proposals
@@ -40,7 +42,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxserve.backends.jax import distributed, kv_quant
 from jaxserve.backends.jax.accelerators import warn_if_cpu_fallback
 from jaxserve.backends.jax.attend import KV_SCALE_SPEC, attention_for, make_attend
-from jaxserve.backends.jax.batch import Batch, SamplingInputs
 from jaxserve.backends.jax.bucket_compiler import CompiledFunctions
 from jaxserve.backends.jax.compile_stats import (
     compilation_count,
@@ -50,21 +51,20 @@ from jaxserve.backends.jax.compile_stats import (
     record_load,
 )
 from jaxserve.backends.jax.executable_cache import executable_cache_for
+from jaxserve.backends.jax.lora_weights import DeviceLoras
 from jaxserve.backends.jax.orbax_checkpoint import is_orbax_folder, restore_params
-from jaxserve.backends.jax.packing import Layout, layout_of, pack_device, unpack, unpack_host
+from jaxserve.backends.jax.packing import Layout, layout_of, pack_device, unpack_host
 from jaxserve.backends.jax.pooling import pool_rows
-from jaxserve.backends.jax.rejection_sampler import accept_drafts
 from jaxserve.backends.jax.sampler import (
     MASK_ROWS_PER_CALL,
     PenaltyState,
     SampleResult,
-    sample,
     score_tokens,
     set_bias_row,
     set_grammar_rows,
-    update_penalty_state,
-    uses_penalties,
 )
+from jaxserve.backends.jax.sleep import RunnerSleep
+from jaxserve.backends.jax.step import StepSettings, step_fn
 from jaxserve.backends.jax.weights import load_params, place, random_params
 from jaxserve.backends.protocol import PaddingStats, RunnerStats, StepResult
 from jaxserve.config import kv_sizing
@@ -76,7 +76,6 @@ from jaxserve.core.pooling import pool_inputs
 from jaxserve.core.sampling_params import MAX_LOGPROBS
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.kernels_pallas import ref
-from jaxserve.kernels_pallas.ref import token_layout
 from jaxserve.models import model_family
 from jaxserve.models.jax.mixtral import expert_parallel
 from jaxserve.models.llama_arch import with_max_model_len
@@ -85,7 +84,6 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": (jnp.float32, np.float32), "bfloat16": (jnp.bfloat16, ml_dtypes.bfloat16),
            "float16": (jnp.float16, np.float16)}
-_BATCH_FIELDS = tuple(f.name for f in dataclasses.fields(Batch))
 
 
 @dataclasses.dataclass
@@ -135,15 +133,7 @@ class ModelRunner:
             options["quantization"] = scheme
         abstract = nnx.eval_shape(lambda: family.model_cls(self.arch, self.dtype, **options))
         spec_of = lambda path: PartitionSpec(*param_spec(path, self.plan))
-        if config.model.load_format == "dummy":
-            model = random_params(abstract, self.mesh, config.model.seed, spec_of)
-        elif is_orbax_folder(config.model.model):
-            model = restore_params(abstract, config.model.model, self.dtype, self.mesh, spec_of,
-                                   self.plan.kv_replicas)
-        else:
-            model = load_params(abstract, config.model.model,
-                                functools.partial(family.param_path, arch=self.arch), np_dtype,
-                                self.mesh, spec_of, None if scheme == "int8" else scheme)
+        model = self._load_model(abstract)
         kv_cache_dtype = config.cache.kv_cache_dtype
         kv_values = kv_quant.value_dtype(kv_cache_dtype, self.dtype)
         self.attend = make_attend(self.attention_fn, self.mesh,
@@ -155,9 +145,14 @@ class ModelRunner:
         self.blocks_per_seq = kv_sizing.blocks_per_seq(config.model.max_model_len,
                                                        self.block_size)
         self.kv_groups = kv_groups_for(config)  # layers sharing block tables and tensors
+        # LoRA slots (enable_lora), and each token's slot among the step's inputs.
+        self.loras = None if config.lora is None else DeviceLoras(
+            config.lora, hf, self.arch, family.param_shapes(self.arch), spec_of, self.mesh,
+            self.dtype, np_dtype)
         self.inputs = StepInputBuilder(config.scheduler.max_num_seqs, self.block_size,
-                                       self.blocks_per_seq, self.kv_groups.num_groups)
-        # Before sizing the KV cache, so that the device's bytes in use count it.
+                                       self.blocks_per_seq, self.kv_groups.num_groups,
+                                       lora=self.loras is not None)
+        # Before sizing the KV cache, so that the device's bytes in use count them.
         self.penalty_state = PenaltyState.zeros(config.scheduler.max_num_seqs + 1,
                                                 self.arch.vocab_size, self.replicated)
         self.num_blocks = self._num_kv_blocks()
@@ -169,7 +164,12 @@ class ModelRunner:
         scales = self._calibrate_kv_scales() if kv_quant.is_quantized(kv_cache_dtype) else None
         self.kv_caches = [(zeros(), zeros()) + (scales[i] if scales else ())
                           for i in range(self.kv_groups.num_slots)]
-        self._step = jax.jit(self._step_fn, donate_argnums=(1, 2), static_argnames=("layout",))
+        self._kv_zeros = zeros  # (wake_up: the cache again, by the same compiled function)
+        self._step = jax.jit(functools.partial(
+            step_fn, StepSettings(self.graphdef, self.attend, self.replicated,
+                                  self.kv_groups if self.kv_groups.num_groups > 1 else None,
+                                  self.num_speculative)),
+            donate_argnums=(1, 2), static_argnames=("layout",))
         self._score = jax.jit(self._score_fn)
         self._pool = jax.jit(self._pool_fn)
         self._set_bias = jax.jit(set_bias_row, donate_argnums=0)
@@ -181,7 +181,25 @@ class ModelRunner:
         self._penalty_spec = jax.tree.map(spec, self.penalty_state)
         self.executables = executable_cache_for(config, self)
         self.compiled = CompiledFunctions(self._build, config.scheduler, self.executables,
-                                          pooling=config.pooler is not None)
+                                          pooling=config.pooler is not None,
+                                          extra=("lora",) if self.loras else ())
+        self.sleep_mode = RunnerSleep(self)
+
+    def _load_model(self, abstract: nnx.Module) -> nnx.Module:
+        """The weights into an abstract model, on their shardings: random ones
+        (load_format="dummy"), an Orbax folder's, or the Hugging Face checkpoint's (at
+        start-up, and when the weights wake up from sleep level 2)."""
+        model, family = self.config.model, model_family(self.config.model.hf_config)
+        spec_of = lambda path: PartitionSpec(*param_spec(path, self.plan))
+        if model.load_format == "dummy":
+            return random_params(abstract, self.mesh, model.seed, spec_of)
+        if is_orbax_folder(model.model):
+            return restore_params(abstract, model.model, self.dtype, self.mesh, spec_of,
+                                  self.plan.kv_replicas)
+        path_of, scheme = functools.partial(family.param_path, arch=self.arch), \
+            model.weights_scheme
+        return load_params(abstract, model.model, path_of, _DTYPES[model.dtype][1], self.mesh,
+                           spec_of, None if scheme == "int8" else scheme)
 
     # ---- sizing -------------------------------------------------------------------------
     def _log_placement(self) -> None:
@@ -221,70 +239,6 @@ class ModelRunner:
             share=self.channel.share if self.channel is not None else None)
 
     # ---- device functions ---------------------------------------------------------------
-    def _step_fn(self, params, kv_caches, penalty_state, packed, layout: Layout):
-        arrays = unpack(packed, layout)
-        feed = arrays.pop("feed_slots")
-        batch = Batch(**{f: arrays.pop(f) for f in _BATCH_FIELDS})
-        # Placeholder inputs: the token the previous step sampled for the row's request.
-        batch = dataclasses.replace(batch, token_ids=jnp.where(
-            feed > 0, penalty_state.last_tokens[feed], batch.token_ids))
-        sampling = SamplingInputs(**arrays)
-        model = nnx.merge(self.graphdef, params)
-        groups = self.kv_groups if self.kv_groups.num_groups > 1 else None
-        kv_caches, hidden = model(kv_caches, batch, self.attend, groups)
-        hidden = jax.lax.with_sharding_constraint(hidden, self.replicated)  # [T, D]
-        seq, _, valid = token_layout(batch, batch.token_ids.shape[0])
-        # The penalty rows are only read by requests with penalties, which are in the
-        # steps that update them: other steps skip the scatter.
-        penalty_state = jax.lax.cond(
-            uses_penalties(sampling), update_penalty_state, lambda state, *_: state,
-            penalty_state, batch, sampling, seq, valid)
-
-        def sample_at(indices, s):  # the sampler sees the whole vocabulary on every device
-            logits = jax.lax.with_sharding_constraint(model.logits(hidden[indices]),
-                                                      self.replicated)  # f32[rows, V]
-            return sample(logits, penalty_state, s)
-
-        k = self.num_speculative
-        if not k:
-            result = sample_at(batch.logits_indices, sampling)
-            # Each row's token for a later step's placeholder (padding rows write row 0;
-            # speculative steps are never followed by placeholders).
-            penalty_state = dataclasses.replace(penalty_state, last_tokens=(
-                penalty_state.last_tokens.at[sampling.state_slots].set(result.token_ids)))
-            return kv_caches, penalty_state, hidden, pack_device(result)
-        rows = batch.logits_indices.shape[0]
-        slots = min(batch.token_ids.shape[0], rows * (k + 1))  # L
-
-        def one_token():  # row r's entry at r
-            result = sample_at(batch.logits_indices, sampling)
-            widen = lambda x: jnp.zeros((slots,) + x.shape[1:], x.dtype).at[:rows].set(x)
-            return jax.tree.map(widen, result), jnp.ones((rows,), jnp.int32)
-
-        def verify():
-            proposed = sampling.num_proposed
-            # Slot layout: row r's proposals and last token (padding rows: none).
-            counts = jnp.where(jnp.arange(rows) < batch.num_seqs[0], proposed + 1, 0)
-            ends = jnp.cumsum(counts)
-            starts = ends - counts
-            slot = jnp.arange(slots)
-            row = jnp.minimum(jnp.searchsorted(ends, slot, side="right"), rows - 1)
-            j = slot - starts[row]  # position among the row's sampled tokens
-            used = slot < ends[-1]
-            back = proposed[row] - j  # tokens after this one in the row's query
-            index = jnp.where(used, batch.logits_indices[row] - back, 0)
-            each = jax.tree.map(lambda x: x[row], sampling)
-            each = dataclasses.replace(
-                each, sample_positions=jnp.where(used, each.sample_positions - back, 0))
-            result = sample_at(index, each)
-            # The proposal after this token, when there is one: kept if the draw equals it.
-            follows = batch.token_ids[jnp.minimum(index + 1, batch.token_ids.shape[0] - 1)]
-            return result, accept_drafts(result.token_ids, follows, used & (back > 0), row,
-                                         starts)
-
-        result = jax.lax.cond(jnp.any(sampling.num_proposed > 0), verify, one_token)
-        return kv_caches, penalty_state, hidden, pack_device(result)
-
     def _score_fn(self, params, hidden, targets):
         model = nnx.merge(self.graphdef, params)
         return pack_device(score_tokens(model.logits(hidden), targets))
@@ -297,7 +251,7 @@ class ModelRunner:
     def _layout(self, num_tokens: int, num_rows: int) -> Layout:
         batch, sampling = build_step_inputs(SchedulerOutput([], [], []), num_tokens, num_rows,
                                             self.block_size, self.blocks_per_seq,
-                                            self.kv_groups.num_groups)
+                                            self.kv_groups.num_groups, self.loras is not None)
         return layout_of({**batch, **sampling})
 
     def _step_result_like(self, num_tokens: int, num_rows: int):
@@ -371,8 +325,13 @@ class ModelRunner:
             layout = self._layout(num_tokens, num_rows)
             size = sum(math.prod(shape) for _, shape, _ in layout)
             packed = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=self.replicated)
+            loras = {} if self.loras is None else jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                self.loras.arrays)
             return self._step.lower(self._params_spec, self._kv_spec, self._penalty_spec,
-                                    packed, layout=layout)
+                                    packed, loras, layout=layout)
+        if key[0] == "lora":
+            return self.loras.lower_write()
         num_tokens = key[1]
         hidden = jax.ShapeDtypeStruct((num_tokens, self.arch.hidden_size), self.dtype,
                                       sharding=self.replicated)
@@ -425,18 +384,22 @@ class ModelRunner:
         pooler = self.config.pooler
         pool = None if pooler is None else pool_inputs(out, num_tokens, num_rows,
                                                        pooler.pooling_type)
+        loads = self.loras.loads_for(out.requests) if self.loras is not None else []
         if self.channel is not None:  # the replica's other hosts run the same step
             self.channel.send(num_tokens, num_rows, packed, targets, bias_rows, grammar_rows,
-                              pool)
-        return self._run(num_tokens, num_rows, packed, targets, bias_rows, grammar_rows, pool)
+                              pool, loads)
+        return self._run(num_tokens, num_rows, packed, targets, bias_rows, grammar_rows, pool,
+                         loads)
 
     def _run(self, num_tokens: int, num_rows: int, packed: np.ndarray,
              targets: np.ndarray | None, bias_rows: list, grammar_rows: list,
-             pool: np.ndarray | None = None) -> InFlightStep:
+             pool: np.ndarray | None = None, loads: list = ()) -> InFlightStep:
         """Launch the compiled step (and prompt scoring, and pooling: pool i32[T + R]) on
-        packed host inputs, after writing the logit bias rows [(row, f32[V])] of requests
-        starting this step and the grammar bitmasks [(row, i32[W])] of its constrained
-        rows."""
+        packed host inputs, after writing the LoRA adapters [(slot, LoRARequest)] its rows
+        need, the logit bias rows [(row, f32[V])] of requests starting this step and the
+        grammar bitmasks [(row, i32[W])] of its constrained rows."""
+        for slot, lora in loads:
+            self.loras.write(slot, lora, self.compiled.get(("lora",)))
         if bias_rows:
             set_bias = self.compiled.get(("bias",))
             for row, values in bias_rows:
@@ -455,7 +418,8 @@ class ModelRunner:
                                              place(masks, self.replicated))
         step = self._compile_step(num_tokens, num_rows)
         self.kv_caches, self.penalty_state, hidden, result = step(
-            self.params, self.kv_caches, self.penalty_state, place(packed, self.replicated))
+            self.params, self.kv_caches, self.penalty_state, place(packed, self.replicated),
+            self.loras.arrays if self.loras is not None else {})
         scores = None
         if targets is not None:
             score = self._compile_score(num_tokens)
@@ -465,6 +429,20 @@ class ModelRunner:
             pooled = self.compiled.get(("pool", num_tokens, num_rows))(
                 self.params, hidden, place(pool, self.replicated))
         return InFlightStep(result, scores, num_tokens, num_rows, pooled)
+
+    # ---- sleep mode and weight updates: sleep.py ------------------------------------------
+    @property
+    def sleeping(self) -> bool:
+        return self.sleep_mode.sleeping
+
+    def sleep(self, level: int) -> None:
+        self.sleep_mode.sleep(level)
+
+    def wake_up(self, tags: tuple[str, ...]) -> None:
+        self.sleep_mode.wake_up(tags)
+
+    def update_weights(self, weights) -> int:
+        return self.sleep_mode.update_weights(weights)
 
     def follow(self) -> int:
         """The loop of a host that does not lead its replica: run the lead host's steps

@@ -34,20 +34,34 @@ def load_params(abstract_model: nnx.Module, folder: str | Path, path_of, dtype, 
     placed as read. spec_of(path) -> PartitionSpec for that parameter on `mesh`."""
     graphdef, state = nnx.split(abstract_model)
     expected = {tuple(path): var for path, var in nnx.to_flat_state(state)}
-    shapes = {path: var.get_value().shape for path, var in expected.items()
-              if path[-1] in COMPONENTS or not str(path[-1]).endswith(SCALE_SUFFIX)}
+    shapes = weight_shapes(state)
     put = lambda path, value: place(value, NamedSharding(mesh, spec_of(path)))
     loaded = {}
     for path, value in parameter_values(folder, path_of, shapes, dtype, quant):
-        if path[-1] in COMPONENTS:
-            value = value.astype(expected[path].get_value().dtype)
-        elif expected[path].get_value().dtype == np.int8:
-            value, scale = quantize_int8(value, str(path[-1]))
-            scale_path = (*path[:-1], str(path[-1]) + SCALE_SUFFIX)
-            loaded[scale_path] = put(scale_path, scale)
-        loaded[path] = put(path, value)
+        for part, stored in stored_values(path, value, expected[path].get_value().dtype):
+            loaded[part] = put(part, stored)
     flat = [(path, var.replace(loaded[path])) for path, var in nnx.to_flat_state(state)]
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def weight_shapes(state) -> dict[tuple, tuple]:
+    """path -> shape of the parameters a checkpoint gives (parameter_values' `shapes`) in a
+    model's state (arrays or ShapeDtypeStructs): every one but an int8 kernel's scale, which
+    is made with its kernel (a checkpoint-quantized kernel's components are given)."""
+    return {tuple(path): var.get_value().shape for path, var in nnx.to_flat_state(state)
+            if path[-1] in COMPONENTS or not str(path[-1]).endswith(SCALE_SUFFIX)}
+
+
+def stored_values(path: tuple, value: np.ndarray, dtype) -> list[tuple[tuple, np.ndarray]]:
+    """A parameter's host value as the engine stores it (dtype: its array's): a
+    checkpoint-quantized kernel's component in its own dtype; an int8 kernel quantized on
+    the host (quantization.py), its scale beside it; any other as it comes."""
+    if path[-1] in COMPONENTS:
+        return [(path, value.astype(dtype))]
+    if dtype == np.int8:
+        value, scale = quantize_int8(value, str(path[-1]))
+        return [((*path[:-1], str(path[-1]) + SCALE_SUFFIX), scale), (path, value)]
+    return [(path, value)]
 
 
 def random_params(abstract_model: nnx.Module, mesh: Mesh, seed: int,
