@@ -24,14 +24,13 @@ import dataclasses
 import json
 import math
 import re
-import struct
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
 from jaxserve.models import model_family
 from jaxserve.models.quantization import CONTRACTED
+from jaxserve.models.safetensors_format import DTYPES, read_header
 
 # HF module name -> the engine kernels it feeds, as (block, kernel) under ("layers", i).
 LORA_MODULES = {
@@ -48,8 +47,7 @@ _BLOCKS = {"self_attn": "attn", "mlp": "mlp"}
 # model.language_model.layers.i...) + .lora_A|lora_B.weight
 _TENSOR = re.compile(r"(?:base_model\.model\.)?((?:model\.)?(?:language_model\.)?(?:model\.)?"
                      r"layers\.(\d+)\.(self_attn|mlp)\.(\w+))\.lora_([AB])\.weight")
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
-_MAX_HEADER = 100_000_000  # safetensors' own limit
+_FLOATS = ("F64", "F32", "F16", "BF16")
 _EMBEDDINGS = ("lm_head", "embed_tokens")
 _EMBEDDING_HINT = ("LoRA on the embeddings or the lm_head is not supported (only the decoder "
                    "layers' attention and MLP projections)")
@@ -267,7 +265,7 @@ def load_adapter(path: str | Path, hf_config: dict, max_lora_rank: int, arch=Non
 
     def tensor(name: str) -> np.ndarray:  # f32[rows, cols]
         begin, end = header[name]["data_offsets"]
-        array = data[begin:end].view(_DTYPES[header[name]["dtype"]])
+        array = data[begin:end].view(DTYPES[header[name]["dtype"]])
         return array.reshape(header[name]["shape"]).astype(np.float32)
 
     weights = {}
@@ -392,58 +390,14 @@ def _module(where: str, key: str, entry: dict, header: dict, config: AdapterConf
 
 
 def _read_header(path: Path) -> tuple[int, dict]:
-    """(header length, {tensor name: info}) of a safetensors file of float tensors, checked
-    as jaxserve.backends.checkpoint checks a checkpoint's (sizes, offsets tiling the data)."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        header_len = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else _MAX_HEADER + 1
-        if header_len > _MAX_HEADER or 8 + header_len > size:
-            raise ValueError(f"{path.name}: not a safetensors file (its header length is "
-                             "missing, too large or past the end); truncated or corrupt.")
-        raw = f.read(header_len)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as e:
-        raise ValueError(f"{path.name}: header is not valid UTF-8 JSON ({type(e).__name__}).") \
-            from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path.name}: header is not a JSON object.")
-    header.pop("__metadata__", None)
-    buffer, spans = size - 8 - header_len, []
+    """(header length, {tensor name: info}) of a safetensors file, checked as every
+    checkpoint's is (safetensors_format.read_header), whose tensors are floating point."""
+    header_len, header = read_header(path)
     for name, info in header.items():
-        info = info if isinstance(info, dict) else {}
-        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dtype not in _DTYPES:
-            raise ValueError(f"{path.name}: tensor {name!r} has dtype {dtype!r:.20}; LoRA "
-                             f"weights must be floating point ({', '.join(_DTYPES)}).")
-        if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)
-                and isinstance(offsets, list) and len(offsets) == 2
-                and all(_is_int(o) and 0 <= o <= buffer for o in offsets)
-                and offsets[1] - offsets[0]
-                == _count(shape, buffer) * np.dtype(_DTYPES[dtype]).itemsize):
-            raise ValueError(f"{path.name}: tensor {name!r}: shape {shape!r:.60} and "
-                             f"data_offsets {offsets!r:.60} do not fit the {buffer}-byte data "
-                             "buffer; truncated or corrupt.")
-        spans.append(offsets)
-    reached = 0
-    for begin, end in sorted(spans):
-        if begin != reached:
-            raise ValueError(f"{path.name}: tensors overlap or leave a gap at byte {reached}; "
-                             "corrupt file.")
-        reached = end
-    if reached != buffer:
-        raise ValueError(f"{path.name}: data buffer is {buffer} bytes but the tensors cover "
-                         f"{reached}; truncated or corrupt.")
+        if info["dtype"] not in _FLOATS:
+            raise ValueError(f"{path.name}: tensor {name!r} has dtype {info['dtype']!r:.20}; "
+                             f"LoRA weights must be floating point ({', '.join(_FLOATS)}).")
     return header_len, header
-
-
-def _count(shape: list, cap: int) -> int:
-    """Elements of a shape, capped past `cap` (a hostile shape cannot build a huge int)."""
-    count = 0 if 0 in shape else 1
-    for dim in shape:
-        count = min(count * dim, cap + 1)
-    return count
 
 
 @dataclasses.dataclass(frozen=True)

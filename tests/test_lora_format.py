@@ -10,6 +10,7 @@ import json
 import pickle
 import shutil
 
+import ml_dtypes
 import numpy as np
 import pytest
 from lora_helpers import lora_module_names, make_adapter, make_phi3, peft_deltas
@@ -128,8 +129,8 @@ def test_half_precision_files_load_as_float32(adapters, tmp_path):
         assert a.dtype == np.float32
         np.testing.assert_allclose(a, full[path][0], rtol=1e-2, atol=1e-3)
         np.testing.assert_allclose(b, full[path][1], rtol=1e-2, atol=1e-3)
-    bf16 = load_adapter(adapter, hf_config(base), 8, dtype=lora.ml_dtypes.bfloat16)
-    assert next(iter(bf16.values()))[1].dtype == lora.ml_dtypes.bfloat16
+    bf16 = load_adapter(adapter, hf_config(base), 8, dtype=ml_dtypes.bfloat16)
+    assert next(iter(bf16.values()))[1].dtype == ml_dtypes.bfloat16
 
 
 @pytest.mark.parametrize("edit,message", [
