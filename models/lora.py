@@ -400,6 +400,23 @@ def _read_header(path: Path) -> tuple[int, dict]:
     return header_len, header
 
 
+SLOT_KERNELS = {"attn": ("wq", "wk", "wv", "wo"), "mlp": ("w_gate", "w_up", "w_down")}
+
+
+def lora_targets(shapes: dict) -> dict[str, tuple[tuple, tuple, tuple]]:
+    """{"layers.3.attn.wq": (kernel path, in shape, out shape)} of every kernel an adapter
+    may target, from a family's param_shapes (unquantized)."""
+    targets = {}
+    for path, (shape, _) in shapes.items():
+        if len(path) == 4 and path[0] == "layers" and path[-1] in SLOT_KERNELS.get(
+                path[-2], ()):
+            contracted = CONTRACTED[path[-1]]
+            inputs = tuple(n for i, n in enumerate(shape) if i in contracted)
+            outputs = tuple(n for i, n in enumerate(shape) if i not in contracted)
+            targets[".".join(map(str, path))] = (path, inputs, outputs)
+    return targets
+
+
 @dataclasses.dataclass(frozen=True)
 class LoRARequest:
     """vLLM's vllm.lora.request.LoRARequest: the adapter a request runs with. lora_int_id

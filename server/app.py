@@ -162,7 +162,7 @@ class ServerState:
         self.serving = OpenAIServing(engine, config.served_names, config.chat,
                                      grammar_pool=self.grammar_workers, encoders=self.encoders,
                                      options=config.responses)
-        self.serving.loras = LoraModels(engine.engine.processor, config.served_names[0],
+        self.serving.loras = LoraModels(engine.engine.processor, config.served_names,
                                         config.lora)
         self.responses_api = OpenAIResponses(self.serving,
                                              ResponseStore(config.max_stored_responses))

@@ -97,9 +97,12 @@ class UnloadLoRAAdapterRequest(Body):
 class LoraModels:
     """The adapters by name; thread-safe (prepare threads read, routes write)."""
 
-    def __init__(self, processor, base_name: str, settings: LoraSettings) -> None:
-        """processor: the admission path (its check_lora and limits)."""
-        self.processor, self.base_name, self.settings = processor, base_name, settings
+    def __init__(self, processor, served_names: tuple[str, ...],
+                 settings: LoraSettings) -> None:
+        """processor: the admission path (its check_lora and limits); served_names: the base
+        model's names (the first is the adapters' default parent)."""
+        self.processor, self.settings = processor, settings
+        self.served_names, self.base_name = tuple(served_names), served_names[0]
         self.enabled = processor.lora is not None
         if settings.modules and not self.enabled:
             raise ValueError("--lora-modules needs --enable-lora.")
@@ -149,6 +152,9 @@ class LoraModels:
             raise APIError(400, "lora_name must not be empty.", param="lora_name")
         if not path:
             raise APIError(400, "lora_path must not be empty.", param="lora_path")
+        if name in self.served_names:
+            raise APIError(400, f"lora_name {name[:64]!r} is a name of the base model; give "
+                           "the adapter another.", param="lora_name")
         with self._lock:
             if name in self._by_name:
                 raise APIError(400, f"The lora adapter {name[:64]!r} has already been loaded.",

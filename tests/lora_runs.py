@@ -9,8 +9,9 @@ and with each adapter, all in one generate() call, on an engine with fewer devic
 than adapters (max_loras=2), so adapters wait for slots and are swapped in and out. A second
 call repeats the batch with the adapters rotated over the prompts (every adapter loaded
 again, into other slots). One JSON line per mesh: the tokens of both calls, in order
-(prompt-major: prompt i with the base model, adapter 0, 1, ...) and the compilations after
-the warm-up (precompile=True).
+(prompt-major: prompt i with the base model, adapter 0, 1, ...), the compilations after
+the warm-up (precompile=True), and the LoRA slots' bytes on one device, as allocated and as
+`jaxserve plan` counts them.
 """
 
 from __future__ import annotations
@@ -46,7 +47,12 @@ def run(folder: str, adapters: list[str], mesh: str, dtype: str = "float32") -> 
                for j in range(len(loras))]
     second = llm.generate([p for p, _ in rotated], params,
                           lora_request=[lora for _, lora in rotated], use_tqdm=False)
+    from jaxserve.config.plan import make_plan
+
+    planned = next(g.bytes_per_device for g in make_plan(llm.engine.config, 2**30).weights
+                   if g.name == "lora slots")
     return {"mesh": mesh, "tokens": [o.outputs[0].token_ids for o in first],
+            "slot_bytes": [llm.engine.runner.loras.device_bytes(), planned],
             "rotated": [[o.outputs[0].token_ids, None if lora is None else lora.lora_int_id]
                         for o, (_, lora) in zip(second, rotated)],
             "compilations": compilation_count() - compiled}

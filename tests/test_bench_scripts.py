@@ -193,3 +193,38 @@ def test_bench_quantized_ratios_pair_the_rounds():
     head = 2 * (2 * 128256 * 4096 + 4096)
     assert whole["fp8"]["bytes"] == head + 32 * 200
     assert whole["fp8"]["vs_bf16"] == pytest.approx((head + 6400) / (head + 32 * 400))
+
+
+# Slow: two engines (one with LoRA slots) compile every bucket; LoRA's correctness is tested
+# in test_lora_format.py and the LoRA tests.
+@pytest.mark.slow
+def test_bench_lora_runs_base_adapters_and_lora_path(tiny_checkpoints, tmp_path):
+    """Every configuration generates the whole batch, no compile after the warm-up, the LoRA
+    engine with no adapter gives the base model's tokens and the adapters change them."""
+    report = tmp_path / "report.json"
+    out = run_script("bench_lora.py", "--model", str(tiny_checkpoints["llama"]),
+                     "--num-prompts", "6", "--median-len", "12", "--max-len", "40",
+                     "--output-len", "6", "--repeats", "2", "--adapter-dir",
+                     str(tmp_path / "adapters"), "--json", str(report), "--max-num-seqs", "2",
+                     "--max-num-batched-tokens", "16", "--max-model-len", "64",
+                     "--num-kv-blocks", "10", "--attention-backend", "reference")
+    assert "lora / base" in out.stdout
+    data = json.loads(report.read_text())
+    assert data["prompts"] == 6 and data["output_tokens"] == 36 and data["dtype"] == "float32"
+    assert len(data["adapters"]) == 4 and data["rank"] == 16
+    for name in ("base", "lora", "lora-off"):
+        row = data["configs"][name]
+        assert len(row["output_tok_s_all"]) == 2 and row["output_tok_s"] > 0
+    assert data["recompilations_after_warm_up"] == 0
+    assert data["lora_off_tokens_identical_to_base"]
+    assert data["prompts_changed_by_adapters"] > 0
+    assert data["ratio_lora_vs_base"] > 0 and data["ratio_lora_off_vs_base"] > 0
+
+
+def test_bench_lora_ratios_pair_the_rounds():
+    """Each ratio is the median of the rounds' own ratios: a round the machine ran slow for
+    every configuration leaves it unchanged."""
+    bench = load_script("bench_lora.py")
+    rows = lambda *tok_s: [{"output_tok_s": v} for v in tok_s]
+    runs = {"base": rows(100.0, 50.0, 100.0), "lora": rows(80.0, 40.0, 90.0)}
+    assert bench.median_ratio(runs, "lora", "base") == pytest.approx(0.8)

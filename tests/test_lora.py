@@ -54,6 +54,8 @@ def test_mixed_adapters_equal_peft_on_meshes_without_compiling(tiny_checkpoints,
     kinds = len(adapters) + 1
     for result in results[:2]:  # float32: token for token
         assert result["compilations"] == 0, result  # loads and swaps compile nothing
+        allocated, planned = result["slot_bytes"]
+        assert allocated == planned > 0, result["mesh"]
         for j, tokens in enumerate(result["tokens"]):
             assert tokens == references[j // kinds, j % kinds][0], (result["mesh"], j)
         for j, (tokens, lora_id) in enumerate(result["rotated"]):
@@ -134,10 +136,19 @@ def test_prefix_cache_is_keyed_by_the_adapter(tiny_checkpoints, adapters):
     params = SamplingParams(temperature=0.0, max_tokens=2)
     cached = lambda **kw: llm.generate([prompt], params, use_tqdm=False, **kw)[0] \
         .num_cached_tokens
+    assert llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0] \
+        .lora_request == lora  # (an output names its adapter, as vLLM's)
+    llm.reset_prefix_cache()
     assert cached() == 0
     assert cached(lora_request=lora) == 0  # the base model's blocks are not the adapter's
     assert cached(lora_request=lora) == 32
     assert cached() == 32
+    # `jaxserve plan` counts the slots' bytes as the runner allocates them.
+    from jaxserve.config.plan import make_plan
+
+    plan = make_plan(llm.engine.config, 2**30)
+    slots = next(g for g in plan.weights if g.name == "lora slots")
+    assert slots.bytes_per_device == llm.engine.runner.loras.device_bytes() > 0
     llm.close()
 
 

@@ -111,6 +111,8 @@ def test_loading_and_unloading_at_run_time(server, references, folders):
         assert tokens(server, "a0", prompt) == references["a0"][i]
     again = load({"lora_name": "late", "lora_path": str(folders["late"])})
     assert again.status_code == 400 and "already been loaded" in again.text
+    base = load({"lora_name": "tiny", "lora_path": str(folders["late"])})
+    assert base.status_code == 400 and "name of the base model" in base.text
     assert unload({"lora_name": "late"}).status_code == 200
     assert complete(server, "late", PROMPTS[0]).status_code == 404
     gone = unload({"lora_name": "late"})

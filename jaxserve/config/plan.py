@@ -30,10 +30,11 @@ from jaxserve.config.mesh import (
     plan_sharding,
 )
 from jaxserve.models import model_family, resolve_architecture
+from jaxserve.models.lora import lora_targets
 from jaxserve.models.quant_config import LinearQuant
-from jaxserve.models.quantization import COMPONENTS, SCALE_SUFFIX
+from jaxserve.models.quantization import COMPONENTS, CONTRACTED, SCALE_SUFFIX
 
-GROUPS = ("embeddings", "attention", "mlp", "norms", "other")
+GROUPS = ("embeddings", "attention", "mlp", "norms", "other", "lora slots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +94,8 @@ class Plan:
 
     @property
     def num_params(self) -> int:
-        return sum(g.params for g in self.weights)
+        """The model's (the LoRA slots are not)."""
+        return sum(g.params for g in self.weights if g.name != "lora slots")
 
     @property
     def usable_memory_bytes(self) -> int:
@@ -156,6 +158,8 @@ def make_plan(config: EngineConfig, device_memory_bytes: int) -> Plan:
     sharding = plan_sharding(dims, mesh.model, config.parallel.expert_parallel)
     scheme = config.model.weights_scheme
     weights = _weight_groups(hf, sharding, dtype, scheme)
+    if config.lora is not None:  # the adapter slots live beside the weights from the start
+        weights += (_lora_group(hf, sharding, dtype, config.lora),)
     arch = model_family(hf).arch_from_hf(hf)
     cache, sched = config.cache, config.scheduler
     element = kv_sizing.cache_element(dtype, cache.kv_cache_dtype)
@@ -286,6 +290,30 @@ def _cached_groups(hf_json: str, sharding: ShardingPlan, dtype: str,
 _ITEMSIZE = {**kv_sizing.ITEMSIZE, "float8_e4m3fn": 1, "uint8": 1, "int32": 4}
 
 
+def _lora_group(hf: dict, sharding: ShardingPlan, dtype: str, lora) -> WeightGroup:
+    """The LoRA slots' parameters and bytes per device (backends/jax/lora_weights.py):
+    max_loras x (A [*in, R] + B [R, *out]) per target kernel, A split as the kernel's
+    inputs and B as its outputs."""
+    family = model_family(hf)
+    arch = dataclasses.replace(family.arch_from_hf(hf), num_kv_heads=sharding.kv_heads,
+                               kv_replicas=sharding.kv_replicas)
+    params = nbytes = 0
+    split = False
+    for path, inputs, outputs in lora_targets(family.param_shapes(arch)).values():
+        spec = tuple(param_spec(path, sharding)) + (None,) * (len(inputs) + len(outputs))
+        contracted = CONTRACTED[path[-1]]
+        dims = range(len(inputs) + len(outputs))
+        for shape, axes in ((inputs, [spec[i] for i in dims if i in contracted]),
+                            (outputs, [spec[i] for i in dims if i not in contracted])):
+            params += math.prod(shape) * lora.max_lora_rank  # A or B
+            nbytes += math.prod(-(-n // sharding.model) if axis == MODEL else n
+                                for n, axis in zip(shape, axes)) * lora.max_lora_rank
+            split |= MODEL in axes
+    return WeightGroup("lora slots", params * lora.max_loras,
+                       nbytes * lora.max_loras * _ITEMSIZE[dtype],
+                       "partly split" if split else "replicated")
+
+
 def _weight_groups(hf: dict, sharding: ShardingPlan, dtype: str,
                    quantization: str | LinearQuant | None = None) -> tuple[WeightGroup, ...]:
     """Parameters and per-device bytes by group; cached, as the no-fit hints try many."""
@@ -333,7 +361,7 @@ def size_text(n: float) -> str:
 
 
 _LABELS = {"embeddings": "embeddings", "attention": "attention", "mlp": "MLP",
-           "norms": "norms", "other": "other"}
+           "norms": "norms", "other": "other", "lora slots": "LoRA slots"}
 
 
 def format_plan(plan: Plan) -> str:

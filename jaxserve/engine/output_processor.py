@@ -43,6 +43,7 @@ class TrackedRequest:
     # A pooling request: its settings (PoolingParams), and its output f32[X] once finished.
     pooling: object | None = None
     pooled: object | None = None
+    lora: object | None = None  # its LoRA adapter (a LoRARequest), as its outputs report
 
     def __post_init__(self) -> None:
         self.logprobs = self.logprobs or [[] for _ in self.children]
@@ -69,7 +70,8 @@ def track(request, children: list[Request], tokenizer) -> TrackedRequest:
         for _ in children]
     return TrackedRequest(request.request_id, request.prompt, request.prompt_token_ids,
                           params, children, detoks,
-                          [None] if params.prompt_logprobs is not None else None)
+                          [None] if params.prompt_logprobs is not None else None,
+                          lora=request.lora)
 
 
 class OutputBuilder:
@@ -131,7 +133,8 @@ class OutputBuilder:
         cached = tracked.children[0].num_cached_tokens or 0
         return RequestOutput(tracked.request_id, tracked.prompt, tracked.prompt_token_ids,
                              tracked.prompt_logprobs, completions, tracked.finished,
-                             num_cached_tokens=cached, metrics=_metrics(tracked))
+                             num_cached_tokens=cached, metrics=_metrics(tracked),
+                             lora_request=tracked.lora)
 
     def pooling_output(self, tracked: TrackedRequest) -> PoolingRequestOutput:
         """A pooling request's output: its vector once finished."""
@@ -174,7 +177,7 @@ class OutputBuilder:
                        for i, child in enumerate(tracked.children)]
         return RequestOutput(tracked.request_id, tracked.prompt, tracked.prompt_token_ids,
                              None, completions, True, error=tracked.error,
-                             error_param=tracked.error_param)
+                             error_param=tracked.error_param, lora_request=tracked.lora)
 
 
 def _metrics(tracked: TrackedRequest) -> RequestMetrics:

@@ -122,6 +122,8 @@ class RequestOutput:
     # The request field whose value made it fail (its structured output's grammar ran past
     # its per-step budget): the request's fault, not the engine's. None otherwise.
     error_param: str | None = None
+    # The LoRA adapter it ran with (a LoRARequest; None: the base model), as vLLM's.
+    lora_request: object | None = None
 
 
 # ---- pooling (embeddings, classification, scores), as vLLM's ------------------------------

@@ -13,7 +13,9 @@ R). Their cost is S*R columns beside the kernel's own (S*R = 64 for 4 slots of r
 against thousands), with no gather of per-token weights, so any mix of adapters and the base
 model runs in the one compiled step, and loading an adapter only writes a slot's values.
 Sharded on the mesh as the kernel is (A split like its inputs, B like its outputs), the two
-products need no collectives beyond the kernel's own.
+products need no collectives beyond the kernel's own. A step whose tokens all run the base
+model skips them (lax.cond): on the CPU the products cost ~15% of a projection's time with 4
+slots of rank 16 (scripts/bench_lora.py, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ ATTRIBUTE = "lora_step"  # the LoraStep a module carries during one step
 
 
 class LoraStep:
-    """One module's adapters in one step: {kernel name: (A [S, *in, R], B [S, R, *out])}
-    and the step's token mask f32/bf16[T, S] (one-hot of each token's slot)."""
+    """One module's adapters in one step: {kernel name: (A [S, *in, R], B [S, R, *out])},
+    the step's token mask f32[T, S] (one-hot of each token's slot) and whether any token
+    has an adapter (a step of base-model tokens only skips the products: lax.cond)."""
 
-    def __init__(self, weights: dict, mask) -> None:
-        self.weights, self.mask = weights, mask
+    def __init__(self, weights: dict, mask, active) -> None:
+        self.weights, self.mask, self.active = weights, mask, active
 
     def delta(self, spec: str, x, name: str):
         """What the adapters add to einsum(spec, x, kernel `name`), or None when no slot
@@ -43,9 +46,15 @@ class LoraStep:
         contracted = "".join(c for c in w_axes if c in x_axes)
         w_out = "".join(c for c in w_axes if c not in x_axes)
         lead = "".join(c for c in x_axes if c not in w_axes)  # the token axis
-        h = jnp.einsum(f"{x_axes},S{contracted}R->{lead}SR", x, a.astype(x.dtype))
-        h = h * self.mask.astype(x.dtype)[:, :, None]
-        return jnp.einsum(f"{lead}SR,SR{w_out}->{out}", h, b.astype(x.dtype))
+
+        def products(x):
+            h = jnp.einsum(f"{x_axes},S{contracted}R->{lead}SR", x, a.astype(x.dtype))
+            h = h * self.mask.astype(x.dtype)[:, :, None]
+            return jnp.einsum(f"{lead}SR,SR{w_out}->{out}", h, b.astype(x.dtype))
+
+        shape = jax.eval_shape(products, x)
+        return jax.lax.cond(self.active, products,
+                            lambda x: jnp.zeros(shape.shape, shape.dtype), x)
 
 
 def attach(model, weights: dict, token_slots) -> None:
@@ -53,6 +62,7 @@ def attach(model, weights: dict, token_slots) -> None:
     {"layers.3.attn.wq": (A, B)}; token_slots: i32[T], each token's slot (-1: none)."""
     num_slots = next(iter(weights.values()))[0].shape[0]
     mask = jax.nn.one_hot(token_slots, num_slots, dtype=jnp.float32)  # -1: all zero
+    active = jnp.any(token_slots >= 0)
     by_module: dict[tuple, dict] = {}
     for key, pair in weights.items():
         *path, name = key.split(".")
@@ -61,4 +71,4 @@ def attach(model, weights: dict, token_slots) -> None:
         module = model
         for part in path:
             module = module[int(part)] if part.isdigit() else getattr(module, part)
-        setattr(module, ATTRIBUTE, LoraStep(pairs, mask))
+        setattr(module, ATTRIBUTE, LoraStep(pairs, mask, active))

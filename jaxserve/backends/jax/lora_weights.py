@@ -25,27 +25,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.backends.jax.weights import place
 from jaxserve.config.lora import LoraConfig
-from jaxserve.models.lora import load_adapter
+from jaxserve.models.lora import load_adapter, lora_targets
 from jaxserve.models.quantization import CONTRACTED
 
 logger = logging.getLogger(__name__)
-
-TARGET_KERNELS = {"attn": ("wq", "wk", "wv", "wo"), "mlp": ("w_gate", "w_up", "w_down")}
-
-
-def lora_targets(shapes: dict) -> dict[str, tuple[tuple, tuple, tuple]]:
-    """{"layers.3.attn.wq": (kernel path, in shape, out shape)} of every kernel an adapter
-    may target, from a family's param_shapes (unquantized)."""
-    targets = {}
-    for path, (shape, _) in shapes.items():
-        if len(path) == 4 and path[0] == "layers" and path[-1] in TARGET_KERNELS.get(
-                path[-2], ()):
-            contracted = CONTRACTED[path[-1]]
-            inputs = tuple(n for i, n in enumerate(shape) if i in contracted)
-            outputs = tuple(n for i, n in enumerate(shape) if i not in contracted)
-            targets[".".join(map(str, path))] = (path, inputs, outputs)
-    return targets
-
 
 class AdapterCache:
     """Adapters read from their folders, by LoRARequest, max_cpu_loras at most."""
