@@ -35,8 +35,10 @@ class PassThrough:
     def check_params(self, params):
         return params
 
-    def process(self, request_id, prompt, ids, params, priority=0, cache_salt=None):
-        return EngineRequest(request_id, prompt, list(ids), params, priority, cache_salt)
+    def process(self, request_id, prompt, ids, params, priority=0, cache_salt=None,
+                lora=None):
+        return EngineRequest(request_id, prompt, list(ids), params, priority, cache_salt,
+                             lora=lora)
 
 
 class FakeReplica:

@@ -167,10 +167,7 @@ def test_runtime_updates_are_off_unless_asked(api_server):
         assert httpx.post(f"{api_server.url}{path}", json={}).status_code == 404
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(path=LORA_BODIES.map(lambda case: case[0]), body=LORA_BODIES.map(lambda case: case[1]),
-       name=LORA_NAMES)
-def test_fuzzed_lora_bodies_and_names_never_fail_the_server(server, path, body, name):
+def _fuzz_lora(server, path, body, name) -> None:
     response = httpx.post(f"{server.url}{path}", content=encode(body),
                           headers={"content-type": "application/json"}, timeout=60)
     assert response.status_code < 500, (path, body, response.text)
@@ -179,3 +176,20 @@ def test_fuzzed_lora_bodies_and_names_never_fail_the_server(server, path, body, 
         headers={"content-type": "application/json"}, timeout=60)
     assert response.status_code < 500, (name, response.text)
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+LORA_CASES = dict(path=LORA_BODIES.map(lambda case: case[0]),
+                  body=LORA_BODIES.map(lambda case: case[1]), name=LORA_NAMES)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(**LORA_CASES)
+def test_fuzzed_lora_bodies_and_names_never_fail_the_server(server, path, body, name):
+    _fuzz_lora(server, path, body, name)
+
+
+@pytest.mark.slow
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(**LORA_CASES)
+def test_many_fuzzed_lora_bodies_and_names_never_fail_the_server(server, path, body, name):
+    _fuzz_lora(server, path, body, name)

@@ -57,6 +57,7 @@ def test_qwen3_restores_with_the_hf_tokens(tiny_checkpoints, tmp_path):
     assert greedy(out, "float32") == greedy(tiny_checkpoints["qwen3"], "float32")
 
 
+@pytest.mark.slow  # (the suite's budget: conversion and restore on one device stay default)
 def test_restored_on_other_meshes(mesh_checkpoints, tmp_path):
     """Converted on one device, restored on 1x4 (kv heads replicated: read whole, repeated
     on the devices) and 2x2 (two replicas, kv heads split): HF's greedy tokens."""
