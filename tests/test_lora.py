@@ -118,7 +118,8 @@ def test_scheduler_runs_at_most_max_loras_adapters_and_lets_the_base_model_pass(
     # b waits for the one slot; the base-model request and a's second request go past it
     assert [r.request_id for r in out.requests] == ["r0", "r2", "r3"]
     assert [r.lora_slot for r in out.requests] == [0, -1, 0]
-    assert scheduler.lora_adapters() == (("a",), ("b",))
+    assert scheduler.lora_stats() == dict(lora_running=("a",), lora_waiting=("b",),
+                                          max_loras=1)
     for request in (requests[0], requests[3]):
         scheduler.finish(request, request.status.FINISHED_ABORTED)
     assert scheduler.lora_slots.users == [0]

@@ -233,13 +233,14 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def lora_adapters(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """(running, waiting): the names of the LoRA adapters of the running and of the
-        waiting requests (vllm:lora_requests_info)."""
+    def lora_stats(self) -> dict:
+        """EngineStats' LoRA fields (vllm:lora_requests_info): the names of the adapters of
+        the running and of the waiting requests, and max_loras (0: LoRA off)."""
         if self.lora_slots is None:
-            return (), ()
+            return {}
         waiting = sorted({r.lora.lora_name for r in self.waiting if r.lora is not None})
-        return self.lora_slots.running_names(), tuple(waiting)
+        return dict(lora_running=self.lora_slots.running_names(), lora_waiting=tuple(waiting),
+                    max_loras=len(self.lora_slots.holds))
 
     def _propose(self, request: Request, room: int) -> int:
         """Propose up to K tokens for a decoding request (written after its tokens, see

@@ -58,8 +58,7 @@ class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
         self.kv_manager = KVCacheManager(blocks, size, windows=groups.windows,
                                          enable_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.speculative,
-                                   None if config.lora is None
-                                   else LoraSlots(config.lora.max_loras))
+                                   config.lora and LoraSlots(config.lora.max_loras))
         max_len = config.model.max_model_len
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at "
                     "max_model_len=%d: %.2f; prefix caching %s%s", blocks - 1, size,
@@ -117,7 +116,6 @@ class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
         (other threads read the snapshot, never the queues)."""
         scheduler, kv, runner = self.scheduler, self.kv_manager, self.runner.stats()
         spec = scheduler.spec_stats
-        lora_running, lora_waiting = scheduler.lora_adapters()
         return EngineStats(
             running=len(scheduler.running), waiting=len(scheduler.waiting),
             unfinished_requests=len(self._tracked), kv_usage=kv.usage,
@@ -127,9 +125,7 @@ class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
             compiling=runner.compiling, warm_up_done=runner.warm_up_done,
             spec_drafts=spec.num_drafts, spec_draft_tokens=spec.num_draft_tokens,
             spec_accepted_tokens=spec.num_accepted_tokens,
-            spec_accepted_per_pos=tuple(spec.accepted_per_pos), lora_running=lora_running,
-            lora_waiting=lora_waiting,
-            max_loras=self.config.lora.max_loras if self.config.lora else 0)
+            spec_accepted_per_pos=tuple(spec.accepted_per_pos), **scheduler.lora_stats())
 
     @property
     def async_scheduling(self) -> bool:
