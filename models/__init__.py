@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from jaxserve.models import gemma_arch, gpt_oss_arch, llama_arch, mixtral_arch
+from jaxserve.models import deepseek_arch, gemma_arch, gpt_oss_arch, llama_arch, mixtral_arch
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -26,6 +26,9 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma",
     "Gemma3ForConditionalGeneration": "gemma",  # its language model; images are refused
     "GptOssForCausalLM": "gpt_oss",  # attention sinks, biased MoE; MXFP4 experts dequantized
+    # multi-head latent attention over a latent cache, grouped routing, shared experts
+    "DeepseekV2ForCausalLM": "deepseek",
+    "DeepseekV3ForCausalLM": "deepseek",
     # Pooling checkpoints (embeddings, classification heads): served with runner="pooling"
     **dict.fromkeys(llama_arch.POOLING_ARCHITECTURES, "llama"),
 }
@@ -45,7 +48,7 @@ class ModelFamily:
     """How to build and load one family: its settings and checkpoint mapping (numpy, both
     backends) and, imported only when asked for, its Flax model."""
 
-    name: str  # "llama", "mixtral", "gemma", "gpt_oss": models/<name>_arch.py, models/jax/<name>.py
+    name: str  # "llama", "mixtral", "gemma", "gpt_oss", "deepseek": models/<name>_arch.py, jax/<name>.py
     arch_from_hf: Callable  # (hf config dict) -> arch, a frozen dataclass (LlamaArch or subclass)
     param_path: Callable  # (HF tensor name, arch) -> load_params target(s), None, or KeyError
     param_shapes: Callable  # (arch, quantization) -> {parameter path: (shape, dtype or None)}
@@ -66,6 +69,10 @@ class ModelFamily:
             from jaxserve.models.jax.gpt_oss import GptOssForCausalLM
 
             return GptOssForCausalLM
+        if self.name == "deepseek":
+            from jaxserve.models.jax.deepseek import DeepseekForCausalLM
+
+            return DeepseekForCausalLM
         from jaxserve.models.jax.llama import LlamaForCausalLM
 
         return LlamaForCausalLM
@@ -96,5 +103,8 @@ def model_family(hf_config: dict) -> ModelFamily:
     if family == "gpt_oss":
         return ModelFamily("gpt_oss", gpt_oss_arch.GptOssArch.from_hf,
                            gpt_oss_arch.hf_param_path, gpt_oss_arch.param_shapes)
+    if family == "deepseek":
+        return ModelFamily("deepseek", deepseek_arch.DeepseekArch.from_hf,
+                           deepseek_arch.hf_param_path, deepseek_arch.param_shapes)
     return ModelFamily("llama", llama_arch.LlamaArch.from_hf, llama_arch.hf_param_path,
                        llama_arch.param_shapes)

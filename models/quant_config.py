@@ -27,6 +27,8 @@ import dataclasses
 import re
 
 KINDS = ("attention", "mlp", "experts")  # the kernel classes a checkpoint may quantize
+# The attention's kernels: multi-head (wq .. wo) and latent (DeepSeek's MLA: wq_a .. wv_b).
+ATTENTION_KERNELS = ("wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "wk_b", "wv_b")
 # Activation quantization: none, dynamic per token, dynamic per token and column group,
 # or one static scale per kernel (its `input_scale`).
 ACTIVATIONS = ("none", "dynamic-token", "dynamic-group", "static")
@@ -79,7 +81,7 @@ class LinearQuant:
     def covers(self, name: str) -> bool:
         """Whether the kernel parameter `name` (wq, w_down, experts_up, ...) is quantized."""
         kind = ("experts" if name.startswith("experts_") else
-                "attention" if name in ("wq", "wk", "wv", "wo") else "mlp")
+                "attention" if name in ATTENTION_KERNELS else "mlp")
         return kind in self.kinds
 
 

@@ -42,6 +42,8 @@ CONTRACTED = {
     "wo": (0, 1),  # [N, H, D]
     "w_gate": (0,), "w_up": (0,), "w_down": (0,),  # [D, F], [F, D]
     "experts_gate": (1,), "experts_up": (1,), "experts_down": (1,),  # [E, D, F], [E, F, D]
+    # multi-head latent attention (DeepSeek): [D, Q], [Q, N, P + R], [D, C + R], [C, N, P|V]
+    "wq_a": (0,), "wq_b": (0,), "wkv_a": (0,), "wk_b": (0,), "wv_b": (0,),
 }
 
 

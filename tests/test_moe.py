@@ -181,7 +181,7 @@ def test_a_missing_expert_is_refused(tiny_checkpoints, tmp_path):
 def test_model_family_and_sparse_layers():
     assert resolve_architecture({"architectures": ["Qwen3MoeForCausalLM"]})
     with pytest.raises(ValueError, match="Unsupported model architecture.*MixtralForCausalLM"):
-        model_family({"architectures": ["DeepseekV3ForCausalLM"]})
+        model_family({"architectures": ["JambaForCausalLM"]})
     base = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
                 num_attention_heads=2, num_key_value_heads=1, num_experts=4,
                 num_experts_per_tok=2, moe_intermediate_size=8)

@@ -22,7 +22,7 @@ import tempfile
 import zlib
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2",
-         "gemma3", "gpt_oss")
+         "gemma3", "gpt_oss", "deepseek_v3", "deepseek_v2")
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|pad|>"
@@ -176,6 +176,57 @@ ARCH_CONFIGS = {
                          "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 64, "rope_theta": 150000.0},
     ),
+    # DeepSeek-V3: MLA with the query LoRA, interleaved RoPE with YaRN from 64 positions whose
+    # mscale and mscale_all_dim differ (cos/sin and the softmax scale both change); layer 0
+    # dense, then top-2 of 8 experts in 4 groups (2 kept) by sigmoid scores with the
+    # correction bias, renormalised and scaled by 2.5, and one shared expert.
+    "deepseek_v3": dict(
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        num_mtp_layers=0,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8,
+                         "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+    ),
+    # DeepSeek-V2-Lite's shape: no query LoRA, softmax routing (greedy top-2 of 8, not
+    # renormalised), two shared experts, layer 0 dense, YaRN with equal mscales.
+    "deepseek_v2": dict(
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_routed_experts=8,
+        n_shared_experts=2,
+        moe_intermediate_size=32,
+        num_experts_per_tok=2,
+        topk_method="greedy",
+        first_k_dense_replace=1,
+        norm_topk_prob=False,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707,
+                         "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+    ),
 }
 
 # Weight scales, as multiples of 1/sqrt(fan_in): large enough that attention is
@@ -186,7 +237,8 @@ EMBED_STD_OF = {"gemma2": EMBED_STD / 8, "gemma3": EMBED_STD / 8}
 PROJ_GAIN = {"q_proj": 2.0, "k_proj": 2.0, "v_proj": 1.5, "o_proj": 1.0,
              "gate_proj": 1.5, "up_proj": 1.5, "down_proj": 1.0,
              "gate_up_proj": 1.5, "gate": 2.0, "shared_expert_gate": 1.0,  # MoE: fused experts
-             "router": 2.0}
+             "router": 2.0, "q_a_proj": 1.5, "q_b_proj": 2.0, "kv_a_proj_with_mqa": 2.0,
+             "kv_b_proj": 2.0}
 # [E, out, in] (transformers 5 in memory; GPT-OSS's [E, in, out]), router ("gate", GPT-OSS's
 # "router") and Qwen2-MoE's shared-expert gate
 SINK_STD = 1.5  # GPT-OSS's attention sinks: logits beside scores of a few units
@@ -200,7 +252,7 @@ NORM_RANGE = (0.5, 1.5)
 # step of greedy_margins(check_prompts()) has a gap above 1.7e-3 * max|logit|.
 SEED_OFFSET = {"llama": 193, "mistral": 273, "qwen2": 250, "qwen3": 735,
                "mixtral": 695, "qwen2_moe": 5, "qwen3_moe": 12, "gemma2": 91, "gemma3": 80,
-               "gpt_oss": 50}
+               "gpt_oss": 50, "deepseek_v3": 0, "deepseek_v2": 0}
 # The smallest top-2 gap (of max |logit|) the margin test accepts: 1.5e-3, and for Gemma,
 # whose tiny models have flatter logits (tied embeddings, Gemma 2's final soft cap), a floor
 # just below the best of 150-250 offsets tried (1.52e-3 and 1.09e-3): still ~100x the float32
@@ -281,7 +333,9 @@ def make_config(arch: str, overrides: dict | None = None):
            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
            "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
            "qwen3_moe": transformers.Qwen3MoeConfig, "gemma2": transformers.Gemma2Config,
-           "gemma3": transformers.Gemma3TextConfig, "gpt_oss": transformers.GptOssConfig}[arch]
+           "gemma3": transformers.Gemma3TextConfig, "gpt_oss": transformers.GptOssConfig,
+           "deepseek_v3": transformers.DeepseekV3Config,
+           "deepseek_v2": transformers.DeepseekV2Config}[arch]
     return cls(**{**COMMON, **ARCH_CONFIGS[arch], **(overrides or {})}, dtype="float32")
 
 

@@ -77,12 +77,24 @@ def kv_budget(cache: CacheConfig, per_block: int, *, device_limit: int | None, i
     return KVBudget(int(blocks), int(budget), source)
 
 
-def device_bytes_per_block(config, groups, kv_heads_per_device: int, head_dim: int) -> int:
+def latent_bytes_per_block(num_layers: int, block_size: int, latent_dim: int,
+                           element: str) -> int:
+    """One block of a latent cache (multi-head latent attention, DeepSeek): one [C + R] entry
+    per token and layer, the whole of it on every device (it is replicated)."""
+    return num_layers * block_size * latent_dim * ITEMSIZE[element]
+
+
+def device_bytes_per_block(config, groups, kv_heads_per_device: int, head_dim: int,
+                           latent_dim: int = 0) -> int:
     """bytes_per_block of an engine of `config` (an EngineConfig) whose blocks hold
-    groups.num_slots layers (config/kv_groups.py), on one device."""
+    groups.num_slots layers (config/kv_groups.py), on one device; latent_dim C + R: a
+    latent cache's (latent_bytes_per_block) instead."""
+    element = cache_element(config.model.dtype, config.cache.kv_cache_dtype)
+    if latent_dim:
+        return latent_bytes_per_block(groups.num_slots, config.cache.block_size, latent_dim,
+                                      element)
     return bytes_per_block(groups.num_slots, config.cache.block_size, kv_heads_per_device,
-                           head_dim, cache_element(config.model.dtype,
-                                                   config.cache.kv_cache_dtype))
+                           head_dim, element)
 
 
 def device_blocks(config, groups, per_block: int, *, device_limit: int | None, in_use: int,

@@ -86,9 +86,14 @@ class ModelDims:
     quant_group: int = 0
     act_order: bool = False
     quant_kinds: tuple = ()  # the quantized kernel classes (quant_config.KINDS)
+    # Multi-head latent attention (DeepSeek): C + R per cache entry, one "kv head" replicated
+    # on every device; 0: multi-head attention.
+    latent_dim: int = 0
 
     @classmethod
     def from_hf(cls, hf: dict) -> ModelDims:
+        if hf.get("kv_lora_rank"):
+            return cls._latent(hf)
         heads = int(hf["num_attention_heads"])
         experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
         dense = ()
@@ -107,6 +112,26 @@ class ModelDims:
                    quant_group=quant.group_size if quant else 0,
                    act_order=bool(quant and quant.act_order),
                    quant_kinds=quant.kinds if quant else ())
+
+    @classmethod
+    def _latent(cls, hf: dict) -> ModelDims:
+        """A DeepSeek config's: its heads split, its latent is replicated (one kv head);
+        head_dim is V, the rows each head gives the output projection."""
+        experts = int(hf.get("n_routed_experts") or 0)
+        expert_width = int(hf.get("moe_intermediate_size") or 0)
+        shared = int(hf.get("n_shared_experts") or 0) * expert_width
+        quant = checkpoint_quant(hf)
+        return cls(num_heads=int(hf["num_attention_heads"]), num_kv_heads=1,
+                   hidden_size=int(hf["hidden_size"]),
+                   intermediate_size=int(hf["intermediate_size"]),
+                   vocab_size=int(hf["vocab_size"]), num_experts=experts,
+                   expert_intermediate_size=expert_width if experts else 0,
+                   dense_widths=tuple(w for w in (int(hf["intermediate_size"]), shared) if w)
+                   if experts else (), head_dim=int(hf["v_head_dim"]),
+                   quant_group=quant.group_size if quant else 0,
+                   act_order=bool(quant and quant.act_order),
+                   quant_kinds=quant.kinds if quant else (),
+                   latent_dim=int(hf["kv_lora_rank"]) + int(hf["qk_rope_head_dim"]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,6 +270,8 @@ _RULES = {
     "wq": (None, MODEL, None), "wk": (None, MODEL, None), "wv": (None, MODEL, None),  # [D, N|K', H]
     "bq": (MODEL, None), "bk": (MODEL, None), "bv": (MODEL, None),  # [N|K', H]
     "wo": (MODEL, None, None),  # [N, H, D]
+    # multi-head latent attention (DeepSeek): the heads of [Q, N, P + R], [C, N, P], [C, N, V]
+    "wq_b": (None, MODEL, None), "wk_b": (None, MODEL, None), "wv_b": (None, MODEL, None),
     "w_gate": (None, MODEL), "w_up": (None, MODEL),  # [D, F]
     "w_down": (MODEL, None),  # [F, D]
     "sinks": (MODEL,),  # [N]: attention sinks, split like the query heads

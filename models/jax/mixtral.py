@@ -25,7 +25,8 @@ from jaxserve.models.mixtral_arch import MixtralArch, hf_param_path  # noqa: F40
 
 
 def moe_block(x, router_w, w_gate, w_up, w_down, *biases, top_k: int, normalize: bool,
-              first_expert=0, cast_weights: bool = False, swiglu=None, quantize_rows=None):
+              first_expert=0, cast_weights: bool = False, swiglu=None, quantize_rows=None,
+              route: Callable | None = None):
     """The sparse MoE MLP of tokens x: [T, D] -> [T, D], as HF computes it.
 
     router_w: [D, E] over all E experts. w_gate, w_up: [E_local, D, F], w_down: [E_local, F, D]
@@ -43,19 +44,15 @@ def moe_block(x, router_w, w_gate, w_up, w_down, *biases, top_k: int, normalize:
     result on all experts. Shapes are static: T * top_k assignment rows whatever the routing.
     quantize_rows (a quantized checkpoint's dynamic activation scheme) rounds the rows that
     enter the expert matmuls, as its fp8 / int8 kernels would.
+    route(x, router_w) -> (weights f32[T, k], experts i32[T, k]) replaces the routing above
+    (DeepSeek's grouped routing, models/jax/deepseek.py); router_w is then whatever it reads.
     """
     num_tokens, num_local = x.shape[0], w_gate.shape[0]
-    logits = x @ router_w
-    if biases:
-        logits = logits + biases[0]
-    if swiglu is None:
-        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # f32[T, E]
-        weights, experts = jax.lax.top_k(probs, top_k)  # [T, k]
-        if normalize:
-            weights = weights / weights.sum(axis=-1, keepdims=True)
+    if route is not None:
+        weights, experts = route(x, router_w)
     else:
-        top, experts = jax.lax.top_k(logits.astype(jnp.float32), top_k)  # [T, k]
-        weights = jax.nn.softmax(top, axis=-1)
+        weights, experts = _route_top_k(x, router_w, biases[0] if biases else None, top_k,
+                                        normalize, swiglu is not None)
     if cast_weights:
         weights = weights.astype(x.dtype)
     local = experts - first_expert  # i32[T, k]
@@ -88,10 +85,27 @@ def moe_block(x, router_w, w_gate, w_up, w_down, *biases, top_k: int, normalize:
     return contrib.sum(axis=1)
 
 
+def _route_top_k(x, router_w, router_bias, top_k: int, normalize: bool, softmax_top: bool):
+    """(weights f32[T, k], experts i32[T, k]): softmax over all experts then top_k (and
+    renormalised), or (softmax_top, GPT-OSS) the top_k logits softmaxed."""
+    logits = x @ router_w
+    if router_bias is not None:
+        logits = logits + router_bias
+    if softmax_top:
+        top, experts = jax.lax.top_k(logits.astype(jnp.float32), top_k)  # [T, k]
+        return jax.nn.softmax(top, axis=-1), experts
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # f32[T, E]
+    weights, experts = jax.lax.top_k(probs, top_k)  # [T, k]
+    if normalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights, experts
+
+
 def expert_parallel(mesh: Mesh, axis: str) -> Callable:
     """moe_block with the experts sharded over mesh axis `axis` (E divisible by its size):
     each device runs its own experts on all tokens, then the results are summed. x, the
-    router and its bias are replicated over `axis`; the experts' biases split like them.
+    router (any pytree: moe_block's route reads it) and its bias are replicated over `axis`;
+    the experts' biases split like them.
     Pass it as MixtralForCausalLM(..., moe_fn=...)."""
 
     def fn(x, router_w, w_gate, w_up, w_down, *biases, **kw):

@@ -42,6 +42,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxserve.backends.jax import distributed, kv_quant
 from jaxserve.backends.jax.accelerators import warn_if_cpu_fallback
 from jaxserve.backends.jax.attend import KV_SCALE_SPEC, attention_for, make_attend
+from jaxserve.backends.jax.attend_mla import (
+    LATENT_CACHE_SPEC,
+    make_attend_latent,
+    mla_attention_for,
+)
 from jaxserve.backends.jax.bucket_compiler import CompiledFunctions
 from jaxserve.backends.jax.compile_stats import (
     compilation_count,
@@ -116,14 +121,19 @@ class ModelRunner:
         family = model_family(hf)
         self.plan = plan_sharding(ModelDims.from_hf(hf), self.mesh.shape[MODEL],
                                   config.parallel.expert_parallel)
-        self.arch = dataclasses.replace(
-            with_max_model_len(family.arch_from_hf(hf), config.model.max_model_len),
-            num_kv_heads=self.plan.kv_heads, kv_replicas=self.plan.kv_replicas)
-        warn_if_cpu_fallback(self.mesh.devices.flat[0].platform)
+        arch = with_max_model_len(family.arch_from_hf(hf), config.model.max_model_len)
+        # DeepSeek's multi-head latent attention: one latent cache per layer (attend_mla.py).
+        self.latent_dim = getattr(arch, "latent_dim", 0)
+        self.arch = arch if self.latent_dim else dataclasses.replace(
+            arch, num_kv_heads=self.plan.kv_heads, kv_replicas=self.plan.kv_replicas)
+        platform = self.mesh.devices.flat[0].platform
+        warn_if_cpu_fallback(platform)
         # Chosen first: a backend the platform cannot run fails before the weights load.
-        self.attention_fn = attention_for(config.attention.backend,
-                                          self.mesh.devices.flat[0].platform, self.arch.head_dim,
-                                          self.mesh.devices.flat[0].device_kind)
+        self.attention_fn = (mla_attention_for(config.attention.backend, platform)
+                             if self.latent_dim else
+                             attention_for(config.attention.backend, platform,
+                                           self.arch.head_dim,
+                                           self.mesh.devices.flat[0].device_kind))
         self.dtype, np_dtype = _DTYPES[config.model.dtype]
         options = {}
         if config.parallel.expert_parallel:  # whole experts per device, summed over `model`
@@ -136,8 +146,9 @@ class ModelRunner:
         model = self._load_model(abstract)
         kv_cache_dtype = config.cache.kv_cache_dtype
         kv_values = kv_quant.value_dtype(kv_cache_dtype, self.dtype)
-        self.attend = make_attend(self.attention_fn, self.mesh,
-                                  kv_values if kv_quant.is_quantized(kv_cache_dtype) else None)
+        self.attend = make_attend_latent(self.attention_fn, self.mesh) if self.latent_dim else \
+            make_attend(self.attention_fn, self.mesh,
+                        kv_values if kv_quant.is_quantized(kv_cache_dtype) else None)
         self.graphdef, self.params = nnx.split(model)
         self._log_placement()
         self.padding = PaddingStats()
@@ -156,13 +167,18 @@ class ModelRunner:
         self.penalty_state = PenaltyState.zeros(config.scheduler.max_num_seqs + 1,
                                                 self.arch.vocab_size, self.replicated)
         self.num_blocks = self._num_kv_blocks()
-        shape = (self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        # Per layer (slot): K and V [P, S, K', H], or one latent cache [P, S, C + R].
+        self.cache_tensors = 1 if self.latent_dim else 2
+        shape = ((self.num_blocks, self.block_size, self.latent_dim) if self.latent_dim else
+                 (self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim))
         # On the CPU a bf16 / f16 / fp8 cache holds its bits as integers (ref.kv_storage_dtype).
-        self.cache_dtype = ref.kv_storage_dtype(kv_values, self.mesh.devices.flat[0].platform)
+        self.cache_dtype = ref.kv_storage_dtype(kv_values, platform)
+        spec = LATENT_CACHE_SPEC if self.latent_dim else KV_CACHE_SPEC
         zeros = jax.jit(functools.partial(jnp.zeros, shape, self.cache_dtype),
-                        out_shardings=NamedSharding(self.mesh, PartitionSpec(*KV_CACHE_SPEC)))
+                        out_shardings=NamedSharding(self.mesh, PartitionSpec(*spec)))
         scales = self._calibrate_kv_scales() if kv_quant.is_quantized(kv_cache_dtype) else None
-        self.kv_caches = [(zeros(), zeros()) + (scales[i] if scales else ())
+        self.kv_caches = [tuple(zeros() for _ in range(self.cache_tensors))
+                          + (scales[i] if scales else ())
                           for i in range(self.kv_groups.num_slots)]
         self._kv_zeros = zeros  # (wake_up: the cache again, by the same compiled function)
         self._step = jax.jit(functools.partial(
@@ -218,7 +234,8 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         """KV bytes of one block on each device (its share of the kv heads)."""
         return kv_sizing.device_bytes_per_block(self.config, self.kv_groups,
-                                                self.plan.kv_heads_per_device, self.arch.head_dim)
+                                                self.plan.kv_heads_per_device, self.arch.head_dim,
+                                                self.latent_dim)
 
     def _calibrate_kv_scales(self) -> list[tuple[jax.Array, jax.Array]]:
         """A quantized cache's (k_scale, v_scale) f32[K'] per layer (kv_quant's

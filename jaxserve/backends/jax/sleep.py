@@ -78,10 +78,11 @@ class RunnerSleep:
         elif self.weights == "host" and level == 2:
             self.host, self.weights = None, "dropped"
         if self.kv_on_device:
+            n = runner.cache_tensors  # K and V, or one latent cache; then any scales
             for entry in runner.kv_caches:
-                entry[0].delete()
-                entry[1].delete()
-            runner.kv_caches = [(None, None, *entry[2:]) for entry in runner.kv_caches]
+                for array in entry[:n]:
+                    array.delete()
+            runner.kv_caches = [(None,) * n + tuple(entry[n:]) for entry in runner.kv_caches]
             self.kv_on_device = False
 
     def wake_up(self, tags: tuple[str, ...]) -> None:
@@ -92,7 +93,8 @@ class RunnerSleep:
             runner.params = self._weights_back()
             self.weights, self.host, self.given = "device", None, {}
         if KV_CACHE in tags and not self.kv_on_device:
-            runner.kv_caches = [(runner._kv_zeros(), runner._kv_zeros(), *entry[2:])
+            n = runner.cache_tensors
+            runner.kv_caches = [tuple(runner._kv_zeros() for _ in range(n)) + tuple(entry[n:])
                                 for entry in runner.kv_caches]
             self.kv_on_device = True
 
