@@ -16,7 +16,8 @@ import pytest
 from jaxserve import LLM, SamplingParams
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2",
-         "gemma3", "gpt_oss")
+         "gemma3", "gpt_oss", "deepseek_v3", "deepseek_v2")
+JAX_ONLY = ("gpt_oss", "deepseek_v3", "deepseek_v2")  # the torch backend refuses them
 NEW_TOKENS = 32
 
 
@@ -61,7 +62,7 @@ def run_jaxserve(folder, prompts, new_tokens=NEW_TOKENS,
 # pressure below (a stricter check of the same tokens), the MoE families but mixtral with
 # -m slow. Gemma 3 here, Gemma 2 under pressure (soft caps and windows across chunks, pages
 # and recomputation).
-PLAIN_DEFAULT = ("llama", "mixtral", "qwen2", "qwen3", "gemma3", "gpt_oss")
+PLAIN_DEFAULT = ("llama", "mixtral", "qwen2", "qwen3", "gemma3", "gpt_oss", "deepseek_v2")
 
 
 @pytest.mark.parametrize("arch", [pytest.param(a, marks=[] if a in PLAIN_DEFAULT
@@ -107,7 +108,8 @@ HYBRID_BLOCKS = {"gemma2": 60, "gemma3": 130, "gpt_oss": 60}  # 2, 6 and 2 KV gr
 # under all three pressures on the torch backend below). The other families, and the single
 # variants, which tell which one broke, run with -m slow (the suite's time budget on cold
 # compilation caches; the MoE defaults are in test_moe.py and test_mesh.py).
-DEFAULT_PRESSURE = {arch: ("all-three",) for arch in ("llama", "mistral", "gemma2", "gpt_oss")}
+DEFAULT_PRESSURE = {arch: ("all-three",) for arch in ("llama", "mistral", "gemma2", "gpt_oss",
+                                                      "deepseek_v3")}
 PRESSURE_CASES = [
     pytest.param(arch, variant, marks=[] if variant in DEFAULT_PRESSURE.get(arch, ())
                  else [pytest.mark.slow])
@@ -155,10 +157,10 @@ def test_speculative_greedy_matches_transformers(arch, tiny_checkpoints, hf_refe
 
 # ---- the torch backend (LLM(backend="torch"): torch models, the PyTorch reference attention
 # on the CPU) against the same HF tokens. Default: the dense families plainly and under all
-# three pressures at once; the MoE families with -m slow; GPT-OSS runs on JAX only.
+# three pressures at once; the MoE families with -m slow; GPT-OSS and DeepSeek run on JAX only.
 TORCH_DEFAULT = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 TORCH_CASES = [pytest.param(arch, marks=[] if arch in TORCH_DEFAULT else [pytest.mark.slow])
-               for arch in ARCHS if arch != "gpt_oss"]
+               for arch in ARCHS if arch not in JAX_ONLY]
 
 
 @pytest.mark.parametrize("arch", TORCH_CASES)

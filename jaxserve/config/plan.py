@@ -46,6 +46,89 @@ class WeightGroup:
 
 
 @dataclasses.dataclass(frozen=True)
+class LatentCache:
+    """A multi-head latent attention cache (DeepSeek): C + R values per token and layer, the
+    whole of it on every device of the model axis; beside what multi-head attention with the
+    same N heads would keep, N (P + R) keys and N V values per token and layer, its heads
+    split over the model axis as the query heads are."""
+
+    rank: int  # C, kv_lora_rank: the latent
+    rope_dim: int  # R, qk_rope_head_dim: the one rope key all heads share
+    num_heads: int  # N
+    qk_head_dim: int  # P + R, one head's key
+    v_head_dim: int  # V, one head's value
+    model: int  # devices on the model axis
+
+    @property
+    def dim(self) -> int:
+        """C + R: the cache's values per token and layer, on every device."""
+        return self.rank + self.rope_dim
+
+    @property
+    def mha_values(self) -> int:
+        """N (P + R) + N V: multi-head attention's values per token and layer, all devices."""
+        return self.num_heads * (self.qk_head_dim + self.v_head_dim)
+
+    @property
+    def mha_device_values(self) -> int:
+        """mha_values on one device: N / model heads of keys and values."""
+        return self.num_heads // self.model * (self.qk_head_dim + self.v_head_dim)
+
+    @property
+    def token_ratio(self) -> float:
+        """Multi-head attention's bytes per token over the latent cache's."""
+        return self.mha_values / self.dim
+
+    @property
+    def device_ratio(self) -> float:
+        """The same on one device: multi-head attention's heads split, the latent whole."""
+        return self.mha_device_values / self.dim
+
+
+def latent_cache(hf: dict, model: int) -> LatentCache | None:
+    """The latent cache of a config.json's model on a model axis of `model` devices; None
+    for multi-head attention (no kv_lora_rank, as ModelDims.from_hf tells them apart)."""
+    if not hf.get("kv_lora_rank"):
+        return None
+    arch = model_family(hf).arch_from_hf(hf)
+    return LatentCache(rank=arch.kv_lora_rank, rope_dim=arch.qk_rope_head_dim,
+                       num_heads=arch.num_heads,
+                       qk_head_dim=arch.qk_nope_head_dim + arch.qk_rope_head_dim,
+                       v_head_dim=arch.v_head_dim, model=model)
+
+
+def latent_text(latent: LatentCache, num_layers: int, element: str) -> str:
+    """'latent cache: 61 layers x 576 (512 latent + 64 rope) x 2 B bfloat16, replicated on
+    every device'."""
+    where = "replicated on every device" if latent.model > 1 else "on one device"
+    return (f"latent cache: {num_layers} layers x {latent.dim} ({latent.rank} latent + "
+            f"{latent.rope_dim} rope) x {kv_sizing.ITEMSIZE[element]} B {element}, {where}")
+
+
+def latent_ratio_text(latent: LatentCache) -> str:
+    """How much smaller than multi-head attention's the latent cache is, per token and per
+    device."""
+    text = (f"{latent.token_ratio:.1f}x fewer bytes per token than multi-head attention's "
+            f"{latent.mha_values:,} values ({latent.num_heads} heads x ({latent.qk_head_dim} "
+            f"key + {latent.v_head_dim} value))")
+    if latent.model > 1:
+        text += (f", {latent.device_ratio:.2f}x per device (its heads split over "
+                 f"{latent.model}, the latent whole)")
+    return text
+
+
+def kv_log_note(config: EngineConfig) -> str:
+    """What the engine's start-up KV line adds for a latent cache ('' for any other)."""
+    latent = latent_cache(config.model.hf_config, config.parallel.mesh.model)
+    if latent is None:
+        return ""
+    element = kv_sizing.cache_element(config.model.dtype, config.cache.kv_cache_dtype)
+    layers = model_family(config.model.hf_config).arch_from_hf(
+        config.model.hf_config).num_layers
+    return f"; {latent_text(latent, layers, element)}: {latent_ratio_text(latent)}"
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     model: str
     architecture: str
@@ -78,6 +161,7 @@ class Plan:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # CacheConfig.kv_cache_dtype
     kv_groups: KVGroups | None = None  # config/kv_groups.py; None: one group of every layer
+    latent: LatentCache | None = None  # multi-head latent attention's cache (DeepSeek)
 
     @property
     def groups(self) -> KVGroups:
@@ -134,6 +218,23 @@ class Plan:
     @property
     def concurrency(self) -> float:
         return self.usable_blocks / self.blocks_held
+
+    @property
+    def blocks_per_gib(self) -> float:
+        return 2**30 / self.bytes_per_block
+
+    @property
+    def mha_bytes_per_block(self) -> int:
+        """A latent cache's block as multi-head attention with the same heads would keep it
+        on one device (0 without a latent cache)."""
+        if self.latent is None:
+            return 0
+        return (self.groups.num_slots * self.block_size * self.latent.mha_device_values
+                * kv_sizing.ITEMSIZE[self.kv_element])
+
+    @property
+    def mha_blocks_per_gib(self) -> float:
+        return 2**30 / self.mha_bytes_per_block if self.latent is not None else 0.0
 
 
 class DoesNotFit(ValueError):
@@ -193,20 +294,24 @@ def make_plan(config: EngineConfig, device_memory_bytes: int) -> Plan:
         expert_intermediate_size=dims.expert_intermediate_size,
         device_memory_bytes=int(device_memory_bytes),
         gpu_memory_utilization=cache.gpu_memory_utilization, weights=weights,
-        sampler_state_bytes=state, kv_budget_bytes=int(budget), kv_budget_source=source, bytes_per_block=per_block,
+        sampler_state_bytes=state, kv_budget_bytes=int(budget), kv_budget_source=source,
+        bytes_per_block=per_block,
         block_size=cache.block_size, num_blocks=int(blocks),
         max_model_len=config.model.max_model_len, max_num_seqs=sched.max_num_seqs,
         max_num_batched_tokens=sched.max_num_batched_tokens,
         token_buckets=sched.token_buckets, step_buckets=sched.step_buckets,
-        kv_groups=groups)
+        kv_groups=groups, latent=latent_cache(hf, mesh.model))
 
 
 def _bytes_per_block(hf: dict, sharding: ShardingPlan, block_size: int, element: str,
                      layers: int | None = None) -> int:
-    """runner.bytes_per_block: K and V of one block, this device's share of the kv heads;
-    element: kv_sizing.cache_element's; layers: a block's (KVGroups.num_slots; default
-    every layer)."""
+    """runner.bytes_per_block: K and V of one block, this device's share of the kv heads, or
+    a latent cache's block, whole; element: kv_sizing.cache_element's; layers: a block's
+    (KVGroups.num_slots; default every layer)."""
     arch = model_family(hf).arch_from_hf(hf)
+    if getattr(arch, "latent_dim", 0):
+        return kv_sizing.latent_bytes_per_block(layers or arch.num_layers, block_size,
+                                                arch.latent_dim, element)
     return kv_sizing.bytes_per_block(layers or arch.num_layers, block_size,
                                      sharding.kv_heads_per_device, arch.head_dim, element)
 
@@ -244,7 +349,7 @@ def _no_fit_message(config: EngineConfig, memory: int, used: int,
     if config.model.weights_scheme is None:
         hints.append("--quantization int8 stores the linear layers' weights in about half "
                      "of bfloat16's bytes")
-    if kv_sizing.ITEMSIZE[element] > 1:
+    if kv_sizing.ITEMSIZE[element] > 1 and not ModelDims.from_hf(hf).latent_dim:
         hints.append("--kv-cache-dtype fp8 (or int8) stores the KV cache in one byte per "
                      "element")
     if used <= usable:
@@ -367,8 +472,6 @@ _LABELS = {"embeddings": "embeddings", "attention": "attention", "mlp": "MLP",
 def format_plan(plan: Plan) -> str:
     """A readable table of the plan (what `jaxserve plan` prints)."""
     s, mesh = plan.sharding, plan.mesh
-    kv_split = (f"{plan.num_kv_heads} -> K'={s.kv_heads} (each replicated {s.kv_replicas}x)"
-                if s.kv_replicas > 1 else f"{s.kv_heads} (not replicated)")
     embed = {"hidden": "on the hidden axis D", "vocab": "on the vocabulary V"}.get(
         s.embed_axis, "not split (replicated)")
     if not plan.num_experts:
@@ -387,7 +490,7 @@ def format_plan(plan: Plan) -> str:
         f"{_count(mesh.model, 'device')} = {_count(mesh.num_devices, 'device')}; numbers below "
         "are per device",
         f"split        query heads {plan.num_heads} -> {plan.num_heads // s.model} per device; "
-        f"kv heads {kv_split} -> {s.kv_heads_per_device} per device",
+        f"{_kv_split_text(plan)}",
         f"             {mlp} per device; embeddings / lm_head split {embed}",
         f"memory       {size_text(plan.device_memory_bytes)} x gpu_memory_utilization "
         f"{plan.gpu_memory_utilization:g} = {size_text(plan.usable_memory_bytes)} usable per device",
@@ -408,12 +511,7 @@ def format_plan(plan: Plan) -> str:
         f"{plan.max_num_seqs + 1} rows x vocabulary x "
         f"{kv_sizing.SAMPLER_STATE_BYTES_PER_ENTRY} B + 1 bit (penalties, logit bias, grammar)",
         "",
-        f"KV cache per device  {plan.bytes_per_token:,} B per token (2 x {plan.num_layers} "
-        f"layers x {_count(s.kv_heads_per_device, 'kv head')} x {plan.head_dim} x "
-        f"{kv_sizing.ITEMSIZE[plan.kv_element]} B {plan.kv_element}); {plan.bytes_per_block:,} B "
-        f"({size_text(plan.bytes_per_block)}) per block of {plan.block_size} tokens"
-        + ("" if plan.kv_cache_dtype == "auto"
-           else "; plus a float32 scale per layer and kv head"),
+        *_kv_cache_lines(plan),
         f"  budget             {plan.kv_budget_bytes:,} B ({size_text(plan.kv_budget_bytes)}), "
         + ("usable memory - weights - sampler state"
            if plan.kv_budget_source == "device memory"
@@ -429,6 +527,46 @@ def format_plan(plan: Plan) -> str:
         "  " + " ".join(f"{t}x{r}" for t, r in plan.step_buckets),
     ]
     return "\n".join(lines)
+
+
+def _kv_split_text(plan: Plan) -> str:
+    """How the KV cache splits: by kv heads (replicated when fewer than devices), or a latent
+    cache whole on every device."""
+    s = plan.sharding
+    if plan.latent is not None:
+        return "the latent cache is not split (every device holds all of it)"
+    kv_split = (f"{plan.num_kv_heads} -> K'={s.kv_heads} (each replicated {s.kv_replicas}x)"
+                if s.kv_replicas > 1 else f"{s.kv_heads} (not replicated)")
+    return f"kv heads {kv_split} -> {s.kv_heads_per_device} per device"
+
+
+def _kv_cache_lines(plan: Plan) -> list[str]:
+    """The KV cache's bytes per token and block; for a latent cache, also multi-head
+    attention's with the same heads, and both in blocks per GiB."""
+    element, latent = plan.kv_element, plan.latent
+    per_block = (f"{plan.bytes_per_block:,} B ({size_text(plan.bytes_per_block)}) per block "
+                 f"of {plan.block_size} tokens")
+    if latent is None:
+        return [f"KV cache per device  {plan.bytes_per_token:,} B per token (2 x "
+                f"{plan.num_layers} layers x {_count(plan.sharding.kv_heads_per_device, 'kv head')}"
+                f" x {plan.head_dim} x {kv_sizing.ITEMSIZE[element]} B {element}); {per_block}"
+                + ("" if plan.kv_cache_dtype == "auto"
+                   else "; plus a float32 scale per layer and kv head")]
+    mha = plan.mha_bytes_per_block
+    heads = latent.num_heads // latent.model
+    return [
+        f"KV cache per device  {plan.bytes_per_token:,} B per token "
+        f"({latent_text(latent, plan.num_layers, element)}); {per_block}",
+        f"  as plain MHA       {latent.num_heads} heads x ({latent.qk_head_dim} key + "
+        f"{latent.v_head_dim} value) = {latent.mha_values:,} values per token and layer"
+        + (f"; split over {latent.model} devices, {heads} heads = "
+           f"{latent.mha_device_values:,} each" if latent.model > 1 else "")
+        + f": {mha:,} B ({size_text(mha)}) per block",
+        f"  blocks per GiB     {plan.blocks_per_gib:,.1f} latent, {plan.mha_blocks_per_gib:,.1f} "
+        f"multi-head: {latent.token_ratio:.1f}x per token, {latent.device_ratio:.2f}x per "
+        "device" + (" (MHA would split its heads over the model axis, the latent is "
+                    "replicated)" if latent.model > 1 else ""),
+    ]
 
 
 def _scheme_text(quantization: str | None) -> str:
@@ -459,6 +597,13 @@ def plan_dict(plan: Plan) -> dict:
     out["sharding"]["kv_heads_per_device"] = plan.sharding.kv_heads_per_device
     for name in ("weight_bytes_per_device", "num_params", "usable_memory_bytes",
                  "bytes_per_token", "usable_blocks", "kv_tokens", "blocks_per_seq", "blocks_held",
-                 "max_concurrency", "concurrency"):
+                 "max_concurrency", "concurrency", "blocks_per_gib"):
         out[name] = getattr(plan, name)
+    if plan.latent is not None:  # and multi-head attention's with the same heads
+        latent = plan.latent
+        out["latent"].update(
+            dim=latent.dim, mha_values=latent.mha_values,
+            mha_device_values=latent.mha_device_values, token_ratio=latent.token_ratio,
+            device_ratio=latent.device_ratio, mha_bytes_per_block=plan.mha_bytes_per_block,
+            mha_blocks_per_gib=plan.mha_blocks_per_gib)
     return out

@@ -18,6 +18,7 @@ from jaxserve.backends.protocol import Runner
 from jaxserve.backends.selection import create_runner
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.config.kv_groups import describe_groups
+from jaxserve.config.plan import kv_log_note
 from jaxserve.core.input_builder import grammar_masks, prompt_score_targets
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.lora_slots import LoraSlots
@@ -63,9 +64,9 @@ class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at "
                     "max_model_len=%d: %.2f; prefix caching %s%s", blocks - 1, size,
                     groups.tokens_held(blocks - 1, size), blocks * self.runner.bytes_per_block
-                    / 2**20, max_len,
-                    (blocks - 1) / groups.blocks_held(max_len, size),
-                    "on" if config.cache.enable_prefix_caching else "off", describe_groups(groups))
+                    / 2**20, max_len, (blocks - 1) / groups.blocks_held(max_len, size),
+                    "on" if config.cache.enable_prefix_caching else "off",
+                    describe_groups(groups) + kv_log_note(config))  # + a latent cache's size
         if config.model.sampling_defaults:
             logger.info("Default sampling parameters from the model's generation_config.json: "
                         "%s (a request's own values win; generation_config='vllm' / "
