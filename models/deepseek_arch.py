@@ -230,7 +230,7 @@ def param_shapes(arch: DeepseekArch, quantization=None) -> dict:
         e, f = arch.num_experts, arch.moe_intermediate_size
         shapes[mlp + ("router",)] = ((d, e), None)
         if arch.correction_bias:
-            shapes[mlp + ("score_correction",)] = ((e,), None)
+            shapes[mlp + ("score_correction",)] = ((e,), "float32")  # kept float32
         for name, shape in (("experts_gate", (e, d, f)), ("experts_up", (e, d, f)),
                             ("experts_down", (e, f, d))):
             shapes.update(kernel_shapes(mlp + (name,), shape, quantization))

@@ -7,6 +7,7 @@ test_parity.py with the other families."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shutil
@@ -254,8 +255,8 @@ def test_parameter_table_is_the_models(tiny_checkpoints):
         family = model_family(hf)
         arch = family.arch_from_hf(hf)
         for quantization in (None, "int8"):
-            model = nnx.eval_shape(lambda: family.model_cls(arch, jnp.float32,
-                                                            quantization=quantization))
+            model = nnx.eval_shape(functools.partial(family.model_cls, arch, jnp.float32,
+                                                     quantization=quantization))
             declared = {tuple(p): v.get_value().shape
                         for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
             table = {p: s for p, (s, _) in family.param_shapes(arch, quantization).items()}

@@ -34,6 +34,10 @@ from jaxserve.models.safetensors_format import (  # noqa: F401 - re-exported
     safetensors_files,
 )
 
+# Parameters kept in float32 whatever the model's dtype (vLLM keeps them so too): DeepSeek-V3's
+# router correction bias, whose small differences choose the experts.
+FLOAT32_PARAMS = frozenset({"score_correction"})
+
 
 def _targets(target) -> list[tuple]:
     """path_of's answer as a list of (path, transform, expert index or None)."""
@@ -184,7 +188,8 @@ def _values(path: tuple, transform, index, array, shapes: dict, dtype, quant, wh
                          f"{'.'.join(map(str, path))}; per-layer exceptions are not supported.")
     if path not in shapes:
         raise ValueError(f"{where} has no place in the model built from config.json.")
-    value = np.asarray(transform(array) if transform else array).astype(dtype)
+    kept = np.float32 if path[-1] in FLOAT32_PARAMS else dtype
+    value = np.asarray(transform(array) if transform else array).astype(kept)
     if value.shape != tuple(wanted(path)):
         raise ValueError(f"{where} has shape {array.shape}, which does not fit "
                          f"{tuple(wanted(path))} from config.json.")

@@ -209,6 +209,7 @@ PRESETS: tuple[DevicePreset, ...] = (
     DevicePreset("v5e-16", "TPU v5e", 16, num_hosts=4),
     DevicePreset("v5p-8", "TPU v5p", 4),
     DevicePreset("v5p-16", "TPU v5p", 8, num_hosts=2),
+    DevicePreset("v5p-64", "TPU v5p", 32, num_hosts=8),
     DevicePreset("v6e-1", "TPU v6e", 1),
     DevicePreset("v6e-4", "TPU v6e", 4),
     DevicePreset("v6e-8", "TPU v6e", 8),

@@ -136,7 +136,7 @@ class DeepseekMoE(nnx.Module):
         d, e, f = arch.hidden_size, arch.num_experts, arch.moe_intermediate_size
         self.router = nnx.Param(jnp.zeros((d, e), dtype))  # [D, E]
         if arch.correction_bias:
-            self.score_correction = nnx.Param(jnp.zeros((e,), dtype))  # [E]
+            self.score_correction = nnx.Param(jnp.zeros((e,), jnp.float32))  # f32[E]
         kernel(self, "experts_gate", (e, d, f), dtype, quantization)  # [E, D, F]
         kernel(self, "experts_up", (e, d, f), dtype, quantization)  # [E, D, F]
         kernel(self, "experts_down", (e, f, d), dtype, quantization)  # [E, F, D]
