@@ -49,7 +49,8 @@ FP8, BF16, F32 = ml_dtypes.float8_e4m3fn, ml_dtypes.bfloat16, np.float32
 FP8_MAX = 448.0
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble i of a word holds column AWQ_ORDER[i]
 PROJECTION = re.compile(
-    r"(self_attn\.[qkvo]_proj|mlp\.(shared_expert\.|experts\.\d+\.)?(gate|up|down)_proj"
+    r"(self_attn\.([qkvo]|q_a|q_b|kv_a|kv_b)_proj(_with_mqa)?"  # MHA and DeepSeek's MLA
+    r"|mlp\.(shared_experts?\.|experts\.\d+\.)?(gate|up|down)_proj"
     r"|block_sparse_moe\.experts\.\d+\.w[123])\.weight$")
 ROUTERS = {"mlp.gate.weight": "re:.*mlp.gate$",
            "block_sparse_moe.gate.weight": "re:.*block_sparse_moe.gate$",

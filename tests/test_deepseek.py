@@ -217,6 +217,36 @@ def test_multi_token_prediction_layers_are_skipped_and_named(tiny_checkpoints, t
     assert "skipping model.layers.3, a multi-token-prediction layer" in caplog.text
 
 
+def test_fp8_block_checkpoint_gives_its_dequantized_weights_tokens(tiny_checkpoints, tmp_path,
+                                                                   checkpoint_script):
+    """DeepSeek-V3's published format: every projection (the MLA ones, kv_b_proj split into
+    W_uk and W_uv, the experts and the shared expert) in FP8 blocks with weight_scale_inv,
+    partial blocks included (kv_a_proj's 48 rows in blocks of 32), the router in float. With
+    the activations' FP8 rounding taken away, the tokens are the dequantized folder's."""
+    from quant_checkpoints import write_quantized
+    from test_quantized_checkpoints import _without_activations
+
+    import jaxserve.config.engine_config as engine_config
+
+    q, d = tmp_path / "q", tmp_path / "d"
+    write_quantized(tiny_checkpoints["deepseek_v3"], q, d, "fp8-block", block=(32, 32))
+    prompts = checkpoint_script.check_prompts()[:4]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine = dict(dtype="float32", max_model_len=128, precompile=False)
+    want = [o.outputs[0].token_ids for o in LLM(str(d), **engine).generate(prompts, params,
+                                                                           use_tqdm=False)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine_config, "checkpoint_scheme", _without_activations)
+        llm = LLM(str(q), **engine)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    from flax import nnx
+
+    kinds = {str(p[-2]) for p, _ in nnx.to_flat_state(llm.engine.runner.params)
+             if p[-1] == "values"}
+    assert {"wq_a", "wq_b", "wkv_a", "wk_b", "wv_b", "wo", "experts_gate", "w_down"} <= kinds
+    assert got == want
+
+
 @pytest.mark.parametrize("engine_args,message", [
     (dict(backend="torch"), "runs on the JAX backend only"),
     (dict(kv_cache_dtype="fp8"), "latent cache"),
