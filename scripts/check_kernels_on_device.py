@@ -20,6 +20,14 @@ hand, and prints the versions it ran with (Pallas moves between JAX releases):
   the engine's scales folded into q and out (kv_quant), against ref on the dequantized
   values (the bfloat16 tolerance), with the error against the unquantized cache reported;
   on a device, a decode batch (64 x 4096 context) timed with bf16, fp8 and int8 caches.
+* multi-head latent attention (MLA, DeepSeek V2/V3): the GPU MLA kernel
+  (kernels_pallas/gpu_ragged_paged_mla.py; in interpret mode on the CPU, small shapes)
+  against kernels_pallas/mla_ref.py on decode, prefill and mixed batches (device: V3's
+  latent C 512 + R 64, 16 and 128 heads, bf16 and one float32), the same error measure;
+  on a GPU, decode batches (64 and 256 x 4096 context, 16 and 128 heads) timed with their
+  achieved bandwidth (latent entries read plus q and out), the MHA kernel beside the 16-head
+  rows on the MHA-equivalent shape (16 kv heads of 128), within --mla-max-seconds of its
+  own (after the attention timing's --max-seconds).
 * KV-cache write: ref.write_kv jitted with donated caches, for caches of 1x, 4x and 16x the
   pages at a fixed T: a flat time, the output in the input's buffer, and aliased bytes in
   the compiled memory analysis mean in place; the undonated call is timed beside it to
@@ -48,18 +56,23 @@ import traceback
 import jax
 import numpy as np
 
-from jaxserve.benchmarks.kernel_checks import DEVICE_CHECKS, FAR_BYTES
+from jaxserve.benchmarks.kernel_checks import DEVICE_CHECKS, FAR_BYTES, MLA_CHECKS
 from jaxserve.benchmarks.pallas_checks import (
     CPU_CHECKS,
     QUANT_CHECKS,
     platform_kind,
     run_checks,
+    run_mla_checks,
+    run_mla_timing,
     run_quantized_checks,
 )
 from jaxserve.benchmarks.pallas_timing import WRITE_KV, check_write_kv, run_timing
 
 KERNELS = {"gpu": "jaxserve.kernels_pallas.gpu_ragged_paged_attention",
            "tpu": "jaxserve.kernels_pallas.ragged_paged_attention"}
+# Latent-attention kernels, by the KERNELS name whose platform runs them (the TPU one,
+# kernels_pallas/ragged_paged_mla.py, is not checked here yet).
+MLA_KERNELS = {"gpu": "jaxserve.kernels_pallas.gpu_ragged_paged_mla"}
 
 
 def versions() -> dict:
@@ -132,6 +145,41 @@ def load_kernels(names, interpret: bool, report: dict) -> dict:
     return kernels
 
 
+def load_mla_kernels(names, interpret: bool, results: list) -> dict:
+    """{name: MLA kernel} of the chosen kernels that have one; one that does not import is a
+    failed check in results."""
+    kernels = {}
+    for name in (n for n in names if n in MLA_KERNELS):
+        try:
+            fn = importlib.import_module(MLA_KERNELS[name]).ragged_paged_mla
+            kernels[f"{name}-mla"] = functools.partial(fn, interpret=True) if interpret else fn
+        except Exception as exc:
+            print(f"check {name + '-mla':20} FAIL cannot load {MLA_KERNELS[name]}: {exc}")
+            results.append(dict(kernel=f"{name}-mla", ok=False, informational=False,
+                                exception=f"load: {exc}"))
+    return kernels
+
+
+def run_mla(names, kernels: dict, *, interpret: bool, args, copy_bw, rng) -> list:
+    """The MLA kernels against mla_ref; on a device, their decode timing beside the MHA
+    kernel of the same platform (kernels[name]), within --mla-max-seconds."""
+    results: list = []
+    mla = load_mla_kernels(names, interpret, results)
+    if not mla:
+        return results
+    mode = "interpret mode" if interpret else "compiled"
+    print(f"\nmulti-head latent attention vs mla_ref ({mode})")
+    results += run_mla_checks(mla, MLA_CHECKS["cpu" if interpret else "device"],
+                              long=not interpret, rng=rng)
+    if not interpret:
+        deadline = time.monotonic() + args.mla_max_seconds
+        for name, kernel in mla.items():
+            results += run_mla_timing(kernel, kernels.get(name.removesuffix("-mla")),
+                                      repeats=args.repeats, copy_bw=copy_bw,
+                                      deadline=deadline, rng=rng)
+    return results
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer timing shapes")
@@ -145,6 +193,8 @@ def parse_args(argv=None):
     parser.add_argument("--json", metavar="OUT", help="write every result here")
     parser.add_argument("--triton-max-seconds", type=float,
                         help="budget of the Triton part (default 150, --quick 60)")
+    parser.add_argument("--mla-max-seconds", type=float, default=40,
+                        help="budget of the MLA decode timing (after its checks, ~25 s)")
     parser.add_argument("--skip-triton", action="store_true",
                         help="leave out the torch backend's Triton kernels")
     return parser.parse_args(argv)
@@ -177,11 +227,15 @@ def main() -> int:
         report["copy_bandwidth_gbs"], report["attention"] = run_timing(
             kernels[kind], quick=args.quick, repeats=args.repeats, max_kv_gib=args.max_kv_gib,
             copy_gib=args.copy_gib, with_pa=kind == "gpu", deadline=deadline, rng=rng)
+    report["mla"] = run_mla(names, kernels, interpret=interpret, args=args,
+                            copy_bw=report.get("copy_bandwidth_gbs"), rng=rng)
     failed = [c for c in report["checks"] if not c["ok"] and not c["informational"]]
     failed += [w for w in report["write_kv"] if not w["ok"]]
     failed += [a for a in report["attention"] if "error" in a]
     failed += [q for q in report["quantized"] if q.get("ok") is False
                or any(k.endswith("_error") for k in q)]
+    failed += [m for m in report["mla"] if m.get("ok") is False  # a check, or a timing case
+               or (m.get("kind") == "mla-timing" and "error" in m)]
     if args.json:  # the JAX part, in case the torch part takes the process down
         write_report(args.json, {**report, "triton": {"status": "running"}})
     report["triton"], triton_failed = run_triton_section(args)

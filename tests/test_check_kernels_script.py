@@ -1,7 +1,8 @@
 """scripts/check_kernels_on_device.py runs on the CPU: both Pallas kernels in interpret mode,
-jax's GPU paged_attention through our layout conversion, and the in-place KV-cache write;
-then the checks of scripts/check_triton_kernels.py, the torch backend's Triton kernels
-(interpret mode; jaxserve/benchmarks/triton_*.py).
+jax's GPU paged_attention through our layout conversion, the GPU MLA (latent attention)
+kernel against mla_ref, and the in-place KV-cache write; then the checks of
+scripts/check_triton_kernels.py, the torch backend's Triton kernels (interpret mode;
+jaxserve/benchmarks/triton_*.py).
 
 The timing halves need an accelerator; here the shared bookkeeping (the batch builder, the
 bytes and flops a case moves, the shape grid's memory cap) is checked, and the Triton
@@ -66,8 +67,12 @@ def test_cpu_run_checks_every_kernel_in_interpret_mode(tmp_path):
     assert {(q["kernel"], q["dtype"]) for q in quantized} == {
         (k, f"bf16+{f}-kv") for k in ("gpu", "tpu") for f in ("fp8", "int8")}
     assert all(q["ok"] and 0 < q["error_vs_unquantized"] < 0.1 for q in quantized)
+    mla = data["mla"]  # the GPU MLA kernel in interpret mode against mla_ref; no timing
+    assert [(c["kernel"], c["kind"], c["dtype"]) for c in mla] == [
+        ("gpu-mla", kind, dtype) for kind, dtype, *_ in kernel_checks.MLA_CHECKS["cpu"]]
+    assert all(c["ok"] for c in mla)
     lines = [line for line in out.stdout.splitlines() if line.startswith("check ")]
-    assert len(lines) == len(checks) + len(quantized)
+    assert len(lines) == len(checks) + len(quantized) + len(mla)
     assert all(" ok [" in line for line in lines)
     writes = data["write_kv"]
     assert [w["pages"] for w in writes] == [64, 256, 1024]
@@ -78,6 +83,87 @@ def test_cpu_run_checks_every_kernel_in_interpret_mode(tmp_path):
     assert triton["failures"] == [] and all(c["ok"] for c in triton["checks"] + triton["write_kv"])
     assert triton["timing"] == {"skipped": "no GPU (torch.cuda.is_available() is False)"}
     assert "triton kernels: all checks passed" in out.stdout
+
+
+def test_mla_checks_in_interpret_mode():
+    """~10 s: the script's MLA part on the CPU, the GPU MLA kernel in interpret mode against
+    mla_ref on a decode and a padded mixed batch; no timing without a device."""
+    m = load_script()
+    results = m.run_mla(["gpu", "tpu"], {}, interpret=True, args=m.parse_args([]),
+                        copy_bw=None, rng=np.random.default_rng(0))
+    json.dumps(results)
+    cases = kernel_checks.MLA_CHECKS["cpu"]
+    assert [(r["kernel"], r["kind"], r["dtype"], r["N"], r["latent"], r["rope"])
+            for r in results] == [("gpu-mla", kind, dtype, N, C, R)
+                                  for kind, dtype, _, N, C, R in cases]
+    for r in results:
+        assert r["ok"] and r["error"] <= r["tol"] == kernel_checks.TOL[r["dtype"]]
+        assert r["K"] == 1 and r["H"] == f"{r['latent']}+{r['rope']}"
+    mixed = results[1]
+    assert mixed["T"] > 1 and mixed["R"] > 1 and mixed["T"] & (mixed["T"] - 1) == 0  # padded
+    assert m.run_mla(["tpu"], {}, interpret=True, args=m.parse_args([]), copy_bw=None,
+                     rng=np.random.default_rng(0)) == []  # no TPU MLA kernel checked yet
+
+
+def test_wrong_mla_kernels_are_failures():
+    """A kernel off by a little, one that raises, and an MLA kernel that does not import are
+    failed checks, each a result."""
+    import jax.numpy as jnp
+
+    from jaxserve.benchmarks import pallas_checks
+    from jaxserve.kernels_pallas import mla_ref
+
+    def off(q_latent, q_rope, cache, batch, *, scale):
+        return mla_ref.ragged_paged_mla(q_latent, q_rope, cache, batch, scale=scale) * 1.1
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("launch failed")
+
+    case = [("mixed", "float32", 16, 2, 16, 16)]
+    results = pallas_checks.run_mla_checks({"off": off, "broken": broken}, case, long=False,
+                                           rng=np.random.default_rng(0))
+    assert [r["kernel"] for r in results] == ["off", "broken"]
+    assert not results[0]["ok"] and 0.05 < results[0]["error"] < 1
+    assert not results[1]["ok"] and results[1]["exception"] == "RuntimeError: launch failed"
+    assert jnp.dtype(results[0]["dtype"]) == jnp.float32
+    m = load_script()
+    failed: list = []
+    m.MLA_KERNELS = {"gpu": "jaxserve.kernels_pallas.no_such_kernel"}
+    assert m.load_mla_kernels(["gpu"], True, failed) == {}
+    assert failed[0]["kernel"] == "gpu-mla" and not failed[0]["ok"]
+    assert failed[0]["exception"].startswith("load: ")
+
+
+def test_mla_timing_path_on_the_cpu():
+    """The device's MLA timing code on tiny shapes, the references standing in for the
+    kernels: rows with bandwidth, the MHA-equivalent beside the fewest heads only, a kernel
+    that raises is an error row, and past the deadline the cases are skipped."""
+    from jaxserve.benchmarks import pallas_checks
+    from jaxserve.kernels_pallas import mla_ref, ref
+
+    dims = dict(block_size=16, latent=32, rope=16, heads=(2, 4), rows=(3,), context=40,
+                mha_head_dim=16, dtype="bfloat16")
+    rows = pallas_checks.run_mla_timing(mla_ref.ragged_paged_mla, ref.ragged_paged_attention,
+                                        repeats=1, copy_bw=1e9, deadline=math.inf,
+                                        rng=np.random.default_rng(0), dims=dims)
+    json.dumps(rows)
+    assert [(r["N"], r["rows"]) for r in rows] == [(2, 3), (4, 3)]
+    for r in rows:
+        assert r["ms"] > 0 and r["gbs"] > 0 and r["tflops"] > 0 and r["pct_copy"] > 0
+        assert r["kv_gib"] * 2**30 == (1 + 3 * 3) * 16 * 48 * 2  # null page + 3 pages a row
+    assert rows[0]["mha_ms"] > 0 and rows[0]["mha_kv_gib"] > rows[0]["kv_gib"]
+    assert "mha_ms" not in rows[1]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("launch failed")
+
+    bad = pallas_checks.run_mla_timing(broken, None, repeats=1, copy_bw=None,
+                                       deadline=math.inf, rng=np.random.default_rng(0),
+                                       dims={**dims, "heads": (2,)})
+    assert bad == [dict(kernel="mla", kind="mla-timing", rows=3, N=2,
+                        error="RuntimeError: launch failed")]
+    assert pallas_checks.run_mla_timing(broken, None, repeats=1, copy_bw=None, deadline=0,
+                                        rng=np.random.default_rng(0), dims=dims) == []
 
 
 def test_make_batch_layout():
@@ -117,6 +203,14 @@ def test_work_and_shape_grid():
     nbytes, flops = kernel_checks.attention_work([(1, 10), (3, 3)], N=4, K=2, H=8, itemsize=2)
     assert nbytes == (2 * 13 * 2 * 8 + 2 * 4 * 4 * 8) * 2
     assert flops == 4 * 4 * 8 * (10 + 1 + 2 + 3)
+    # MLA: one C + R entry per key for every head; q_latent, q_rope and out per query head
+    nbytes, flops = kernel_checks.mla_work([(1, 10), (3, 3)], N=4, C=32, R=16, itemsize=2)
+    assert nbytes == (13 * 48 + 4 * 4 * (32 + 16 + 32)) * 2
+    assert flops == 4 * (2 * 48 + 2 * 32) * (10 + 1 + 2 + 3)
+    device = kernel_checks.MLA_CHECKS["device"]  # V3's latent, 16 and 128 heads, every kind
+    assert {(C, R) for *_, C, R in device} == {(512, 64)}
+    assert {(kind, N) for kind, dtype, _, N, *_ in device if dtype == "bfloat16"} >= {
+        (kind, N) for kind in ("decode", "mixed") for N in (16, 128)} | {("prefill", 16)}
     cases = kernel_checks.bench_cases(quick=False, max_kv_gib=40)
     assert "decode 256 x ctx 32768" in cases and len(cases) == 15 + 3
     small = kernel_checks.bench_cases(quick=True, max_kv_gib=1)  # at most 1 GiB of K+V
@@ -377,6 +471,7 @@ def test_main_folds_the_triton_part_into_report_and_exit(monkeypatch, tmp_path, 
     monkeypatch.setattr(m, "load_kernels", lambda names, interpret, report: {})
     monkeypatch.setattr(m, "run_checks", lambda *a, **k: [])
     monkeypatch.setattr(m, "check_write_kv", lambda **k: [])
+    monkeypatch.setattr(m, "run_mla", lambda *a, **k: [])
     out = tmp_path / "report.json"
     calls = []
 
@@ -403,3 +498,28 @@ def test_main_folds_the_triton_part_into_report_and_exit(monkeypatch, tmp_path, 
     data = json.loads(out.read_text())
     assert data["triton"] == {"status": "ran", "checks": [{"ok": outcome == "pass"}]}
 
+
+@pytest.mark.parametrize("row", [{"ok": False, "error": 0.5}, {"ok": True, "error": 1e-3},
+                                 {"kind": "mla-timing", "error": "RuntimeError: x"},
+                                 {"kind": "mla-timing", "mha_error": "informational"}])
+def test_main_counts_mla_failures(monkeypatch, tmp_path, row):
+    """A failed MLA check or timing case fails the run; a passing check (its "error" is the
+    measured one) and the MHA comparison's error do not. The MLA part gets the platform's
+    MHA kernels and the attention timing's copy bandwidth."""
+    m = load_script()
+    monkeypatch.setattr(m, "load_kernels", lambda names, interpret, report: {})
+    monkeypatch.setattr(m, "run_checks", lambda *a, **k: [])
+    monkeypatch.setattr(m, "check_write_kv", lambda **k: [])
+    calls = []
+
+    def run_mla(names, kernels, **kwargs):
+        calls.append((names, kernels, kwargs["interpret"], kwargs["copy_bw"]))
+        return [row]
+
+    monkeypatch.setattr(m, "run_mla", run_mla)
+    out = tmp_path / "report.json"
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), "--json", str(out), "--skip-triton"])
+    assert m.main() == (1 if row.get("ok") is False or isinstance(row.get("error"), str)
+                        else 0)
+    assert calls == [(["gpu", "tpu"], {}, True, None)]
+    assert json.loads(out.read_text())["mla"] == [row]

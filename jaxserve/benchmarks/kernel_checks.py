@@ -30,6 +30,21 @@ DEVICE_CHECKS += [("far-decode", "bfloat16", 16, 8, 64, 128, None, None, False)]
 FAR_BYTES = {"cpu": 1 << 20, "device": (1 << 32) + (1 << 28)}
 # The timing grid's shapes: Llama-3-8B-like heads, bf16.
 BENCH = dict(block_size=16, kv_heads=8, q_heads=64, head_dim=128, dtype="bfloat16")
+# Multi-head latent attention (DeepSeek V2/V3; kernels_pallas/gpu_ragged_paged_mla.py):
+# (kind, dtype, S block size, N query heads, C latent width, R rope width). The device runs
+# V3's latent (C 512, R 64) with 16 heads (V3 at tensor parallelism 8; every kind, bf16 and
+# one float32) and all 128 (decode, mixed); the CPU (interpret mode) a small latent on
+# short contexts.
+MLA_CHECKS = {
+    "cpu": [("decode", "bfloat16", 16, 4, 32, 16), ("mixed", "float32", 16, 2, 32, 16)],
+    "device": [(kind, "bfloat16", 16, 16, 512, 64) for kind in ("decode", "prefill", "mixed")]
+    + [(kind, "bfloat16", 16, 128, 512, 64) for kind in ("decode", "mixed")]
+    + [("mixed", "float32", 16, 16, 512, 64)],
+}
+# The MLA decode timing: rows x context on V3's latent, per head count; the MHA kernel on
+# the MHA-equivalent shape (K = N heads of H 128) beside the 16-head rows.
+MLA_TIMING = dict(block_size=16, latent=512, rope=64, heads=(16, 128), rows=(64, 256),
+                  context=4096, mha_head_dim=128, dtype="bfloat16")
 
 
 def random_sinks(rng, num_heads: int) -> np.ndarray:
@@ -107,6 +122,17 @@ def attention_work(specs, N, K, H, itemsize):
     nbytes = (2 * kv_tokens * K * H + 2 * q_tokens * N * H) * itemsize
     visible = sum(q * (kv - q) + q * (q + 1) // 2 for q, kv in specs)
     return nbytes, 4 * N * H * visible
+
+
+def mla_work(specs, N, C, R, itemsize):
+    """(bytes, flops) one MLA step must move and compute: each row's latent entries [C + R]
+    read once (one entry per token, shared by the N heads), q_latent, q_rope and out once;
+    2 (C + R) + 2 C flops per (query token, head, visible key): scores, then p . c."""
+    kv_tokens = sum(kv for _, kv in specs)
+    q_tokens = sum(q for q, _ in specs)
+    nbytes = (kv_tokens * (C + R) + q_tokens * N * (2 * C + R)) * itemsize
+    visible = sum(q * (kv - q) + q * (q + 1) // 2 for q, kv in specs)
+    return nbytes, 2 * N * (2 * C + R) * visible
 
 
 def bench_cases(quick: bool, max_kv_gib: float, dims=None):

@@ -2,7 +2,9 @@
 scripts/check_kernels_on_device.py: random ragged batches (decode, prefill, mixed, sliding
 window + soft cap, pages far into the cache) in float32 and bfloat16, jax's own GPU
 paged_attention on a decode batch (the layout conversion its timing uses), and the kernels
-over fp8 / int8 KV caches (kv_quant), timed beside bf16 on a device.
+over fp8 / int8 KV caches (kv_quant), timed beside bf16 on a device; the multi-head latent
+attention (MLA) kernel against kernels_pallas/mla_ref.py, and on a device its decode time
+and bandwidth beside the MHA kernel on the MHA-equivalent shape.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ import numpy as np
 from jaxserve.backends.jax import kv_quant
 from jaxserve.benchmarks.kernel_checks import (
     BENCH,
+    MLA_TIMING,
     TOL,
+    attention_work,
     check_label,
     check_specs,
     check_verdict,
+    mla_work,
     next_pow2,
     random_sinks,
     relative_error,
@@ -34,7 +39,7 @@ from jaxserve.benchmarks.pallas_timing import (
     to_head_major,
 )
 from jaxserve.benchmarks.ragged_batch import jax_batch, make_batch
-from jaxserve.kernels_pallas import ref
+from jaxserve.kernels_pallas import mla_ref, ref
 
 OPTS = ("scale", "sliding_window", "soft_cap")
 # (kind, dtype, S block size, K kv heads, N query heads, H head dim, sliding_window, soft_cap,
@@ -242,4 +247,150 @@ def run_quantized_checks(kernels: dict, cases, *, interpret: bool, rng, repeats:
         results.append(row)
     return results
 
+
+# ----------------------------------------------------------------------------- MLA
+
+
+def random_mla_case(kind, dtype, S, N, C, R, rng, long):
+    """(q_latent [T, N, C], q_rope [T, N, R], cache [P, S, C + R], batch): random_case's
+    batches (mixed ones padded) over a latent cache of random entries (drawn by numpy:
+    nothing to compile per shape)."""
+    specs = check_specs(kind, rng, S, long)
+    real = sum(q for q, _ in specs)
+    pad = kind == "mixed"
+    layout = make_batch(specs, block_size=S, rng=rng,
+                        num_tokens=next_pow2(real + 1) if pad else real,
+                        num_rows=next_pow2(len(specs) + 1) if pad else len(specs))
+    T = layout.slot_mapping.shape[0]
+    shapes = ((T, N, C), (T, N, R), (layout.num_pages + 3, S, C + R))  # + unused pages
+    return (*(jnp.asarray(rng.standard_normal(shape, np.float32), dtype) for shape in shapes),
+            jax_batch(layout))
+
+
+def mla_result(name, kind, dtype, S, N, C, R, case) -> dict:
+    """A check's result dict in run_checks' fields (K 1: the latent is one kv head shared by
+    every head; H "C+R"; R the batch's rows, as there), latent C and rope R beside them."""
+    return dict(kernel=name, kind=kind, dtype=dtype, S=S, K=1, N=N, H=f"{C}+{R}", latent=C,
+                rope=R, T=case[0].shape[0], R=case[3].kv_lens.shape[0], sliding_window=None,
+                soft_cap=None, tol=TOL[dtype], informational=False)
+
+
+def run_mla_checks(kernels: dict, cases, *, long: bool, rng) -> list:
+    """Each MLA kernel (fn(q_latent, q_rope, cache, batch, *, scale)) on every case
+    (kernel_checks.MLA_CHECKS) against mla_ref on the float32 upcast of the same inputs."""
+    ref_fn = jax.jit(mla_ref.ragged_paged_mla, static_argnames=("scale",))
+    results = []
+    for kind, dtype, S, N, C, R in cases:
+        case = random_mla_case(kind, jnp.dtype(dtype), S, N, C, R, rng, long)
+        scale = 1.0 / math.sqrt(C + R)  # scores ~N(0, 1)
+        with jax.default_matmul_precision("highest"):
+            want = ref_fn(*(x.astype(jnp.float32) for x in case[:3]), case[3], scale=scale)
+        for name, kernel in kernels.items():
+            result = mla_result(name, kind, dtype, S, N, C, R, case)
+            print(check_label(result), end=" ", flush=True)  # a crash shows what ran
+            start = time.perf_counter()
+            try:
+                got = jax.jit(functools.partial(kernel, scale=scale))(*case)
+                result["error"] = output_error(got, want, case[3])
+                result["ok"] = result["error"] <= TOL[dtype]
+            except Exception as exc:  # noqa: BLE001 (a failing kernel is a result)
+                result.update(ok=False, exception=f"{type(exc).__name__}: {exc}"[:400])
+            result["seconds"] = time.perf_counter() - start
+            print(check_verdict(result), flush=True)
+            results.append(result)
+    return results
+
+
+def decode_batch(rows: int, context: int, S: int, rng):
+    """A decode batch of `rows` sequences of `context` tokens on random pages: (batch,
+    pages the cache needs)."""
+    layout = make_batch([(1, context)] * rows, block_size=S, num_tokens=rows, num_rows=rows,
+                        rng=rng)
+    return jax_batch(layout), layout.num_pages
+
+
+def time_mla_decode(kernel, rows: int, heads: int, *, dims, repeats: int, copy_bw, rng):
+    """One MLA decode row: ms, GB/s of mla_work's bytes, % of the copy bandwidth (when
+    known), TFLOP/s; the latent cache made for it and freed."""
+    S, C, R, context = dims["block_size"], dims["latent"], dims["rope"], dims["context"]
+    dtype = jnp.dtype(dims["dtype"])
+    batch, pages = decode_batch(rows, context, S, rng)
+    keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 3)
+    args = (jax.random.normal(keys[0], (rows, heads, C), dtype),
+            jax.random.normal(keys[1], (rows, heads, R), dtype),
+            fill_cache(keys[2], (pages, S, C + R), dtype), batch)
+    nbytes, flops = mla_work([(1, context)] * rows, heads, C, R, dtype.itemsize)
+    row = dict(kernel="mla", kind="mla-timing", rows=rows, context=context, N=heads,
+               latent=C, rope=R, kv_gib=args[2].nbytes / 2**30)
+    seconds = time_call(jax.jit(functools.partial(kernel, scale=1.0 / math.sqrt(C + R))),
+                        args, repeats)
+    row.update(ms=seconds * 1e3, gbs=nbytes / seconds / 1e9, tflops=flops / seconds / 1e12)
+    if copy_bw:
+        row["pct_copy"] = 100 * nbytes / seconds / copy_bw
+    return row
+
+
+def time_mha_equivalent(kernel, rows: int, heads: int, *, dims, repeats: int, rng) -> dict:
+    """The MHA kernel (fn(q, k_cache, v_cache, batch, *, scale)) on the same decode batch
+    with a key and a value per head (K = N heads of mha_head_dim): its ms, GB/s and the
+    cache it reads."""
+    S, H, context = dims["block_size"], dims["mha_head_dim"], dims["context"]
+    dtype = jnp.dtype(dims["dtype"])
+    batch, pages = decode_batch(rows, context, S, rng)
+    keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 3)
+    shape = (pages, S, heads, H)
+    args = (jax.random.normal(keys[0], (rows, heads, H), dtype),
+            fill_cache(keys[1], shape, dtype), fill_cache(keys[2], shape, dtype), batch)
+    nbytes, _ = attention_work([(1, context)] * rows, heads, heads, H, dtype.itemsize)
+    seconds = time_call(jax.jit(functools.partial(kernel, scale=1.0 / math.sqrt(H))), args,
+                        repeats)
+    return dict(mha_ms=seconds * 1e3, mha_gbs=nbytes / seconds / 1e9,
+                mha_kv_gib=2 * args[1].nbytes / 2**30)
+
+
+def print_mla_row(row: dict) -> None:
+    if "error" in row:
+        print(f"FAIL {row['error']}", flush=True)
+        return
+    line = (f"{row['ms']:9.3f} ms {row['gbs']:7.0f} GB/s "
+            + (f"{row['pct_copy']:5.1f}% copy " if "pct_copy" in row else "")
+            + f"{row['tflops']:6.1f} TFLOP/s, latent cache {row['kv_gib']:.2f} GiB")
+    if "mha_ms" in row:
+        line += (f"; MHA-equivalent {row['mha_ms']:.3f} ms {row['mha_gbs']:.0f} GB/s over "
+                 f"{row['mha_kv_gib']:.2f} GiB ({row['mha_ms'] / row['ms']:.2f}x the MLA time)")
+    elif "mha_error" in row:
+        line += f"; MHA-equivalent FAILED {row['mha_error']}"
+    print(line, flush=True)
+
+
+def run_mla_timing(kernel, mha_kernel, *, repeats: int, copy_bw, deadline: float, rng,
+                   dims=MLA_TIMING) -> list:
+    """MLA decode timing rows (dims: kernel_checks.MLA_TIMING's fields); mha_kernel (or
+    None) timed on the MHA-equivalent shape beside the rows of the fewest heads. A case that
+    fails is a row with "error"; past the deadline the rest are skipped."""
+    print(f"\nMLA decode, S={dims['block_size']} C={dims['latent']} R={dims['rope']} "
+          f"{dims['dtype']}, context {dims['context']}; GB/s = (latent read + q/out) / time")
+    rows = []
+    for heads in dims["heads"]:
+        for count in dims["rows"]:
+            name = f"mla decode {count} x ctx {dims['context']} N={heads}"
+            if time.monotonic() > deadline:
+                print(f"{name:40} skipped: time budget")
+                continue
+            print(f"{name:40}", end=" ", flush=True)
+            try:
+                row = time_mla_decode(kernel, count, heads, dims=dims, repeats=repeats,
+                                      copy_bw=copy_bw, rng=rng)
+            except Exception as exc:  # noqa: BLE001
+                row = dict(kernel="mla", kind="mla-timing", rows=count, N=heads,
+                           error=f"{type(exc).__name__}: {exc}"[:300])
+            if mha_kernel is not None and heads == min(dims["heads"]) and "error" not in row:
+                try:
+                    row.update(time_mha_equivalent(mha_kernel, count, heads, dims=dims,
+                                                   repeats=repeats, rng=rng))
+                except Exception as exc:  # noqa: BLE001 (informational)
+                    row["mha_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            print_mla_row(row)
+            rows.append(row)
+    return rows
 
