@@ -148,7 +148,8 @@ def prompt_scores(model_or_llm, prompts) -> np.ndarray:
                            for p in prompts])
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ["deepseek_v3", pytest.param("deepseek_v2",
+                                                             marks=pytest.mark.slow)])
 def test_bfloat16_stays_as_close_to_float32_as_transformers_does(arch, tiny_checkpoints,
                                                                  checkpoint_script):
     """Real checkpoints are bfloat16. These tiny random models (large gains, a latent of 32)

@@ -22,7 +22,10 @@ ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256, pre
 
 SHAPES = {"wq": (24, 6, 8), "wk": (24, 2, 8), "wv": (24, 2, 8), "wo": (6, 8, 24),
           "w_gate": (24, 16), "w_up": (24, 16), "w_down": (16, 24),
-          "experts_gate": (4, 24, 16), "experts_up": (4, 24, 16), "experts_down": (4, 16, 24)}
+          "experts_gate": (4, 24, 16), "experts_up": (4, 24, 16), "experts_down": (4, 16, 24),
+          # DeepSeek's latent attention: [D, Q], [Q, N, P + R], [D, C + R], [C, N, P | V]
+          "wq_a": (24, 12), "wq_b": (12, 6, 8), "wkv_a": (24, 20), "wk_b": (16, 6, 4),
+          "wv_b": (16, 6, 8)}
 
 
 @pytest.mark.parametrize("name", sorted(CONTRACTED))
