@@ -134,6 +134,7 @@ def test_wrong_mla_kernels_are_failures():
     assert failed[0]["exception"].startswith("load: ")
 
 
+@pytest.mark.slow  # the suite's time budget; the MLA correctness checks run by default
 def test_mla_timing_path_on_the_cpu():
     """The device's MLA timing code on tiny shapes, the references standing in for the
     kernels: rows with bandwidth, the MHA-equivalent beside the fewest heads only, a kernel
