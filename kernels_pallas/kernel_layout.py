@@ -19,6 +19,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 MASK_VALUE = -1e30  # masked scores: finite, so no -inf - -inf; masked probabilities are zeroed
 
@@ -189,6 +190,40 @@ class TileWalk:
         first = self._first_ending_after(self.t0)
         lo, hi = self.chunk_range(first)
         return jax.lax.cond(lo < hi, lambda: first, lambda: self.next_sequence(first))
+
+    def advance(self, s, c):
+        """The cursor after (s, c): the next chunk of s, else the first of the next sequence."""
+        return jax.lax.cond(c + 1 < self.chunk_range(s)[1], lambda: (s, c + 1),
+                            lambda: self._first_chunk(self.next_sequence(s)))
+
+    def _first_chunk(self, s):
+        """The cursor (s, first chunk of s)."""
+        return s, self.chunk_range(s)[0]
+
+    def run_double_buffered(self, start, wait, compute) -> None:
+        """Visit every (sequence, chunk) of the tile with a two-slot buffer (the TPU
+        kernels): start(s, c, slot) begins chunk c's copies into a slot, wait(s, c, slot)
+        waits for them, compute(s, c, slot) uses them; the next chunk's copies start into
+        the other slot before this one is computed."""
+        s0, c0 = self._first_chunk(self.first_sequence())
+
+        @pl.when(self.live(s0))
+        def _():
+            start(s0, c0, 0)
+
+        def body(state):
+            s, c, slot = state
+            s_next, c_next = self.advance(s, c)
+
+            @pl.when(self.live(s_next))
+            def _():
+                start(s_next, c_next, 1 - slot)
+
+            wait(s, c, slot)
+            compute(s, c, slot)
+            return s_next, c_next, 1 - slot
+
+        jax.lax.while_loop(lambda state: self.live(state[0]), body, (s0, c0, jnp.int32(0)))
 
     def _first_ending_after(self, token):
         """The smallest s < num_seqs with cu[s + 1] > token (num_seqs if none)."""

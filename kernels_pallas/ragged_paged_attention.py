@@ -125,10 +125,6 @@ def _kernel(cu_ref, kv_lens_ref, tables_ref, num_seqs_ref,  # SMEM: i32[R+1], [R
     walk = TileWalk(cu_ref, kv_lens_ref, num_seqs_ref[0], num_rows, pl.program_id(1) * q_tokens,
                     q_tokens, chunk_len, sliding_window)
 
-    def advance(s, c):
-        return jax.lax.cond(c + 1 < walk.chunk_range(s)[1], lambda: (s, c + 1),
-                            lambda: _first_chunk(walk, walk.next_sequence(s)))
-
     def copies(s, c, slot):
         """(page exists, its K and V DMAs) for each page of chunk c of sequence s."""
         num_pages = div(kv_lens_ref[s] + block_size - 1, block_size)
@@ -169,32 +165,9 @@ def _kernel(cu_ref, kv_lens_ref, tables_ref, num_seqs_ref,  # SMEM: i32[R+1], [R
         m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-    s0, c0 = _first_chunk(walk, walk.first_sequence())
-
-    @pl.when(walk.live(s0))
-    def _():
-        start(s0, c0, 0)
-
-    def body(state):
-        s, c, slot = state
-        s_next, c_next = advance(s, c)
-
-        @pl.when(walk.live(s_next))
-        def _():
-            start(s_next, c_next, 1 - slot)
-
-        wait(s, c, slot)
-        compute(s, c, slot)
-        return s_next, c_next, 1 - slot
-
-    jax.lax.while_loop(lambda state: walk.live(state[0]), body, (s0, c0, jnp.int32(0)))
+    walk.run_double_buffered(start, wait, compute)
     denom = l_ref[...][:, :1]
     o_ref[...] = (acc_ref[...] / jnp.where(denom > 0, denom, 1.0)).astype(o_ref.dtype)
-
-
-def _first_chunk(walk, s):
-    """The cursor (s, first chunk of s)."""
-    return s, walk.chunk_range(s)[0]
 
 
 def _when(condition, dmas, method: str):
