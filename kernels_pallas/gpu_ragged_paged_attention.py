@@ -35,7 +35,6 @@ from jaxserve.kernels_pallas.kernel_layout import (
     BlockSizes,
     TileWalk,
     default_block_sizes,
-    div,
     group_queries,
     online_update,
     padded_group,
@@ -147,24 +146,13 @@ def _kernel(cu_ref, kv_lens_ref, tables_ref, num_seqs_ref,  # i32[R+1], [R], [R*
         return online_update(q, k, v, walk.mask(s, c, rows, group_p), state, scale=scale,
                              soft_cap=soft_cap)
 
-    def attend_sequence(carry):
-        s, state = carry
-        lo, hi = walk.chunk_range(s)
-        per_split = div(hi - lo + splits - 1, splits)
-        first = lo + split * per_split
-        last = jnp.minimum(hi, first + per_split)
-        state = jax.lax.fori_loop(first, jnp.maximum(first, last),
-                                  lambda c, st: attend_chunk(s, c, st), state)
-        return walk.next_sequence(s), state
-
     state = (jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
              jnp.zeros((rows, head_dim), jnp.float32))
     if has_sinks:  # split 0 starts from the sinks' term (m = sink, l = 1)
         first = split == 0
         state = (jnp.where(first, sink_ref[...][:, None], state[0]),
                  jnp.where(first, 1.0, state[1]), state[2])
-    _, (m, denom, acc) = jax.lax.while_loop(lambda carry: walk.live(carry[0]), attend_sequence,
-                                            (walk.first_sequence(), state))
+    m, denom, acc = walk.run_split(split, splits, attend_chunk, state)
     o_ref[...] = (acc / jnp.where(denom > 0, denom, 1.0)).astype(o_ref.dtype)
     m_ref[...] = m[:, 0]
     l_ref[...] = denom[:, 0]

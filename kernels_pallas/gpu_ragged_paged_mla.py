@@ -58,7 +58,6 @@ from jaxserve.kernels_pallas.kernel_layout import (
     BlockSizes,
     TileWalk,
     default_block_sizes,
-    div,
     group_queries,
     ungroup_output,
     zero_dead_keys,
@@ -227,21 +226,9 @@ def _kernel(cu_ref, kv_lens_ref, tables_ref, num_seqs_ref,  # i32[rows+1], [rows
         return _online_update(q_latent, q_rope, lat, key.reshape(chunk_len, rope),
                               walk.mask(s, c, rows, head_block), state, scale=scale)
 
-    def attend_sequence(carry):
-        """This split's share of sequence s's chunks, then the next sequence."""
-        s, state = carry
-        lo, hi = walk.chunk_range(s)
-        per_split = div(hi - lo + splits - 1, splits)
-        first = lo + split * per_split
-        last = jnp.minimum(hi, first + per_split)
-        state = jax.lax.fori_loop(first, jnp.maximum(first, last),
-                                  lambda c, st: attend_chunk(s, c, st), state)
-        return walk.next_sequence(s), state
-
     state = (jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
              jnp.zeros((rows, latent), jnp.float32))
-    _, (m, denom, acc) = jax.lax.while_loop(lambda carry: walk.live(carry[0]), attend_sequence,
-                                            (walk.first_sequence(), state))
+    m, denom, acc = walk.run_split(split, splits, attend_chunk, state)
     o_ref[...] = (acc / jnp.where(denom > 0, denom, 1.0)).astype(o_ref.dtype)
     m_ref[...] = m[:, 0]
     l_ref[...] = denom[:, 0]

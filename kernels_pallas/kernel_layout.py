@@ -225,6 +225,24 @@ class TileWalk:
 
         jax.lax.while_loop(lambda state: self.live(state[0]), body, (s0, c0, jnp.int32(0)))
 
+    def run_split(self, split, splits: int, attend_chunk, state):
+        """The GPU kernels' walk: for every sequence of the tile, this split's share of its
+        chunks (split of `splits`, flash-decoding), state = attend_chunk(s, c, state) for
+        each; the final state."""
+
+        def attend_sequence(carry):
+            s, state = carry
+            lo, hi = self.chunk_range(s)
+            per_split = div(hi - lo + splits - 1, splits)
+            first = lo + split * per_split
+            last = jnp.minimum(hi, first + per_split)
+            state = jax.lax.fori_loop(first, jnp.maximum(first, last),
+                                      lambda c, st: attend_chunk(s, c, st), state)
+            return self.next_sequence(s), state
+
+        return jax.lax.while_loop(lambda carry: self.live(carry[0]), attend_sequence,
+                                  (self.first_sequence(), state))[1]
+
     def _first_ending_after(self, token):
         """The smallest s < num_seqs with cu[s + 1] > token (num_seqs if none)."""
         def step(_, bounds):
