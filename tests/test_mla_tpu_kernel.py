@@ -92,16 +92,16 @@ def check(case, dtype, *, block_sizes=None, bits=False):
 
 # (kind, page size S, heads N, dtype, tiles, junk tables); "bits": a bf16 cache stored as
 # uint16. None: the default tiles (one token per tile for decode buckets, 16 for prefill).
-# Each case compiles its own interpreter (~3 s): the last one runs with -m slow (budget).
+# Each case compiles its own interpreter (~3 s): three run with -m slow (the suite's budget).
 MATRIX = [
     ("decode", 16, 16, "float32", None, True),
     ("decode", 8, 8, "bfloat16", BlockSizes(1, 4), False),
     ("decode", 32, 3, "bits", BlockSizes(4, 1), True),
     ("prefill", 16, 4, "bfloat16", None, False),
     ("prefill", 32, 8, "float32", BlockSizes(16, 2), True),
-    ("prefill", 8, 2, "float32", BlockSizes(8, 8), False),
+    pytest.param("prefill", 8, 2, "float32", BlockSizes(8, 8), False, marks=pytest.mark.slow),
     ("mixed", 16, 4, "bfloat16", BlockSizes(8, 2), True),
-    ("mixed", 32, 16, "float32", None, False),
+    pytest.param("mixed", 32, 16, "float32", None, False, marks=pytest.mark.slow),
     pytest.param("mixed", 8, 5, "bits", BlockSizes(2, 4), True, marks=pytest.mark.slow),
 ]
 
