@@ -227,16 +227,11 @@ def param_shapes(arch: DeepseekArch, quantization=None) -> dict:
         if not arch.sparse_layers[i]:
             shapes.update(llama_arch.mlp_shapes(mlp, d, arch.intermediate_size, quantization))
             continue
-        e, f = arch.num_experts, arch.moe_intermediate_size
+        e = arch.num_experts
         shapes[mlp + ("router",)] = ((d, e), None)
         if arch.correction_bias:
             shapes[mlp + ("score_correction",)] = ((e,), "float32")  # kept float32
-        for name, shape in (("experts_gate", (e, d, f)), ("experts_up", (e, d, f)),
-                            ("experts_down", (e, f, d))):
-            shapes.update(kernel_shapes(mlp + (name,), shape, quantization))
-        if arch.shared_expert_size:
-            shapes.update(llama_arch.mlp_shapes(mlp + ("shared_expert",), d,
-                                                arch.shared_expert_size, quantization))
+        shapes.update(mixtral_arch.expert_shapes(mlp, arch, quantization))
     shapes[("norm", "weight")] = ((d,), None)
     if not arch.tie_word_embeddings:
         shapes[("lm_head",)] = ((v, d), None)

@@ -107,7 +107,7 @@ def param_shapes(arch: MixtralArch, quantization: str | None = None) -> dict:
     """llama_arch.param_shapes with each sparse layer's MLP replaced by the MoE block: the
     router [D, E], the stacked experts [E, D, F] / [E, F, D], and Qwen2-MoE's shared expert
     with its gate [D, 1]."""
-    d, e, f = arch.hidden_size, arch.num_experts, arch.moe_intermediate_size
+    d, e = arch.hidden_size, arch.num_experts
     shapes = llama_arch.param_shapes(arch, quantization)
     for i, sparse in enumerate(arch.sparse_layers):
         if not sparse:
@@ -116,11 +116,22 @@ def param_shapes(arch: MixtralArch, quantization: str | None = None) -> dict:
         for path in [p for p in shapes if p[:3] == mlp]:
             del shapes[path]
         shapes[mlp + ("router",)] = ((d, e), None)
-        for name, shape in (("experts_gate", (e, d, f)), ("experts_up", (e, d, f)),
-                            ("experts_down", (e, f, d))):
-            shapes.update(kernel_shapes(mlp + (name,), shape, quantization))
+        shapes.update(expert_shapes(mlp, arch, quantization))
         if arch.shared_expert_size:
-            shapes.update(llama_arch.mlp_shapes(mlp + ("shared_expert",), d,
-                                                arch.shared_expert_size, quantization))
             shapes[mlp + ("shared_gate",)] = ((d, 1), None)
+    return shapes
+
+
+def expert_shapes(mlp: tuple, arch, quantization) -> dict:
+    """A sparse layer's stacked experts under `mlp` ([E, D, F] gate and up, [E, F, D] down)
+    and, with shared_expert_size, its shared expert's gated MLP (the MoE families and
+    DeepSeek alike)."""
+    d, e, f = arch.hidden_size, arch.num_experts, arch.moe_intermediate_size
+    shapes = {}
+    for name, shape in (("experts_gate", (e, d, f)), ("experts_up", (e, d, f)),
+                        ("experts_down", (e, f, d))):
+        shapes.update(kernel_shapes(mlp + (name,), shape, quantization))
+    if arch.shared_expert_size:
+        shapes.update(llama_arch.mlp_shapes(mlp + ("shared_expert",), d,
+                                            arch.shared_expert_size, quantization))
     return shapes

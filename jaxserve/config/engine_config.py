@@ -283,7 +283,9 @@ class EngineConfig:
             raise ValueError("GPT-OSS (GptOssForCausalLM) runs on the JAX backend only: the "
                              "torch backend's models have no attention sinks or biased "
                              "experts. Use backend='jax'.")
-        _check_latent_attention(self)
+        from jaxserve.config.latent_cache import check_latent_attention  # imports kv_sizing
+
+        check_latent_attention(self)
         if self.backend == "torch" and (Path(self.model.model) / ORBAX_MARKER).is_file():
             raise ValueError(f"{self.model.model} is an Orbax checkpoint (jaxserve convert), "
                              "which the JAX backend restores; the torch backend loads Hugging "
@@ -386,27 +388,6 @@ class EngineConfig:
             lora=LoraConfig.create(enable_lora, max_loras, max_lora_rank, max_cpu_loras),
             enable_sleep_mode=_check_switch("enable_sleep_mode", enable_sleep_mode),
         )
-
-
-def _check_latent_attention(config: EngineConfig) -> None:
-    """What a DeepSeek model's latent cache (multi-head latent attention) does not take yet:
-    ValueError naming the setting."""
-    from jaxserve.models.deepseek_arch import ARCHITECTURES
-
-    names = config.model.hf_config.get("architectures") or ()
-    if not set(names) & set(ARCHITECTURES):
-        return
-    if config.backend == "torch":
-        raise ValueError(f"{names[0]} (multi-head latent attention) runs on the JAX backend "
-                         "only: the torch backend has no latent cache or MLA kernel. Use "
-                         "backend='jax'.")
-    if config.cache.kv_cache_dtype != "auto":
-        raise ValueError(f"kv_cache_dtype={config.cache.kv_cache_dtype!r}: {names[0]}'s latent "
-                         "cache (multi-head latent attention) is kept in the model's dtype; "
-                         "use kv_cache_dtype='auto'.")
-    if config.lora is not None:
-        raise ValueError(f"enable_lora: LoRA adapters on {names[0]} (multi-head latent "
-                         "attention) are not supported; drop enable_lora.")
 
 
 def _check_switch(name: str, value) -> bool:
