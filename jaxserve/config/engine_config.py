@@ -19,6 +19,7 @@ from jaxserve.config.pooler import PoolerConfig, resolve_pooler
 from jaxserve.config.request_limits import RequestLimits
 from jaxserve.config.speculative import SpeculativeConfig
 from jaxserve.models import resolve_architecture
+from jaxserve.models.deepseek_arch import check_latent_attention
 from jaxserve.models.gemma_arch import language_model_config
 from jaxserve.models.quantization import check_quantization, checkpoint_scheme
 
@@ -283,8 +284,6 @@ class EngineConfig:
             raise ValueError("GPT-OSS (GptOssForCausalLM) runs on the JAX backend only: the "
                              "torch backend's models have no attention sinks or biased "
                              "experts. Use backend='jax'.")
-        from jaxserve.config.latent_cache import check_latent_attention  # imports kv_sizing
-
         check_latent_attention(self)
         if self.backend == "torch" and (Path(self.model.model) / ORBAX_MARKER).is_file():
             raise ValueError(f"{self.model.model} is an Orbax checkpoint (jaxserve convert), "

@@ -92,24 +92,3 @@ def kv_log_note(config) -> str:
     layers = model_family(config.model.hf_config).arch_from_hf(
         config.model.hf_config).num_layers
     return f"; {latent_text(latent, layers, element)}: {latent_ratio_text(latent)}"
-
-
-def check_latent_attention(config) -> None:
-    """What a DeepSeek model's latent cache (multi-head latent attention) does not take yet,
-    for an EngineConfig being built: ValueError naming the setting."""
-    from jaxserve.models.deepseek_arch import ARCHITECTURES
-
-    names = config.model.hf_config.get("architectures") or ()
-    if not set(names) & set(ARCHITECTURES):
-        return
-    if config.backend == "torch":
-        raise ValueError(f"{names[0]} (multi-head latent attention) runs on the JAX backend "
-                         "only: the torch backend has no latent cache or MLA kernel. Use "
-                         "backend='jax'.")
-    if config.cache.kv_cache_dtype != "auto":
-        raise ValueError(f"kv_cache_dtype={config.cache.kv_cache_dtype!r}: {names[0]}'s latent "
-                         "cache (multi-head latent attention) is kept in the model's dtype; "
-                         "use kv_cache_dtype='auto'.")
-    if config.lora is not None:
-        raise ValueError(f"enable_lora: LoRA adapters on {names[0]} (multi-head latent "
-                         "attention) are not supported; drop enable_lora.")
