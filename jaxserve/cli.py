@@ -109,7 +109,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def _plan_parser(sub) -> None:
     from jaxserve.config.accelerators import PRESETS, preset  # host-side: no jax
-    from jaxserve.config.plan import parse_bytes
+    from jaxserve.config.plan_text import parse_bytes
 
     p = sub.add_parser(
         "plan", help="per-device memory, KV blocks and compile buckets, without loading weights",

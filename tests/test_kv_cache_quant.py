@@ -203,7 +203,8 @@ def test_blocks_per_gib_double_against_bf16(tiny_checkpoint):
     engine's block manager and `jaxserve plan` agree."""
     from jaxserve.config.engine_config import EngineConfig
     from jaxserve.config.kv_sizing import bytes_per_block
-    from jaxserve.config.plan import format_plan, make_plan
+    from jaxserve.config.plan import make_plan
+    from jaxserve.config.plan_text import format_plan
 
     config = EngineConfig.create(str(tiny_checkpoint), dtype="bfloat16", max_model_len=128)
     arch = config.model.hf_config

@@ -170,7 +170,8 @@ def test_plan_counts_window_layers_by_their_window(hybrid, concurrency, tmp_path
     from test_gemma import GEMMA3_27B_TEXT
 
     from jaxserve.config.engine_config import EngineConfig
-    from jaxserve.config.plan import format_plan, make_plan
+    from jaxserve.config.plan import make_plan
+    from jaxserve.config.plan_text import format_plan
 
     (tmp_path / "config.json").write_text(json.dumps(
         {**GEMMA3_27B_TEXT, "torch_dtype": "bfloat16", "max_position_embeddings": 131072}))

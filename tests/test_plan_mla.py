@@ -13,9 +13,11 @@ import pytest
 from jaxserve.cli import main
 from jaxserve.config.accelerators import preset
 from jaxserve.config.engine_config import EngineConfig
+from jaxserve.config.latent_cache import kv_log_note
 from jaxserve.config.mesh import MeshShape
-from jaxserve.config.plan import format_plan, kv_log_note, make_plan, plan_dict
+from jaxserve.config.plan import make_plan, plan_dict
 from jaxserve.config.plan_advice import plan_report, suggest
+from jaxserve.config.plan_text import format_plan
 
 GiB = 2**30
 FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",

@@ -17,14 +17,8 @@ from jaxserve.config.accelerators import DevicePreset
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.config.kv_sizing import ITEMSIZE, cache_element
 from jaxserve.config.mesh import MeshShape, ModelDims, plan_sharding
-from jaxserve.config.plan import (
-    DoesNotFit,
-    Plan,
-    format_plan,
-    make_plan,
-    plan_dict,
-    size_text,
-)
+from jaxserve.config.plan import DoesNotFit, Plan, make_plan, plan_dict
+from jaxserve.config.plan_text import format_plan, size_text
 
 MAX_MODEL_AXIS = 64  # the widest model axis a wider-axis suggestion tries without a preset
 

@@ -18,7 +18,7 @@ from jaxserve.backends.protocol import Runner
 from jaxserve.backends.selection import create_runner
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.config.kv_groups import describe_groups
-from jaxserve.config.plan import kv_log_note
+from jaxserve.config.latent_cache import kv_log_note
 from jaxserve.core.input_builder import grammar_masks, prompt_score_targets
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.lora_slots import LoraSlots
