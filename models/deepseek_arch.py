@@ -85,8 +85,11 @@ class DeepseekArch(LlamaArch):
     def from_hf(cls, hf: dict) -> DeepseekArch:
         name = (hf.get("architectures") or [""])[0]
         v3 = name == "DeepseekV3ForCausalLM"
-        rope_dim = int(hf["qk_rope_head_dim"])
-        nope = int(hf["qk_nope_head_dim"])
+        rope_dim = _size(hf, "qk_rope_head_dim")
+        nope = _size(hf, "qk_nope_head_dim")
+        if rope_dim % 2:
+            raise ValueError(f"DeepSeek qk_rope_head_dim must be even (RoPE rotates pairs), "
+                             f"got {rope_dim}.")
         base_hf = {**hf, "head_dim": rope_dim, "num_key_value_heads": 1}
         base = {f.name: getattr(LlamaArch.from_hf(base_hf), f.name)
                 for f in dataclasses.fields(LlamaArch)}
@@ -105,23 +108,24 @@ class DeepseekArch(LlamaArch):
             raise ValueError(f"DeepSeek scoring_func {scoring!r} is not supported; jaxserve "
                              "supports softmax (V2) and sigmoid (V3).")
         groups = int(hf.get("n_group") or 1)
-        if experts and experts % groups:
-            raise ValueError(f"n_routed_experts {experts} does not divide into n_group "
-                             f"{groups} groups.")
+        kept_groups = int(hf.get("topk_group") or groups)
+        top_k = int(hf.get("num_experts_per_tok") or 0)
+        if experts:
+            _check_routing(experts, groups, kept_groups, top_k, grouped=method != "greedy")
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"DeepSeek hidden_act {act!r} is not supported (silu only).")
         return cls(
             **base,
             q_lora_rank=int(hf.get("q_lora_rank") or 0),
-            kv_lora_rank=int(hf["kv_lora_rank"]),
+            kv_lora_rank=_size(hf, "kv_lora_rank"),
             qk_nope_head_dim=nope,
             qk_rope_head_dim=rope_dim,
-            v_head_dim=int(hf["v_head_dim"]),
+            v_head_dim=_size(hf, "v_head_dim"),
             rope_interleave=bool(hf.get("rope_interleave", True)) if v3 else True,
             softmax_scale=_softmax_scale(nope + rope_dim, dict(base["rope_scaling"])),
             num_experts=experts,
-            top_k=int(hf.get("num_experts_per_tok") or 0),
+            top_k=top_k,
             moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
             shared_expert_size=int(hf.get("n_shared_experts") or 0)
             * int(hf.get("moe_intermediate_size") or 0),
@@ -130,7 +134,7 @@ class DeepseekArch(LlamaArch):
             scoring=scoring,
             topk_method=method,
             num_groups=groups,
-            topk_groups=int(hf.get("topk_group") or groups),
+            topk_groups=kept_groups,
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
             routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
             num_mtp_layers=int(hf.get("num_nextn_predict_layers")
@@ -155,6 +159,33 @@ def check_latent_attention(config) -> None:
     if config.lora is not None:
         raise ValueError(f"enable_lora: LoRA adapters on {names[0]} (multi-head latent "
                          "attention) are not supported; drop enable_lora.")
+
+
+def _size(hf: dict, key: str) -> int:
+    """A required positive integer of config.json, or a ValueError naming it."""
+    value = hf.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"DeepSeek config.json needs {key} as a positive integer, got "
+                         f"{value!r}.")
+    return value
+
+
+def _check_routing(experts: int, groups: int, kept_groups: int, top_k: int, *,
+                   grouped: bool) -> None:
+    """Top-k routing must be able to pick its experts: n_group groups of equal size,
+    topk_group of them kept, num_experts_per_tok experts among the kept groups' (among all
+    experts for V2's greedy method, which ignores the groups)."""
+    if groups < 1 or experts % groups:
+        raise ValueError(f"n_routed_experts {experts} does not divide into n_group "
+                         f"{groups} groups.")
+    if not 1 <= kept_groups <= groups:
+        raise ValueError(f"topk_group must be between 1 and n_group {groups}, got "
+                         f"{kept_groups}.")
+    pool = kept_groups * (experts // groups) if grouped else experts
+    if not 1 <= top_k <= pool:
+        among = (f"the {pool} experts of the topk_group {kept_groups} kept groups" if grouped
+                 else f"n_routed_experts {experts}")
+        raise ValueError(f"num_experts_per_tok must be between 1 and {among}, got {top_k}.")
 
 
 def _softmax_scale(qk_head_dim: int, rope: dict) -> float:

@@ -264,6 +264,12 @@ def test_what_the_latent_cache_refuses(engine_args, message, tiny_checkpoints):
     ({"scoring_func": "relu"}, "scoring_func 'relu' is not supported"),
     ({"n_group": 3}, "does not divide into n_group 3"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"topk_group": 5}, "topk_group must be between 1 and n_group 4, got 5"),
+    ({"num_experts_per_tok": 5}, "between 1 and the 4 experts of the topk_group 2 kept"),
+    ({"num_experts_per_tok": 0}, "num_experts_per_tok must be between 1"),
+    ({"kv_lora_rank": None}, "needs kv_lora_rank as a positive integer, got None"),
+    ({"qk_rope_head_dim": 7}, "qk_rope_head_dim must be even"),
+    ({"v_head_dim": "128"}, "needs v_head_dim as a positive integer, got '128'"),
 ])
 def test_unsupported_configs_are_refused_by_name(change, message, tiny_checkpoints):
     from jaxserve.models import model_family
