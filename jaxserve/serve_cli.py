@@ -123,7 +123,7 @@ def _chat_args(g) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=tuple(PARSERS),
                    help="how calls look in the model's text: hermes (Qwen2.5/Qwen3 and many "
                    "fine-tunes), llama3_json (Llama 3.1+), mistral, pythonic (Gemma 3), "
-                   "phi4_mini_json")
+                   "phi4_mini_json, deepseek_v3 (DeepSeek-V3, R1), deepseek_v31, kimi_k2")
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help='with tool_choice "none", leave the tools out of the prompt (by '
                    "default the chat template still sees them)")

@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.admission import EngineRequest
 from jaxserve.parsers.reasoning import END as REASONING_END
+from jaxserve.parsers.tools import PARSERS
 from jaxserve.server.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
@@ -151,8 +152,8 @@ class OpenAIServing:
                            "--enable-auto-tool-choice and --tool-call-parser; or use "
                            '"required" or a named function.', param="tool_choice",
                            code="invalid_value")
-        if body.tool_mode == "auto" and self.chat.tool_call_parser == "mistral":
-            params = params.clone(skip_special_tokens=False)  # [TOOL_CALLS] is special
+        if body.tool_mode == "auto" and PARSERS[self.chat.tool_call_parser].keeps_special_tokens:
+            params = params.clone(skip_special_tokens=False)  # e.g. mistral's [TOOL_CALLS]
         if body.include_reasoning is False and self.chat.reasoning_parser is None:
             raise APIError(400, "include_reasoning=false needs the server started with "
                            "--reasoning-parser.", param="include_reasoning",

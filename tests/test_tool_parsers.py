@@ -63,6 +63,42 @@ CASES = {
         ("[f(x={1, 2})]", None, None),  # a set: not JSON
         ("[1, 2, 3] are the numbers.", None, None),
     ],
+    "deepseek_v3": [
+        ("No call here.", "No call here.", []),
+        ("Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+         'get_weather\n```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>'
+         "function<｜tool▁sep｜>now\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+         "Let me check.", [("get_weather", {"city": "Paris"}), ("now", {})]),
+        ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n"
+         '{"x": [1, 2]}\n```<｜tool▁call▁end｜>', None, [("f", {"x": [1, 2]})]),  # no end
+        ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n"
+         '{"x": \n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', None, None),  # malformed
+        ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>retrieval<｜tool▁sep｜>f\n```json\n{}\n```"
+         "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", None, None),  # not a function
+        ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{}\n```"
+         "<｜tool▁call▁end｜><｜tool▁calls▁end｜> and then text", None, None),
+    ],
+    "deepseek_v31": [
+        ("Plain.", "Plain.", []),
+        ('Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": '
+         '"Oslo"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜>'
+         "<｜tool▁calls▁end｜>", "Sure.", [("get_weather", {"city": "Oslo"}), ("now", {})]),
+        ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{"a": <｜tool▁call▁end｜>',
+         None, None),  # malformed
+        ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>[1]<｜tool▁call▁end｜>",
+         None, None),  # arguments that are not an object
+    ],
+    "kimi_k2": [
+        ("Nothing to call.", "Nothing to call.", []),
+        ("OK <|tool_calls_section_begin|> <|tool_call_begin|>functions.get_weather:0 "
+         '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>'
+         "functions.now:1<|tool_call_argument_begin|>{}<|tool_call_end|> "
+         "<|tool_calls_section_end|>", "OK ", [("get_weather", {"city": "Paris"}), ("now", {})]),
+        ("<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
+         '{"q": <|tool_call_end|><|tool_calls_section_end|>', None, None),  # malformed
+        ("<|tool_calls_section_begin|><|tool_call_begin|>not an id<|tool_call_argument_begin|>"
+         "{}<|tool_call_end|><|tool_calls_section_end|>", None, None),
+    ],
 }
 
 
@@ -111,7 +147,22 @@ DEEP_CALLS = {
                        "functools" + DEEP],
     "pythonic": ["[f(x=" + DEEP + ")]", DEEP, "[f(x=" + "(" * 5000 + ")" * 5000 + ")]",
                  "[f(x=" + "9" * 10_000 + ")]"],
+    "deepseek_v3": ["<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n"
+                    + DEEP + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"],
+    "deepseek_v31": ['<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{"x": ' + DEEP
+                     + "}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"],
+    "kimi_k2": ["<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
+                "<|tool_call_argument_begin|>" + DEEP + "<|tool_call_end|>"],
 }
+
+
+def test_kimi_k2_calls_keep_their_ids():
+    """Kimi K2's template writes a tool's result back under the call's own id."""
+    text = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:3"
+            '<|tool_call_argument_begin|>{"city": "Rome"}<|tool_call_end|>'
+            "<|tool_calls_section_end|>")
+    _, calls = tool_parser("kimi_k2").parse(text)
+    assert [c.as_openai()["id"] for c in calls] == ["functions.get_weather:3"]
 
 
 def test_every_parser_has_deep_cases():

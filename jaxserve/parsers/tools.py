@@ -12,6 +12,15 @@
   a Python list of calls with keyword arguments, [get_weather(city="Paris"), now()],
   optionally between <|python_start|> and <|python_end|>; the arguments are Python literals
   (strings, numbers, True/False/None, lists, dicts), read without evaluating anything.
+- deepseek_v3 (DeepSeek-V3, R1): <｜tool▁calls▁begin｜>, then per call
+  <｜tool▁call▁begin｜>function<｜tool▁sep｜>name, a ```json fenced arguments object and
+  <｜tool▁call▁end｜>; <｜tool▁calls▁end｜> closes the section.
+- deepseek_v31 (DeepSeek-V3.1): the same section, each call
+  <｜tool▁call▁begin｜>name<｜tool▁sep｜>{arguments}<｜tool▁call▁end｜>.
+- kimi_k2 (Kimi K2): <|tool_calls_section_begin|>, then per call
+  <|tool_call_begin|>functions.name:index<|tool_call_argument_begin|>{arguments}
+  <|tool_call_end|>, and <|tool_calls_section_end|>; the call keeps "functions.name:index"
+  as its id, which Kimi's chat template writes back with the tool's result.
 
 A call that does not parse is left in the content, as text: whatever the model wrote (JSON
 nested thousands deep included), parsing never raises. For streaming, safe_prefix says
@@ -77,6 +86,7 @@ def held_tail(text: str, marker: str) -> int:
 
 class ToolParser:
     name = ""
+    keeps_special_tokens = False  # its markers are special tokens: decode with them kept
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a finished answer; (text, []) when its calls cannot be read."""
@@ -143,6 +153,7 @@ class HermesParser(_MarkerParser):
 class MistralParser(_MarkerParser):
     name = "mistral"
     marker = "[TOOL_CALLS]"
+    keeps_special_tokens = True
 
     def _calls(self, region: str) -> list[ToolCall] | None:
         body = region[len(self.marker):].strip()
@@ -263,8 +274,80 @@ class PythonicParser(ToolParser):
         return None, calls
 
 
+class _SectionParser(_MarkerParser):
+    """Content, then a section of calls between marker and end (the end may be missing when
+    the answer stops right after the last call), each call matched whole by _CALL at its
+    place; whitespace between calls only."""
+
+    keeps_special_tokens = True
+    end = ""
+    _CALL: re.Pattern
+
+    def _calls(self, region: str) -> list[ToolCall] | None:
+        calls, at = [], len(self.marker)
+        while True:
+            match = self._CALL.match(region, at)
+            if match is None:
+                break
+            call = self._read(match)
+            if call is None:
+                return None
+            calls.append(call)
+            at = match.end()
+        rest = region[at:].strip()
+        if rest.startswith(self.end):
+            rest = rest[len(self.end):].strip()
+        return calls if calls and not rest else None
+
+    def _read(self, match: re.Match) -> ToolCall | None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _arguments(name: str, args: str) -> ToolCall | None:
+        try:
+            return _call({"name": name.strip(), "arguments": load_json(args)}, "arguments")
+        except ValueError:
+            return None
+
+
+class DeepSeekV3Parser(_SectionParser):
+    name = "deepseek_v3"
+    marker, end = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    _CALL = re.compile(r"\s*<｜tool▁call▁begin｜>(?P<type>[^<\n]*)<｜tool▁sep｜>(?P<name>[^\n<]*)"
+                       r"\n```json\n(?P<args>.*?)\n```\s*<｜tool▁call▁end｜>", re.S)
+
+    def _read(self, match: re.Match) -> ToolCall | None:
+        if match["type"].strip() != "function":
+            return None
+        return self._arguments(match["name"], match["args"])
+
+
+class DeepSeekV31Parser(_SectionParser):
+    name = "deepseek_v31"
+    marker, end = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    _CALL = re.compile(r"\s*<｜tool▁call▁begin｜>(?P<name>[^<]*)<｜tool▁sep｜>(?P<args>.*?)"
+                       r"<｜tool▁call▁end｜>", re.S)
+
+    def _read(self, match: re.Match) -> ToolCall | None:
+        return self._arguments(match["name"], match["args"])
+
+
+class KimiK2Parser(_SectionParser):
+    name = "kimi_k2"
+    marker, end = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+    _CALL = re.compile(r"\s*<\|tool_call_begin\|>\s*(?P<id>[^<]*?)\s*"
+                       r"<\|tool_call_argument_begin\|>(?P<args>.*?)<\|tool_call_end\|>", re.S)
+    _ID = re.compile(r"(?:functions\.)?(?P<name>[^:\s]+):\d+")
+
+    def _read(self, match: re.Match) -> ToolCall | None:
+        tool_id = self._ID.fullmatch(match["id"])
+        call = tool_id and self._arguments(tool_id["name"], match["args"])
+        return dataclasses.replace(call, id=match["id"]) if call else None
+
+
 PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser,
-                               Phi4MiniJsonParser)}
+                               Phi4MiniJsonParser, DeepSeekV3Parser, DeepSeekV31Parser,
+                               KimiK2Parser)}
 
 
 def tool_parser(name: str) -> ToolParser:
