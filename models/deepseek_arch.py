@@ -152,10 +152,6 @@ def check_latent_attention(config) -> None:
         raise ValueError(f"{names[0]} (multi-head latent attention) runs on the JAX backend "
                          "only: the torch backend has no latent cache or MLA kernel. Use "
                          "backend='jax'.")
-    if config.cache.kv_cache_dtype != "auto":
-        raise ValueError(f"kv_cache_dtype={config.cache.kv_cache_dtype!r}: {names[0]}'s latent "
-                         "cache (multi-head latent attention) is kept in the model's dtype; "
-                         "use kv_cache_dtype='auto'.")
     if config.lora is not None:
         raise ValueError(f"enable_lora: LoRA adapters on {names[0]} (multi-head latent "
                          "attention) are not supported; drop enable_lora.")

@@ -250,7 +250,6 @@ def test_fp8_block_checkpoint_gives_its_dequantized_weights_tokens(tiny_checkpoi
 
 @pytest.mark.parametrize("engine_args,message", [
     (dict(backend="torch"), "runs on the JAX backend only"),
-    (dict(kv_cache_dtype="fp8"), "latent cache"),
     (dict(enable_lora=True), "LoRA adapters on DeepseekV3ForCausalLM"),
 ])
 def test_what_the_latent_cache_refuses(engine_args, message, tiny_checkpoints):

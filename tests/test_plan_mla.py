@@ -160,6 +160,19 @@ def test_fp8_checkpoint_weights_and_latent_cache(v3, where, mesh):
     assert out["latent"]["mha_bytes_per_block"] == plan.mha_bytes_per_block
 
 
+def test_fp8_latent_cache_halves_the_block(v3):
+    """kv_cache_dtype fp8: one byte per latent value, so twice the blocks per GiB of the
+    bf16 latent cache (and 142x multi-head attention's per token); the plan names the
+    scales."""
+    memory = preset("h200x8").memory_bytes
+    bf16 = plan_for(v3["fp8"], "1x8", memory)
+    fp8 = plan_for(v3["fp8"], "1x8", memory, kv_cache_dtype="fp8")
+    assert fp8.bytes_per_block == 61 * 16 * 576 == bf16.bytes_per_block // 2
+    assert fp8.blocks_per_gib == pytest.approx(2 * bf16.blocks_per_gib)
+    text = format_plan(fp8)
+    assert "x 1 B fp8_e4m3" in text and "a float32 scale per layer for the latent" in text
+
+
 def test_numbers_for_the_report(v3):
     """The figures the report quotes (h200x8 at 1x8, v5p-64 at 2x16), stated once here."""
     h200 = plan_for(v3["fp8"], "1x8", preset("h200x8").memory_bytes)
@@ -186,8 +199,8 @@ def test_v5p_64_meshes_plan_the_latent_cache(v3):
 
 def test_bf16_weights(v3):
     """Without quantization_config: bfloat16 weights, 1.25 TiB per replica. On 8 x H200
-    they do not fit, and the suggestions never offer an fp8 KV cache (a latent cache takes
-    kv_cache_dtype auto only); on v5p-64 at 1x32 they do."""
+    they do not fit, and the suggestions offer int8 weights and an fp8 latent cache; on
+    v5p-64 at 1x32 they do."""
     memory = preset("h200x8").memory_bytes
     config = EngineConfig.create(v3["bf16"], on_accelerator=True, mesh="1x8",
                                  expert_parallel=True)
@@ -195,7 +208,7 @@ def test_bf16_weights(v3):
                  "--expert-parallel"]) == 2
     outcomes = suggest(config, memory, 8)
     flags = [f for o in outcomes for f in o.flags]
-    assert "--quantization int8" in flags and not any("kv-cache-dtype" in f for f in flags)
+    assert "--quantization int8" in flags and "--kv-cache-dtype fp8" in flags
     plan = plan_for(v3["bf16"], "1x32", V5P_64.memory_bytes)
     assert plan.num_params == num_params()
     assert plan.weight_bytes_per_device == weights_per_device(32, quantized=False)

@@ -124,8 +124,7 @@ def suggest(config: EngineConfig, memory: int,
             max_devices: int | None = None) -> tuple[Outcome, ...]:
     """What would fit where config does not, most quality kept first: each change alone
     (the narrowest wider model axis that fits, within max_devices; int8 weights; an fp8 KV
-    cache, except for a latent cache, which takes only auto; the longest max_model_len that
-    fits), then, when none fits alone, int8 weights and an fp8 KV cache together, and with
+    cache, latent caches included; the longest max_model_len that fits), then, when none fits alone, int8 weights and an fp8 KV cache together, and with
     the longest max_model_len that fits if that is not enough. Changes that are already
     made are skipped."""
     mesh, found = config.parallel.mesh, []
@@ -141,8 +140,7 @@ def suggest(config: EngineConfig, memory: int,
     if config.model.weights_scheme is None:
         steps.append(({"quantization": "int8"}, "--quantization int8"))
     element = cache_element(config.model.dtype, config.cache.kv_cache_dtype)
-    latent = ModelDims.from_hf(config.model.hf_config).latent_dim  # MLA: auto only
-    if ITEMSIZE[element] > 1 and not latent:
+    if ITEMSIZE[element] > 1:
         steps.append(({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8"))
     for change, flag in steps:
         found.append(attempt(variant(config, **change), memory, (flag,)))

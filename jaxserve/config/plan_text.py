@@ -129,7 +129,9 @@ def _kv_cache_lines(plan) -> list[str]:
     heads = latent.num_heads // latent.model
     return [
         f"KV cache per device  {plan.bytes_per_token:,} B per token "
-        f"({latent_text(latent, plan.num_layers, element)}); {per_block}",
+        f"({latent_text(latent, plan.num_layers, element)}); {per_block}"
+        + ("" if plan.kv_cache_dtype == "auto"
+           else "; plus a float32 scale per layer for the latent and one for the rope key"),
         f"  as plain MHA       {latent.num_heads} heads x ({latent.qk_head_dim} key + "
         f"{latent.v_head_dim} value) = {latent.mha_values:,} values per token and layer"
         + (f"; split over {latent.model} devices, {heads} heads = "

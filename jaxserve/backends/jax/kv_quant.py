@@ -34,9 +34,9 @@ logger = logging.getLogger(__name__)
 
 FORMATS = {"fp8_e4m3": jnp.float8_e4m3fn, "int8": jnp.int8}
 
-__all__ = ["attend_quantized", "calibrate", "calibrated_scales", "calibration_token_ids",
-           "is_quantized", "quantize", "scale_output", "scale_queries", "scales_from_amax",
-           "value_dtype"]
+__all__ = ["attend_quantized", "calibrate", "calibrated_scales", "calibration_attend_latent",
+           "calibration_token_ids", "is_quantized", "quantize", "scale_output", "scale_queries",
+           "scales_from_amax", "value_dtype"]
 
 
 def value_dtype(kv_cache_dtype: str, model_dtype) -> jnp.dtype:
@@ -120,22 +120,41 @@ def calibration_attend(q, k, v, amax, batch, *, scale, sliding_window=None, soft
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype), (k_max, v_max)
 
 
-def _amax(graphdef, num_layers: int, num_kv_heads: int, params, batch):
+def calibration_attend_latent(q_latent, q_rope, entry, amax, batch, *, scale):
+    """calibration_attend for a latent cache (multi-head latent attention, attend_mla.py):
+    dense causal attention in the absorbed form over the step's entries [T, C + R], and
+    amax = (f32[1], f32[1]) raised to the largest |latent| and |rope key|: the latent cache's
+    two scales stand where a multi-head cache's key and value scales do, one "kv head"."""
+    del batch
+    latent = q_latent.shape[-1]
+    entries = entry.astype(jnp.float32)
+    c_max = jnp.maximum(amax[0], jnp.abs(entries[:, :latent]).max()[None])
+    r_max = jnp.maximum(amax[1], jnp.abs(entries[:, latent:]).max()[None])
+    q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(jnp.float32)
+    s = jnp.einsum("tnl,ul->ntu", q, entries) * scale
+    pos = jnp.arange(q.shape[0])
+    p = jax.nn.softmax(jnp.where(pos[None, :] <= pos[:, None], s, -jnp.inf), axis=-1)
+    out = jnp.einsum("ntu,uc->tnc", p, entries[:, :latent])
+    return out.astype(q_latent.dtype), (c_max, r_max)
+
+
+def _amax(graphdef, num_layers: int, num_kv_heads: int, attend, params, batch):
     from flax import nnx
 
     model = nnx.merge(graphdef, params)
     zeros = jnp.zeros((num_kv_heads,), jnp.float32)
-    amax, _ = model([(zeros, zeros)] * num_layers, batch, calibration_attend)
+    amax, _ = model([(zeros, zeros)] * num_layers, batch, attend)
     return jnp.stack([jnp.stack(pair) for pair in amax])  # f32[layers, 2, K]
 
 
 def calibrate(graphdef, params, batch, num_layers: int, num_kv_heads: int,
-              kv_cache_dtype: str, replicated=None) -> np.ndarray:
+              kv_cache_dtype: str, replicated=None, attend=calibration_attend) -> np.ndarray:
     """f32[layers, 2 (k, v), K] host scales for the model (graphdef, params) on the
     calibration batch (a batch.Batch of one sequence: token_ids and positions are read);
-    replicated: the mesh's replicated sharding, so that every host reads the maxima."""
-    amax = jax.jit(_amax, static_argnums=(0, 1, 2), out_shardings=replicated)(
-        graphdef, num_layers, num_kv_heads, params, batch)
+    replicated: the mesh's replicated sharding, so that every host reads the maxima;
+    attend: calibration_attend_latent for a latent cache (K = 1: latent and rope key)."""
+    amax = jax.jit(_amax, static_argnums=(0, 1, 2, 3), out_shardings=replicated)(
+        graphdef, num_layers, num_kv_heads, attend, params, batch)
     if not amax.is_fully_addressable:  # several hosts: each holds a full copy
         amax = amax.addressable_data(0)
     amax = np.asarray(jax.device_get(amax))
@@ -143,9 +162,10 @@ def calibrate(graphdef, params, batch, num_layers: int, num_kv_heads: int,
 
 
 def calibrated_scales(config, graphdef, params, num_layers: int, num_kv_heads: int,
-                      vocab_size: int, replicated) -> np.ndarray:
+                      vocab_size: int, replicated, latent: bool = False) -> np.ndarray:
     """f32[layers, 2 (k, v), K] scales of config's kv_cache_dtype for the model (graphdef,
-    params) on the calibration text, tokenized by config's tokenizer; logged."""
+    params) on the calibration text, tokenized by config's tokenizer; logged. latent: a
+    latent cache's f32[layers, 2 (latent, rope key), 1] (calibration_attend_latent)."""
     from jaxserve.inputs.tokenizer import load_tokenizer
 
     kv_cache_dtype = config.cache.kv_cache_dtype
@@ -157,10 +177,13 @@ def calibrated_scales(config, graphdef, params, num_layers: int, num_kv_heads: i
                   slot_mapping=np.zeros(num_tokens, np.int32), cu_q_lens=none, kv_lens=none,
                   block_tables=none[:, None], num_seqs=none, logits_indices=none)
     batch = jax.tree.map(lambda x: place(x, replicated), batch)  # every host: its devices
-    scales = calibrate(graphdef, params, batch, num_layers, num_kv_heads, kv_cache_dtype,
-                       replicated)
-    logger.info("KV cache: %s (%s values), scales per layer and kv head calibrated on %d "
-                "tokens: keys %.3g..%.3g, values %.3g..%.3g.", kv_cache_dtype,
-                value_dtype(kv_cache_dtype, jnp.float32).name, num_tokens,
-                scales[:, 0].min(), scales[:, 0].max(), scales[:, 1].min(), scales[:, 1].max())
+    scales = calibrate(graphdef, params, batch, num_layers, 1 if latent else num_kv_heads,
+                       kv_cache_dtype, replicated,
+                       calibration_attend_latent if latent else calibration_attend)
+    logger.info("KV cache: %s (%s values), scales per layer and %s calibrated on %d tokens: "
+                "%s %.3g..%.3g, %s %.3g..%.3g.", kv_cache_dtype,
+                value_dtype(kv_cache_dtype, jnp.float32).name,
+                "latent cache" if latent else "kv head", num_tokens,
+                "latents" if latent else "keys", scales[:, 0].min(), scales[:, 0].max(),
+                "rope keys" if latent else "values", scales[:, 1].min(), scales[:, 1].max())
     return scales

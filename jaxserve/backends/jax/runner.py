@@ -146,9 +146,9 @@ class ModelRunner:
         model = self._load_model(abstract)
         kv_cache_dtype = config.cache.kv_cache_dtype
         kv_values = kv_quant.value_dtype(kv_cache_dtype, self.dtype)
-        self.attend = make_attend_latent(self.attention_fn, self.mesh) if self.latent_dim else \
-            make_attend(self.attention_fn, self.mesh,
-                        kv_values if kv_quant.is_quantized(kv_cache_dtype) else None)
+        quantized_values = kv_values if kv_quant.is_quantized(kv_cache_dtype) else None
+        self.attend = (make_attend_latent if self.latent_dim else make_attend)(
+            self.attention_fn, self.mesh, quantized_values)
         self.graphdef, self.params = nnx.split(model)
         self._log_placement()
         self.padding = PaddingStats()
@@ -239,11 +239,14 @@ class ModelRunner:
 
     def _calibrate_kv_scales(self) -> list[tuple[jax.Array, jax.Array]]:
         """A quantized cache's (k_scale, v_scale) f32[K'] per layer (kv_quant's
-        calibration), split like the cache's kv heads."""
+        calibration), split like the cache's kv heads; a latent cache's (c_scale, r_scale)
+        f32[1], replicated."""
         scales = kv_quant.calibrated_scales(self.config, self.graphdef, self.params,
                                             self.arch.num_layers, self.arch.num_kv_heads,
-                                            self.arch.vocab_size, self.replicated)
-        split = NamedSharding(self.mesh, PartitionSpec(*KV_SCALE_SPEC))
+                                            self.arch.vocab_size, self.replicated,
+                                            latent=bool(self.latent_dim))
+        split = self.replicated if self.latent_dim else NamedSharding(
+            self.mesh, PartitionSpec(*KV_SCALE_SPEC))
         return [(place(k, split), place(v, split)) for k, v in scales]
 
     def _num_kv_blocks(self) -> int:
