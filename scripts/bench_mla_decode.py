@@ -4,7 +4,8 @@ multi-head cache of the same heads, in one run.
 
     python scripts/bench_mla_decode.py [--preset small|v3|tiny] [--layers N] [--experts E]
         [--batch-sizes 1 8 32 64] [--prompt-len 32] [--output-len 32] [--dtype D]
-        [--max-model-len 512] [--kv-gib G] [--attention-backend auto] [--json OUT]
+        [--max-model-len 512] [--kv-gib G] [--kv-cache-dtype auto|fp8|int8]
+        [--attention-backend auto] [--json OUT]
 
 The model is a config.json in a temporary folder (architectures DeepseekV3ForCausalLM) run
 with load_format="dummy" (random weights, no checkpoint). Presets:
@@ -133,7 +134,7 @@ def build_engine(folder: str, args):
                max_model_len=args.max_model_len, block_size=args.block_size,
                max_num_seqs=most, max_num_batched_tokens=chunk,
                attention_backend=args.attention_backend, enable_prefix_caching=False,
-               precompile=False)
+               kv_cache_dtype=args.kv_cache_dtype, precompile=False)
 
 
 def generate_pass(llm, batch: int, steps: int, args, rng) -> dict:
@@ -215,7 +216,8 @@ def print_report(report: dict, args) -> None:
           f"{config['num_attention_heads']} heads (C {config['kv_lora_rank']}, R "
           f"{config['qk_rope_head_dim']}), {config['n_routed_experts']} experts of "
           f"{config['moe_intermediate_size']} (top {config['num_experts_per_tok']}), "
-          f"{args.dtype}, {report['platform']}; prompts of {args.prompt_len}, "
+          f"{args.dtype}, KV cache {args.kv_cache_dtype}, {report['platform']}; prompts of "
+          f"{args.prompt_len}, "
           f"{args.output_len} decode steps timed; attention {report['mla_attention']} ==")
     print(f"{'batch':>5} {'step ms':>9} {'decode tok/s':>13} {'generate tok/s':>15}")
     for row in report["rows"]:
@@ -246,8 +248,10 @@ def main(argv=None) -> int:
         folder = str(write_model_folder(pathlib.Path(tmp), config))
         report = run(folder, args)
     budget = int(args.kv_gib * 2**30) if args.kv_gib else report["engine_kv"]["cache_bytes"]
-    kv = kv_capacity(config, args.block_size, ITEMSIZE[args.dtype], budget)
+    itemsize = 1 if args.kv_cache_dtype != "auto" else ITEMSIZE[args.dtype]  # fp8 / int8
+    kv = kv_capacity(config, args.block_size, itemsize, budget)
     report.update(config=config, kv=kv, platform=platform, dtype=args.dtype,
+                  kv_cache_dtype=args.kv_cache_dtype,
                   args=vars(args), total_s=time.perf_counter() - START)
     if report["engine_kv"]["bytes_per_block"] != kv["latent_bytes_per_block"]:
         raise RuntimeError(f"the engine's blocks are {report['engine_kv']['bytes_per_block']} "
@@ -273,6 +277,9 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-gib", type=float,
                    help="the budget of the KV comparison (default: the engine's cache)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "int8"),
+                   help="the latent cache's values: the model's dtype, or one byte with "
+                   "calibrated scales")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--max-seconds", type=float, default=600,
                    help="per batch size, until every request decodes")

@@ -84,7 +84,8 @@ def check_report(report: dict, batch_sizes: list[int]) -> None:
     assert report["recompilations_after_warm_up"] == 0
     config, kv = report["config"], report["kv"]
     layers, size = config["num_hidden_layers"], kv["block_size"]
-    itemsize = {"float32": 4, "bfloat16": 2}[report["dtype"]]
+    itemsize = 1 if report["kv_cache_dtype"] != "auto" else {"float32": 4,
+                                                              "bfloat16": 2}[report["dtype"]]
     latent = config["kv_lora_rank"] + config["qk_rope_head_dim"]
     assert kv["latent_bytes_per_block"] == layers * size * latent * itemsize
     assert report["engine_kv"]["bytes_per_block"] == kv["latent_bytes_per_block"]
@@ -110,6 +111,18 @@ def test_tiny_run_reports_decode_and_kv(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "decode tok/s" in text and "compilations after warm-up: 0" in text
     assert "MHA-equivalent 163,840 B/block" in text  # 2 layers x 16 x 4 x 320 x 4 B
+
+
+@pytest.mark.slow  # the tiny run again (the suite's budget)
+def test_tiny_run_with_an_fp8_latent_cache(tmp_path):
+    """--kv-cache-dtype fp8: one byte per latent value in the engine and the report."""
+    bench = load_script()
+    out = tmp_path / "mla.json"
+    assert bench.main(TINY + ["--kv-cache-dtype", "fp8", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    check_report(report, [1, 2])
+    assert report["kv_cache_dtype"] == "fp8" and report["kv"]["latent_bytes_per_block"] == (
+        2 * 16 * (512 + 64))  # 2 layers x 16 tokens x (C + R) x 1 B
 
 
 @pytest.mark.slow  # ~6 min on 2 busy cores: the default preset and batch sizes

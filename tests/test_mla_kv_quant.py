@@ -101,6 +101,29 @@ def test_the_tolerance_is_not_loose():
     assert _error(got, unquantized, batch) > 3 * QUANT_TOL["int8"]
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_one_byte_latent_cache_lowers(platform, fmt):
+    """The MLA kernels read a one-byte cache in a V3 mixed bucket (bf16 queries, 16 heads):
+    Mosaic's lowering for the TPU and Triton's for CUDA, without a device."""
+    from jax import export
+    from test_mla_tpu_kernel import abstract_mla_case
+
+    values = kv_quant.value_dtype(fmt, jnp.bfloat16)
+    q_latent, q_rope, cache, batch = abstract_mla_case(512, 64, 16, 16, 4096, 128,
+                                                       jnp.dtype("bfloat16"))
+    cache = jax.ShapeDtypeStruct(cache.shape, values)
+    module = ragged_paged_mla if platform == "tpu" else gpu_ragged_paged_mla
+    fn = jax.jit(functools.partial(module.ragged_paged_mla, scale=mla_scale(512, 64),
+                                   kv_dtype=values))
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    exported = export.export(fn, platforms=[platform], disabled_checks=checks)(
+        q_latent, q_rope, cache, batch)
+    assert ("tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton") in \
+        exported.mlir_module()
+    assert exported.out_avals[0].dtype == jnp.bfloat16
+
+
 # ----------------------------------------------------------------------------- the engine
 
 

@@ -238,9 +238,8 @@ class ModelRunner:
                                                 self.latent_dim)
 
     def _calibrate_kv_scales(self) -> list[tuple[jax.Array, jax.Array]]:
-        """A quantized cache's (k_scale, v_scale) f32[K'] per layer (kv_quant's
-        calibration), split like the cache's kv heads; a latent cache's (c_scale, r_scale)
-        f32[1], replicated."""
+        """A quantized cache's (k_scale, v_scale) f32[K'] per layer, split like its kv heads;
+        a latent cache's (c_scale, r_scale) f32[1], replicated (kv_quant's calibration)."""
         scales = kv_quant.calibrated_scales(self.config, self.graphdef, self.params,
                                             self.arch.num_layers, self.arch.num_kv_heads,
                                             self.arch.vocab_size, self.replicated,
