@@ -23,7 +23,9 @@ hand, and prints the versions it ran with (Pallas moves between JAX releases):
 * multi-head latent attention (MLA, DeepSeek V2/V3): the GPU MLA kernel
   (kernels_pallas/gpu_ragged_paged_mla.py; in interpret mode on the CPU, small shapes)
   against kernels_pallas/mla_ref.py on decode, prefill and mixed batches (device: V3's
-  latent C 512 + R 64, 16 and 128 heads, bf16 and one float32), the same error measure;
+  latent C 512 + R 64, 16 and 128 heads, bf16 and one float32; fp8 and int8 latent caches
+  with the engine's two scales folded in, against mla_ref on the dequantized cache), the
+  same error measure;
   on a GPU, decode batches (64 and 256 x 4096 context, 16 and 128 heads) timed with their
   achieved bandwidth (latent entries read plus q and out), the MHA kernel beside the 16-head
   rows on the MHA-equivalent shape (16 kv heads of 128), within --mla-max-seconds of its

@@ -69,7 +69,8 @@ def test_cpu_run_checks_every_kernel_in_interpret_mode(tmp_path):
     assert all(q["ok"] and 0 < q["error_vs_unquantized"] < 0.1 for q in quantized)
     mla = data["mla"]  # the GPU MLA kernel in interpret mode against mla_ref; no timing
     assert [(c["kernel"], c["kind"], c["dtype"]) for c in mla] == [
-        ("gpu-mla", kind, dtype) for kind, dtype, *_ in kernel_checks.MLA_CHECKS["cpu"]]
+        ("gpu-mla", kind, f"bf16+{case[6]}-kv" if len(case) > 6 else dtype)
+        for case in kernel_checks.MLA_CHECKS["cpu"] for kind, dtype in [case[:2]]]
     assert all(c["ok"] for c in mla)
     lines = [line for line in out.stdout.splitlines() if line.startswith("check ")]
     assert len(lines) == len(checks) + len(quantized) + len(mla)
@@ -87,17 +88,20 @@ def test_cpu_run_checks_every_kernel_in_interpret_mode(tmp_path):
 
 def test_mla_checks_in_interpret_mode():
     """~10 s: the script's MLA part on the CPU, the GPU MLA kernel in interpret mode against
-    mla_ref on a decode and a padded mixed batch; no timing without a device."""
+    mla_ref on a decode and a padded mixed batch, and over an fp8 latent cache (scales
+    folded in as the engine does, against mla_ref on the dequantized cache); no timing
+    without a device."""
     m = load_script()
     results = m.run_mla(["gpu", "tpu"], {}, interpret=True, args=m.parse_args([]),
                         copy_bw=None, rng=np.random.default_rng(0))
     json.dumps(results)
     cases = kernel_checks.MLA_CHECKS["cpu"]
     assert [(r["kernel"], r["kind"], r["dtype"], r["N"], r["latent"], r["rope"])
-            for r in results] == [("gpu-mla", kind, dtype, N, C, R)
-                                  for kind, dtype, _, N, C, R in cases]
-    for r in results:
-        assert r["ok"] and r["error"] <= r["tol"] == kernel_checks.TOL[r["dtype"]]
+            for r in results] == [("gpu-mla", kind, f"bf16+{fmt[0]}-kv" if fmt else dtype, N,
+                                   C, R) for kind, dtype, _, N, C, R, *fmt in cases]
+    assert "bf16+fp8-kv" in {r["dtype"] for r in results}
+    for r, (_, dtype, *_) in zip(results, cases):
+        assert r["ok"] and r["error"] <= r["tol"] == kernel_checks.TOL[dtype]
         assert r["K"] == 1 and r["H"] == f"{r['latent']}+{r['rope']}"
     mixed = results[1]
     assert mixed["T"] > 1 and mixed["R"] > 1 and mixed["T"] & (mixed["T"] - 1) == 0  # padded
@@ -209,7 +213,8 @@ def test_work_and_shape_grid():
     assert nbytes == (13 * 48 + 4 * 4 * (32 + 16 + 32)) * 2
     assert flops == 4 * (2 * 48 + 2 * 32) * (10 + 1 + 2 + 3)
     device = kernel_checks.MLA_CHECKS["device"]  # V3's latent, 16 and 128 heads, every kind
-    assert {(C, R) for *_, C, R in device} == {(512, 64)}
+    assert {(C, R) for *_, C, R in (case[:6] for case in device)} == {(512, 64)}
+    assert {case[6] for case in device if len(case) > 6} == {"fp8", "int8"}
     assert {(kind, N) for kind, dtype, _, N, *_ in device if dtype == "bfloat16"} >= {
         (kind, N) for kind in ("decode", "mixed") for N in (16, 128)} | {("prefill", 16)}
     cases = kernel_checks.bench_cases(quick=False, max_kv_gib=40)

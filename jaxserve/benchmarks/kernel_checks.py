@@ -35,11 +35,13 @@ BENCH = dict(block_size=16, kv_heads=8, q_heads=64, head_dim=128, dtype="bfloat1
 # V3's latent (C 512, R 64) with 16 heads (V3 at tensor parallelism 8; every kind, bf16 and
 # one float32) and all 128 (decode, mixed); the CPU (interpret mode) a small latent on
 # short contexts.
-MLA_CHECKS = {
-    "cpu": [("decode", "bfloat16", 16, 4, 32, 16), ("mixed", "float32", 16, 2, 32, 16)],
+MLA_CHECKS = {  # (kind, dtype, S, N, C, R[, a one-byte cache: fp8 / int8])
+    "cpu": [("decode", "bfloat16", 16, 4, 32, 16), ("mixed", "float32", 16, 2, 32, 16),
+            ("mixed", "bfloat16", 16, 2, 32, 16, "fp8")],
     "device": [(kind, "bfloat16", 16, 16, 512, 64) for kind in ("decode", "prefill", "mixed")]
     + [(kind, "bfloat16", 16, 128, 512, 64) for kind in ("decode", "mixed")]
-    + [("mixed", "float32", 16, 16, 512, 64)],
+    + [("mixed", "float32", 16, 16, 512, 64), ("decode", "bfloat16", 16, 16, 512, 64, "fp8"),
+       ("mixed", "bfloat16", 16, 16, 512, 64, "int8")],
 }
 # The MLA decode timing: rows x context on V3's latent, per head count; the MHA kernel on
 # the MHA-equivalent shape (K = N heads of H 128) beside the 16-head rows.

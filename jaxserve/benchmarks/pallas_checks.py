@@ -280,17 +280,25 @@ def run_mla_checks(kernels: dict, cases, *, long: bool, rng) -> list:
     (kernel_checks.MLA_CHECKS) against mla_ref on the float32 upcast of the same inputs."""
     ref_fn = jax.jit(mla_ref.ragged_paged_mla, static_argnames=("scale",))
     results = []
-    for kind, dtype, S, N, C, R in cases:
+    for kind, dtype, S, N, C, R, *fmt in cases:
         case = random_mla_case(kind, jnp.dtype(dtype), S, N, C, R, rng, long)
         scale = 1.0 / math.sqrt(C + R)  # scores ~N(0, 1)
+        run = functools.partial(kernel_call, scale=scale)
+        if fmt:  # a one-byte cache: the kernel reads it, ref its dequantized values
+            run = functools.partial(quantized_mla, scale=scale, fmt=fmt[0])
+            case, dequantized = quantize_mla_case(case, fmt[0], long)
         with jax.default_matmul_precision("highest"):
-            want = ref_fn(*(x.astype(jnp.float32) for x in case[:3]), case[3], scale=scale)
+            want = ref_fn(*(x.astype(jnp.float32) for x in case[:2]),
+                          dequantized if fmt else case[2].astype(jnp.float32), case[3],
+                          scale=scale)
         for name, kernel in kernels.items():
             result = mla_result(name, kind, dtype, S, N, C, R, case)
+            if fmt:
+                result["dtype"] = f"bf16+{fmt[0]}-kv"
             print(check_label(result), end=" ", flush=True)  # a crash shows what ran
             start = time.perf_counter()
             try:
-                got = jax.jit(functools.partial(kernel, scale=scale))(*case)
+                got = run(kernel, *case)
                 result["error"] = output_error(got, want, case[3])
                 result["ok"] = result["error"] <= TOL[dtype]
             except Exception as exc:  # noqa: BLE001 (a failing kernel is a result)
@@ -299,6 +307,44 @@ def run_mla_checks(kernels: dict, cases, *, long: bool, rng) -> list:
             print(check_verdict(result), flush=True)
             results.append(result)
     return results
+
+
+def kernel_call(kernel, *case, scale):
+    return jax.jit(functools.partial(kernel, scale=scale))(*case)
+
+
+def quantize_mla_case(case, fmt: str, on_device: bool):
+    """An MLA case with its latent cache in fp8 / int8 as the engine stores it (attend_mla:
+    a scale for the latent, one for the rope key; fp8's bits as uint8 on the CPU):
+    ((q_latent, q_rope, stored cache, batch, c_scale, r_scale), dequantized f32 cache)."""
+    q_latent, q_rope, cache, batch = case
+    latent = q_latent.shape[-1]
+    values = kv_quant.value_dtype(fmt, q_latent.dtype)
+    parts, scales, dequant = [], [], []
+    for part in (cache[..., :latent], cache[..., latent:]):
+        s = kv_quant.scales_from_amax(jnp.abs(part.astype(jnp.float32)).max()[None], fmt)
+        quant = kv_quant.quantize(part.reshape(-1, 1, part.shape[-1]), s, values)
+        parts.append(quant.reshape(part.shape))
+        dequant.append(quant.reshape(part.shape).astype(jnp.float32) * s)
+        scales.append(s)
+    stored = jnp.concatenate(parts, axis=-1)
+    storage = ref.kv_storage_dtype(values, platform_kind() if on_device else "cpu")
+    if storage != values:
+        stored = jax.lax.bitcast_convert_type(stored, storage)
+    return (q_latent, q_rope, stored, batch, *scales), jnp.concatenate(dequant, axis=-1)
+
+
+def quantized_mla(kernel, q_latent, q_rope, cache, batch, c_scale, r_scale, *, scale, fmt):
+    """The engine's latent attention over a one-byte cache: scales folded into the queries
+    and the output (attend_mla.make_attend_latent)."""
+    values = kv_quant.value_dtype(fmt, q_latent.dtype)
+
+    def run(q_latent, q_rope, cache, batch):
+        out = kernel(kv_quant.scale_queries(q_latent, c_scale),
+                     kv_quant.scale_queries(q_rope, r_scale), cache, batch, scale=scale,
+                     kv_dtype=values)
+        return kv_quant.scale_output(out, c_scale)
+    return jax.jit(run)(q_latent, q_rope, cache, batch)
 
 
 def decode_batch(rows: int, context: int, S: int, rng):
