@@ -111,7 +111,7 @@ class DeepseekArch(LlamaArch):
         kept_groups = int(hf.get("topk_group") or groups)
         top_k = int(hf.get("num_experts_per_tok") or 0)
         if experts:
-            _check_routing(experts, groups, kept_groups, top_k, grouped=method != "greedy")
+            _check_routing(experts, groups, kept_groups, top_k, method)
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"DeepSeek hidden_act {act!r} is not supported (silu only).")
@@ -166,14 +166,20 @@ def _size(hf: dict, key: str) -> int:
     return value
 
 
-def _check_routing(experts: int, groups: int, kept_groups: int, top_k: int, *,
-                   grouped: bool) -> None:
-    """Top-k routing must be able to pick its experts: n_group groups of equal size,
-    topk_group of them kept, num_experts_per_tok experts among the kept groups' (among all
-    experts for V2's greedy method, which ignores the groups)."""
+def _check_routing(experts: int, groups: int, kept_groups: int, top_k: int,
+                   method: str) -> None:
+    """Top-k routing must be able to pick its experts: n_group groups of equal size (of at
+    least two experts for noaux_tc, which ranks a group by its two best), topk_group of them
+    kept, num_experts_per_tok experts among the kept groups' (among all experts for V2's
+    greedy method, which ignores the groups)."""
+    grouped = method != "greedy"
     if groups < 1 or experts % groups:
         raise ValueError(f"n_routed_experts {experts} does not divide into n_group "
                          f"{groups} groups.")
+    if method == "noaux_tc" and groups > 1 and experts // groups < 2:
+        raise ValueError(f"noaux_tc routing ranks each group by its two best experts, but "
+                         f"n_routed_experts {experts} in n_group {groups} groups leaves "
+                         f"{experts // groups} per group.")
     if not 1 <= kept_groups <= groups:
         raise ValueError(f"topk_group must be between 1 and n_group {groups}, got "
                          f"{kept_groups}.")

@@ -269,6 +269,7 @@ def test_what_the_latent_cache_refuses(engine_args, message, tiny_checkpoints):
     ({"kv_lora_rank": None}, "needs kv_lora_rank as a positive integer, got None"),
     ({"qk_rope_head_dim": 7}, "qk_rope_head_dim must be even"),
     ({"v_head_dim": "128"}, "needs v_head_dim as a positive integer, got '128'"),
+    ({"n_group": 8, "topk_group": 4}, "leaves 1 per group"),
 ])
 def test_unsupported_configs_are_refused_by_name(change, message, tiny_checkpoints):
     from jaxserve.models import model_family

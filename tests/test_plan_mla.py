@@ -15,7 +15,7 @@ from jaxserve.config.accelerators import preset
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.config.latent_cache import kv_log_note
 from jaxserve.config.mesh import MeshShape
-from jaxserve.config.plan import make_plan, plan_dict
+from jaxserve.config.plan import DoesNotFit, make_plan, plan_dict
 from jaxserve.config.plan_advice import plan_report, suggest
 from jaxserve.config.plan_text import format_plan
 
@@ -209,6 +209,8 @@ def test_bf16_weights(v3):
     outcomes = suggest(config, memory, 8)
     flags = [f for o in outcomes for f in o.flags]
     assert "--quantization int8" in flags and "--kv-cache-dtype fp8" in flags
+    with pytest.raises(DoesNotFit, match=r"--kv-cache-dtype fp8 \(or int8\) stores the KV"):
+        make_plan(config, memory)
     plan = plan_for(v3["bf16"], "1x32", V5P_64.memory_bytes)
     assert plan.num_params == num_params()
     assert plan.weight_bytes_per_device == weights_per_device(32, quantized=False)

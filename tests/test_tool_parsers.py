@@ -98,6 +98,11 @@ CASES = {
          '{"q": <|tool_call_end|><|tool_calls_section_end|>', None, None),  # malformed
         ("<|tool_calls_section_begin|><|tool_call_begin|>not an id<|tool_call_argument_begin|>"
          "{}<|tool_call_end|><|tool_calls_section_end|>", None, None),
+        ("Hm.<|tool_call_section_begin|><|tool_call_begin|>functions.ns:get-time:2"
+         '<|tool_call_argument_begin|>{"tz": "UTC"}<|tool_call_end|><|tool_call_section_end|>',
+         "Hm.", [("ns:get-time", {"tz": "UTC"})]),  # the singular markers; ":" in a name
+        ("<|tool_calls_section_begin|><|tool_call_begin|>" + " " * 5000 + "<|tool_call_end|>",
+         None, None),  # a long run of whitespace: content, at once
     ],
 }
 

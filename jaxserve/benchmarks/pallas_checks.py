@@ -294,7 +294,7 @@ def run_mla_checks(kernels: dict, cases, *, long: bool, rng) -> list:
         for name, kernel in kernels.items():
             result = mla_result(name, kind, dtype, S, N, C, R, case)
             if fmt:
-                result["dtype"] = f"bf16+{fmt[0]}-kv"
+                result["dtype"] = f"{'bf16' if dtype == 'bfloat16' else dtype}+{fmt[0]}-kv"
             print(check_label(result), end=" ", flush=True)  # a crash shows what ran
             start = time.perf_counter()
             try:

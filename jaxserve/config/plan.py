@@ -267,7 +267,7 @@ def _no_fit_message(config: EngineConfig, memory: int, used: int,
     if config.model.weights_scheme is None:
         hints.append("--quantization int8 stores the linear layers' weights in about half "
                      "of bfloat16's bytes")
-    if kv_sizing.ITEMSIZE[element] > 1 and not ModelDims.from_hf(hf).latent_dim:
+    if kv_sizing.ITEMSIZE[element] > 1:
         hints.append("--kv-cache-dtype fp8 (or int8) stores the KV cache in one byte per "
                      "element")
     if used <= usable:

@@ -106,24 +106,34 @@ class _MarkerParser(ToolParser):
     """Content, then calls after a marker."""
 
     marker = ""
+    other_markers: tuple[str, ...] = ()  # spellings that open the calls too (as marker)
+
+    def _find(self, text: str) -> int:
+        """Where the first marker (of any spelling) starts, or -1."""
+        found = [at for at in map(text.find, (self.marker, *self.other_markers)) if at >= 0]
+        return min(found, default=-1)
 
     def safe_prefix(self, text: str) -> int:
-        at = text.find(self.marker)
+        at = self._find(text)
         if at >= 0:
             return at
-        return len(text) - held_tail(text, self.marker)
+        return len(text) - max(held_tail(text, m) for m in (self.marker, *self.other_markers))
 
     def _parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        at = text.find(self.marker)
+        at = self._find(text)
         if at < 0:
             return text, []
-        calls = self._calls(text[at:])
+        calls = self._calls(self._normal(text[at:]))
         if calls is None:
             return text, []  # malformed: all of it stays text
         return (text[:at] or None), calls
 
     def _calls(self, region: str) -> list[ToolCall] | None:
         raise NotImplementedError
+
+    def _normal(self, region: str) -> str:
+        """The calls' region (from the first marker on) in the parser's main spelling."""
+        return region
 
 
 class HermesParser(_MarkerParser):
@@ -333,16 +343,25 @@ class DeepSeekV31Parser(_SectionParser):
 
 
 class KimiK2Parser(_SectionParser):
+    """Kimi K2 writes the section markers in the plural (its template's) or, at times, the
+    singular; both open and close a section."""
+
     name = "kimi_k2"
     marker, end = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
-    _CALL = re.compile(r"\s*<\|tool_call_begin\|>\s*(?P<id>[^<]*?)\s*"
+    other_markers = ("<|tool_call_section_begin|>",)
+    _CALL = re.compile(r"\s*<\|tool_call_begin\|>(?P<id>[^<]*)"
                        r"<\|tool_call_argument_begin\|>(?P<args>.*?)<\|tool_call_end\|>", re.S)
-    _ID = re.compile(r"(?:functions\.)?(?P<name>[^:\s]+):\d+")
+    _ID = re.compile(r"(?:functions\.)?(?P<name>\S+):\d+")
+
+    def _normal(self, region: str) -> str:
+        return region.replace(self.other_markers[0], self.marker).replace(
+            "<|tool_call_section_end|>", self.end)
 
     def _read(self, match: re.Match) -> ToolCall | None:
-        tool_id = self._ID.fullmatch(match["id"])
-        call = tool_id and self._arguments(tool_id["name"], match["args"])
-        return dataclasses.replace(call, id=match["id"]) if call else None
+        tool_id = match["id"].strip()
+        parsed = self._ID.fullmatch(tool_id)
+        call = parsed and self._arguments(parsed["name"], match["args"])
+        return dataclasses.replace(call, id=tool_id) if call else None
 
 
 PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser,
