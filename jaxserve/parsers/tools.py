@@ -332,9 +332,10 @@ class DeepSeekV3Parser(_SectionParser):
         return self._arguments(match["name"], match["args"])
 
 
-class DeepSeekV31Parser(_SectionParser):
+class DeepSeekV31Parser(DeepSeekV3Parser):
+    """V3's section; each call the name, then its arguments object, unfenced."""
+
     name = "deepseek_v31"
-    marker, end = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
     _CALL = re.compile(r"\s*<｜tool▁call▁begin｜>(?P<name>[^<]*)<｜tool▁sep｜>(?P<args>.*?)"
                        r"<｜tool▁call▁end｜>", re.S)
 
