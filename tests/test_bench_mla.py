@@ -8,24 +8,19 @@ slow (minutes on 2 cores).
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
+from test_bench_scripts import load_script as load_bench_script
 
 from jaxserve.models.deepseek_arch import DeepseekArch
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "bench_mla_decode.py"
 TINY = ["--preset", "tiny", "--batch-sizes", "1", "2", "--prompt-len", "8", "--output-len",
         "4", "--max-model-len", "64"]
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("bench_mla_decode", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("bench_mla_decode.py")
 
 
 def test_presets_keep_v3_attention_and_routing():

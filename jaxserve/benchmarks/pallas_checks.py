@@ -62,16 +62,22 @@ def platform_kind() -> str:
     return "gpu" if name in ("gpu", "cuda", "rocm") else name
 
 
+def check_layout(kind, S, rng, long):
+    """The ragged batch layout of a check kind (check_specs); mixed batches padded to powers
+    of two in tokens and rows."""
+    specs = check_specs(kind, rng, S, long)
+    real = sum(q for q, _ in specs)
+    pad = kind == "mixed"
+    return make_batch(specs, block_size=S, rng=rng,
+                      num_tokens=next_pow2(real + 1) if pad else real,
+                      num_rows=next_pow2(len(specs) + 1) if pad else len(specs))
+
+
 def random_case(kind, dtype, S, K, N, H, rng, long, far_bytes):
     """(q [T, N, H], k_cache, v_cache [P, S, K, H], batch); mixed batches come padded."""
     if kind == "far-decode":
         return far_case(random_case("decode", dtype, S, K, N, H, rng, long, 0), far_bytes, rng)
-    specs = check_specs(kind, rng, S, long)
-    real = sum(q for q, _ in specs)
-    pad = kind == "mixed"
-    layout = make_batch(specs, block_size=S, rng=rng,
-                        num_tokens=next_pow2(real + 1) if pad else real,
-                        num_rows=next_pow2(len(specs) + 1) if pad else len(specs))
+    layout = check_layout(kind, S, rng, long)
     batch, pages = jax_batch(layout), layout.num_pages
     key = jax.random.key(int(rng.integers(1 << 30)))
     kq, kk, kv = jax.random.split(key, 3)
@@ -255,12 +261,7 @@ def random_mla_case(kind, dtype, S, N, C, R, rng, long):
     """(q_latent [T, N, C], q_rope [T, N, R], cache [P, S, C + R], batch): random_case's
     batches (mixed ones padded) over a latent cache of random entries (drawn by numpy:
     nothing to compile per shape)."""
-    specs = check_specs(kind, rng, S, long)
-    real = sum(q for q, _ in specs)
-    pad = kind == "mixed"
-    layout = make_batch(specs, block_size=S, rng=rng,
-                        num_tokens=next_pow2(real + 1) if pad else real,
-                        num_rows=next_pow2(len(specs) + 1) if pad else len(specs))
+    layout = check_layout(kind, S, rng, long)
     T = layout.slot_mapping.shape[0]
     shapes = ((T, N, C), (T, N, R), (layout.num_pages + 3, S, C + R))  # + unused pages
     return (*(jnp.asarray(rng.standard_normal(shape, np.float32), dtype) for shape in shapes),

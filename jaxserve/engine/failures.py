@@ -45,7 +45,7 @@ class FailureIsolation:
         logger.error("The engine failed outside any one request (%s): failing all %d "
                      "requests", describe(err), len(self._tracked), exc_info=err)
         self._in_flight, self._older = [], []
-        self._drop_cached_blocks()
+        self.reset_prefix_cache()  # the failed steps' blocks
         for tracked in list(self._tracked.values()):
             self._fail(tracked, err, "in the engine", log=False)
         self._device_failure = err

@@ -376,7 +376,7 @@ class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
                 else (None, [])
             handle = self.runner.dispatch(out, self._prompt_score_targets(out), masks)
         except BaseException as err:
-            self._drop_cached_blocks()
+            self.reset_prefix_cache()
             if not isinstance(err, Exception):
                 raise  # Ctrl-C, exit
             if len(out.requests) == 1:
@@ -394,12 +394,9 @@ class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (vLLM's reset_prefix_cache): later prompts hit nothing
-        cached before now. Running requests keep their blocks; nothing is preempted."""
-        self.kv_manager.reset_prefix_cache()
-
-    def _drop_cached_blocks(self) -> None:
-        # Scheduling registered the blocks a step fills; if the step did not run (an error,
-        # Ctrl-C), their KV may be missing, so no later request may hit them.
+        cached before now. Running requests keep their blocks; nothing is preempted. Also
+        after a step that did not run (an error, Ctrl-C): scheduling registered the blocks it
+        fills, whose KV may be missing, so no later request may hit them."""
         self.kv_manager.reset_prefix_cache()
 
     def _collect(self, parts) -> list[tuple[Request, int, int]]:
@@ -413,7 +410,7 @@ class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
             try:
                 result = self.runner.fetch(handle)
             except BaseException as err:
-                self._drop_cached_blocks()
+                self.reset_prefix_cache()
                 if not isinstance(err, Exception):
                     raise  # Ctrl-C, exit
                 self._step_failed(out, err)

@@ -238,8 +238,7 @@ class ModelRunner:
                                                 self.latent_dim)
 
     def _calibrate_kv_scales(self) -> list[tuple[jax.Array, jax.Array]]:
-        """A quantized cache's (k_scale, v_scale) f32[K'] per layer, split like its kv heads;
-        a latent cache's (c_scale, r_scale) f32[1], replicated (kv_quant's calibration)."""
+        """Per layer (k_scale, v_scale) f32[K'] split as the kv heads, or latent f32[1] pairs."""
         scales = kv_quant.calibrated_scales(self.config, self.graphdef, self.params,
                                             self.arch.num_layers, self.arch.num_kv_heads,
                                             self.arch.vocab_size, self.replicated,
