@@ -249,11 +249,46 @@ class _Module:
 
 
 def inspect_adapter(path: str | Path, hf_config: dict, max_lora_rank: int,
-                    arch=None) -> AdapterSpec:
+                    arch=None, values: bool = False) -> AdapterSpec:
     """Every check of an adapter folder against the base model (its config.json as a dict;
     `arch`: the runner's, kv heads replicated, else the family's), from adapter_config.json
-    and the safetensors header only: no tensor data is read."""
-    return _check(Path(path), hf_config, max_lora_rank, arch)[0]
+    and the safetensors header only; with `values`, also that every value of every tensor is
+    finite (one pass over the file's data, memory-mapped; admission's check of an adapter)."""
+    spec, modules, header_len, header, _ = _check(Path(path), hf_config, max_lora_rank, arch)
+    if values:
+        data = _tensor_data(Path(path), header_len)
+        for module in modules:
+            for name in (module.a, module.b):
+                _check_finite(name, _tensor(data, header, name))
+    return spec
+
+
+def _tensor_data(folder: Path, header_len: int) -> np.memmap:
+    return np.memmap(folder / WEIGHTS_FILE, dtype=np.uint8, mode="r", offset=8 + header_len)
+
+
+def _tensor(data: np.memmap, header: dict, name: str) -> np.ndarray:
+    """A tensor of the file as stored (memory-mapped, not converted), [rows, cols]."""
+    begin, end = header[name]["data_offsets"]
+    return data[begin:end].view(DTYPES[header[name]["dtype"]]).reshape(header[name]["shape"])
+
+
+_FINITE_ROWS = 1 << 14  # rows checked at once: bounded scratch memory for any tensor
+
+
+def _check_finite(name: str, values: np.ndarray, note: str = "") -> None:
+    """ValueError naming the tensor when any of its values is NaN or infinite: such a value
+    gives NaN for every token of the adapter, so it is refused before it reaches a slot."""
+    for start in range(0, max(len(values), 1), _FINITE_ROWS):
+        part = np.asarray(values[start:start + _FINITE_ROWS])
+        bad = np.flatnonzero(~np.isfinite(part))
+        if bad.size:
+            where = np.unravel_index(int(bad[0]), part.shape)
+            index = (start + int(where[0]), *map(int, where[1:]))
+            raise ValueError(f"{WEIGHTS_FILE}: tensor {name!r} holds {bad.size} non-finite "
+                             f"value(s){note} (the first, {part[where]}, at {list(index)}); "
+                             "a NaN or infinite weight spoils every token the adapter "
+                             "computes, so the adapter is refused.")
 
 
 def load_adapter(path: str | Path, hf_config: dict, max_lora_rank: int, arch=None,
@@ -261,18 +296,22 @@ def load_adapter(path: str | Path, hf_config: dict, max_lora_rank: int, arch=Non
     """inspect_adapter's checks, then the weights in the engine's layout (module docstring)
     in dtype, computed in float32 (bf16/f16 files widened first)."""
     spec, modules, header_len, header, arch = _check(Path(path), hf_config, max_lora_rank, arch)
-    data = np.memmap(Path(path) / WEIGHTS_FILE, dtype=np.uint8, mode="r", offset=8 + header_len)
+    data = _tensor_data(Path(path), header_len)
 
     def tensor(name: str) -> np.ndarray:  # f32[rows, cols]
-        begin, end = header[name]["data_offsets"]
-        array = data[begin:end].view(DTYPES[header[name]["dtype"]])
-        return array.reshape(header[name]["shape"]).astype(np.float32)
+        array = _tensor(data, header, name)
+        _check_finite(name, array)
+        return array.astype(np.float32)
 
     weights = {}
     for module in modules:
         r = module.rank
         a = tensor(module.a).T  # [in, r]
         b = tensor(module.b).T * np.float32(spec.config.scaling(module.key))  # [r, out]
+        # The values as the slots hold them: scaled, in dtype (a large weight can overflow
+        # float16 or the scaling can take it past any dtype's range).
+        _check_finite(module.a, a.astype(dtype), f" in {np.dtype(dtype).name}")
+        _check_finite(module.b, b.astype(dtype), f" once scaled, in {np.dtype(dtype).name}")
         start = 0
         for path in module.paths:
             in_shape, out_shape = spec.shapes[path]

@@ -4,10 +4,13 @@ Adapters come from `--lora-modules name=path` at start and, when runtime updates
 (`--allow-runtime-lora-updating` or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), from
 `POST /v1/load_lora_adapter`; `POST /v1/unload_lora_adapter` forgets one. A request's
 `model` naming an adapter runs with it (a LoRARequest through the admission path); /v1/models
-lists each with its parent. A folder loaded at run time must lie inside one of
-`--allowed-lora-paths` (symbolic links resolved first), and is checked as every adapter is
-(admission.check_lora: its config and tensor header against the model and max_lora_rank)
-before it is registered: a bad adapter is refused and nothing is kept. Names and folders are
+lists each with its parent (not its folder: API clients do not see the server's paths). A
+folder loaded at run time must lie inside one of `--allowed-lora-paths` (symbolic links
+resolved first, the folder's files too), and is checked as every adapter is
+(admission.check_lora: its config, tensor header and values against the model and
+max_lora_rank) before it is registered: a bad adapter is refused and nothing is kept. Every
+adapter keeps its resolved folder, the one that was checked: a link re-pointed afterwards
+changes nothing. Names and folders are
 bounded by the request limits max_lora_name_length, max_lora_path_length and
 max_lora_adapters.
 """
@@ -24,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 
 from jaxserve.config.request_limits import limit_error
-from jaxserve.models.lora import LoRARequest
+from jaxserve.models.lora import CONFIG_FILE, WEIGHTS_FILE, LoRARequest
 from jaxserve.server.errors import APIError, from_value_error
 from jaxserve.server.request_body import parse_body
 from jaxserve.server.schema_base import Body
@@ -115,7 +118,8 @@ class LoraModels:
         self._by_name: dict[str, tuple[LoRARequest, str]] = {}  # name -> (adapter, parent)
         for module in settings.modules:
             try:
-                self._add(module.name, module.path, module.base_model_name)
+                self._add(module.name, os.path.realpath(module.path) if module.path else "",
+                          module.base_model_name)
             except APIError as err:
                 raise ValueError(f"--lora-modules {module.name}={module.path}: "
                                  f"{err.message}") from None
@@ -132,9 +136,10 @@ class LoraModels:
         return list(self._by_name)
 
     def cards(self, created: int, max_model_len: int) -> list[dict]:
-        """/v1/models entries: one per adapter, with its parent and folder (vLLM's)."""
+        """/v1/models entries: one per adapter, with its parent (vLLM's, but its root is
+        the adapter's name, not the server's folder)."""
         return [{"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
-                 "root": lora.lora_path, "parent": parent, "max_model_len": max_model_len}
+                 "root": name, "parent": parent, "max_model_len": max_model_len}
                 for name, (lora, parent) in list(self._by_name.items())]
 
     def _add(self, name: str, path: str, parent: str | None = None) -> LoRARequest:
@@ -181,8 +186,7 @@ class LoraModels:
         if body.load_inplace:
             raise APIError(400, "load_inplace is not supported: unload the adapter, then "
                            "load it again under its name.", param="load_inplace")
-        self._check_root(body.lora_path)
-        self._add(body.lora_name, body.lora_path)
+        self._add(body.lora_name, self._check_root(body.lora_path))
         return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
     def unload(self, raw: bytes) -> str:
@@ -198,7 +202,9 @@ class LoraModels:
             del self._by_name[body.lora_name]
         return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
-    def _check_root(self, path: str) -> None:
+    def _check_root(self, path: str) -> str:
+        """The folder resolved (the path every later read uses), once it and the adapter's
+        files in it are inside the allowed folders."""
         if not self._roots:
             raise APIError(400, "lora_path: this server loads no adapters at run time from "
                            "local folders until it is told where they may live: start it "
@@ -206,13 +212,18 @@ class LoraModels:
         if "\0" in path:
             raise APIError(400, "lora_path must not contain a NUL character.",
                            param="lora_path")
-        if len(path) > self.processor.limits.max_lora_path_length:
-            return  # (_add refuses it with the limit)
+        if len(path) > self.processor.limits.max_lora_path_length or not path:
+            return path  # (_add refuses it with the limit)
         real = os.path.realpath(path)
-        if not any(real == root or real.startswith(root + os.sep) for root in self._roots):
-            raise APIError(400, f"lora_path {path[:200]!r} is outside the folders adapters may "
-                           "be loaded from (--allowed-lora-paths).", param="lora_path",
-                           code="lora_path_not_allowed")
+        for where in (real, *(os.path.realpath(os.path.join(real, name))
+                              for name in (CONFIG_FILE, WEIGHTS_FILE))):
+            if not any(where == root or where.startswith(root + os.sep)
+                       for root in self._roots):
+                raise APIError(400, f"lora_path {path[:200]!r} is outside the folders adapters "
+                               "may be loaded from (--allowed-lora-paths)"
+                               f"{'' if where == real else ': a link among its files'}.",
+                               param="lora_path", code="lora_path_not_allowed")
+        return real
 
 
 def install_lora_routes(app, state) -> None:

@@ -128,3 +128,26 @@ def greedy(model, prompt: list[int], count: int) -> tuple[list[int], list]:
             logprobs.append(torch.log_softmax(logits, -1).numpy())
             ids.append(int(logits.argmax()))
     return ids[len(prompt):], logprobs
+
+
+def poison_adapter(adapter_folder, out_folder, value: float, whole: bool = False,
+                   module: str = "layers.0.self_attn.q_proj") -> tuple[pathlib.Path, str]:
+    """A copy of an adapter whose lora_A of `module` holds `value`: at one element, or every
+    element (whole); returns (the copy's folder, the tensor's name)."""
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    out = pathlib.Path(out_folder)
+    shutil.copytree(adapter_folder, out)
+    tensors = load_file(str(out / "adapter_model.safetensors"))
+    name = next(n for n in tensors if f"{module}.lora_A." in n)
+    array = tensors[name].copy()
+    if whole:
+        array[...] = value
+    else:
+        array[0, 1] = value
+    tensors[name] = array.astype(np.float32)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    return out, name

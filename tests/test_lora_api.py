@@ -11,7 +11,7 @@ import httpx
 import pytest
 from fuzz_requests import LORA_BODIES, LORA_NAMES, encode
 from hypothesis import HealthCheck, given, settings
-from lora_helpers import greedy, make_adapter, peft_models
+from lora_helpers import greedy, make_adapter, peft_models, poison_adapter
 from server_helpers import running_server
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
@@ -29,7 +29,7 @@ def folders(tiny_checkpoints, mesh_checkpoints, tmp_path_factory) -> dict:
     base = tiny_checkpoints["llama"]
     allowed = tmp_path_factory.mktemp("allowed")
     outside = tmp_path_factory.mktemp("outside")
-    return {
+    folders = {
         "a0": make_adapter(base, outside / "a0", seed=1, rank=8),
         "a1": make_adapter(base, outside / "a1", seed=2, rank=4,
                            target_modules=("q_proj", "v_proj", "down_proj")),
@@ -40,7 +40,10 @@ def folders(tiny_checkpoints, mesh_checkpoints, tmp_path_factory) -> dict:
                                 target_modules=("q_proj", "lm_head")),
         "shapes": make_adapter(mesh_checkpoints["llama"], allowed / "other", seed=6),
         "allowed": allowed,
+        "outside_folder": outside,
     }
+    folders["nan"] = poison_adapter(folders["late"], allowed / "nan", float("nan"))[0]
+    return folders
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +91,9 @@ def test_requests_name_each_adapter_and_the_base(server, references, folders):
     cards = model_ids(server)
     assert set(cards) == {"tiny", "a0", "a1"}
     assert cards["a0"]["parent"] == "tiny" and cards["a1"]["parent"] == "tiny-base"
-    assert cards["a0"]["root"] == str(folders["a0"])
+    # An adapter's card names it, never its folder (clients do not learn server paths).
+    assert cards["a0"]["root"] == "a0"
+    assert not any(str(folders["outside_folder"]) in str(card) for card in cards.values())
     chat = httpx.post(f"{server.url}/v1/chat/completions", json={
         "model": "a1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
         timeout=120)
@@ -129,6 +134,7 @@ def test_loading_and_unloading_at_run_time(server, references, folders):
     ("lm_head", "lm_head"),
     ("shapes", "shape"),
     ("missing", "adapter_config.json"),
+    ("nan", "non-finite"),
 ])
 def test_bad_adapters_are_refused_and_load_nothing(server, folders, case, message):
     path = folders["allowed"] / "missing" if case == "missing" else folders[case]
@@ -140,6 +146,26 @@ def test_bad_adapters_are_refused_and_load_nothing(server, folders, case, messag
     assert message in error["message"] and error["param"] == "lora_path", error
     assert model_ids(server) == before
     assert complete(server, f"bad-{case}", PROMPTS[0]).status_code == 404
+
+
+def test_a_link_repointed_after_loading_is_not_followed(server, references, folders):
+    """The adapter is read from the folder checked at load time: a symbolic link in the
+    allowed folder re-pointed outside it afterwards (before the adapter's first use) is
+    not followed."""
+    link = folders["allowed"] / "link"
+    link.symlink_to(folders["late"], target_is_directory=True)
+    try:
+        response = httpx.post(f"{server.url}/v1/load_lora_adapter",
+                              json={"lora_name": "linked", "lora_path": str(link)}, timeout=60)
+        assert response.status_code == 200, response.text
+        link.unlink()
+        link.symlink_to(folders["a0"], target_is_directory=True)  # (outside, other weights)
+        for i, prompt in enumerate(PROMPTS):
+            assert tokens(server, "linked", prompt) == references["late"][i]
+    finally:
+        link.unlink()
+        httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "linked"},
+                   timeout=60)
 
 
 def test_grpc_selects_an_adapter_by_metadata(server, references):

@@ -168,8 +168,8 @@ class InputProcessor:
 
     def check_lora(self, lora, field: str = "lora_request") -> None:
         """A request's adapter: LoRA on, a LoRARequest, its folder a PEFT adapter that fits
-        the model within max_lora_rank (models/lora.py's checks on its config and tensor
-        header, no weights read; each adapter checked once)."""
+        the model within max_lora_rank, every weight finite (models/lora.py's checks on its
+        config, tensor header and values; each adapter checked once)."""
         if lora is None:
             return
         if self.lora is None:
@@ -189,7 +189,8 @@ class InputProcessor:
         if lora in self._adapters:
             return
         try:
-            inspect_adapter(lora.lora_path, self.hf_config, self.lora.max_lora_rank)
+            inspect_adapter(lora.lora_path, self.hf_config, self.lora.max_lora_rank,
+                            values=True)
         except ValueError as err:
             raise ValueError(f"{field}: LoRA adapter {lora.lora_name!r}: {err}") from None
         if len(self._adapters) >= 1024:

@@ -8,8 +8,12 @@ token carries its slot (-1: the base model). A projection's product then adds, f
     delta[t] = (x[t] . A[slot t]) . B[slot t]
 
 computed for every slot at once and masked, as two dense products: h = x . A over the
-kernel's input axes ([T, S, R]), times the one-hot of the token's slot, then h . B over (S,
-R). Their cost is S*R columns beside the kernel's own (S*R = 64 for 4 slots of rank 16,
+kernel's input axes ([T, S, R]), where only the token's own slot is kept (a select, not
+a product with a one-hot: 0 x inf is NaN, so an adapter whose values overflow would
+otherwise reach every token of the step), then h . B over (S, R). Every slot's B is finite (adapters
+are checked at load, models/lora.py, and idle slots hold zeros or an adapter's checked
+values), so the zeros of other slots' h add exactly nothing: no slot's values reach another
+slot's tokens, or the base model's. Their cost is S*R columns beside the kernel's own (S*R = 64 for 4 slots of rank 16,
 against thousands), with no gather of per-token weights, so any mix of adapters and the base
 model runs in the one compiled step, and loading an adapter only writes a slot's values.
 Sharded on the mesh as the kernel is (A split like its inputs, B like its outputs), the two
@@ -28,8 +32,8 @@ ATTRIBUTE = "lora_step"  # the LoraStep a module carries during one step
 
 class LoraStep:
     """One module's adapters in one step: {kernel name: (A [S, *in, R], B [S, R, *out])},
-    the step's token mask f32[T, S] (one-hot of each token's slot) and whether any token
-    has an adapter (a step of base-model tokens only skips the products: lax.cond)."""
+    the step's token mask bool[T, S] (each token's own slot) and whether any token has an
+    adapter (a step of base-model tokens only skips the products: lax.cond)."""
 
     def __init__(self, weights: dict, mask, active) -> None:
         self.weights, self.mask, self.active = weights, mask, active
@@ -49,7 +53,7 @@ class LoraStep:
 
         def products(x):
             h = jnp.einsum(f"{x_axes},S{contracted}R->{lead}SR", x, a.astype(x.dtype))
-            h = h * self.mask.astype(x.dtype)[:, :, None]
+            h = jnp.where(self.mask[:, :, None], h, jnp.zeros((), h.dtype))
             return jnp.einsum(f"{lead}SR,SR{w_out}->{out}", h, b.astype(x.dtype))
 
         shape = jax.eval_shape(products, x)
@@ -61,7 +65,7 @@ def attach(model, weights: dict, token_slots) -> None:
     """Give each module of `model` with adapter slots its LoraStep for this step. weights:
     {"layers.3.attn.wq": (A, B)}; token_slots: i32[T], each token's slot (-1: none)."""
     num_slots = next(iter(weights.values()))[0].shape[0]
-    mask = jax.nn.one_hot(token_slots, num_slots, dtype=jnp.float32)  # -1: all zero
+    mask = token_slots[:, None] == jnp.arange(num_slots)[None, :]  # bool[T, S]; -1: none
     active = jnp.any(token_slots >= 0)
     by_module: dict[tuple, dict] = {}
     for key, pair in weights.items():

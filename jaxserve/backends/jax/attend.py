@@ -26,7 +26,7 @@ from collections.abc import Callable
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxserve.backends.jax.kv_quant import attend_quantized
+from jaxserve.backends.jax.kv_quant import attend_quantized, finite_kv
 from jaxserve.config.accelerators import Accelerator, accelerator_for
 from jaxserve.config.engine_config import JAX_ATTENTION_BACKENDS
 from jaxserve.config.mesh import KV_CACHE_SPEC, MODEL
@@ -51,6 +51,7 @@ def make_attend(attention_fn: Callable, mesh: Mesh, kv_dtype=None) -> Callable:
 
     def local(q, k, v, k_cache, v_cache, batch, sinks, *scales, scale, sliding_window,
               soft_cap):
+        k, v = finite_kv(k), finite_kv(v)  # (0 x NaN: one request's NaN would reach others)
         options = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
         if sinks is not None:  # only then: implementations without sinks never see the word
             options["sinks"] = sinks

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxserve.backends.jax.kv_quant import quantize, scale_output, scale_queries
+from jaxserve.backends.jax.kv_quant import finite_kv, quantize, scale_output, scale_queries
 from jaxserve.config.engine_config import JAX_ATTENTION_BACKENDS
 from jaxserve.config.mesh import MODEL
 from jaxserve.kernels_pallas import mla_ref
@@ -54,6 +54,7 @@ def make_attend_latent(mla_fn: Callable, mesh: Mesh, kv_dtype=None) -> Callable:
     (kv_quant.value_dtype); None: the model's dtype."""
 
     def local(q_latent, q_rope, entry, cache, batch, *scales, scale):
+        entry = finite_kv(entry)  # (0 x NaN: one request's NaN would reach others)
         if not scales:
             cache = mla_ref.write_latent(cache, entry, batch.slot_mapping)
             return mla_fn(q_latent, q_rope, cache, batch, scale=scale), cache

@@ -51,6 +51,15 @@ def scales_from_amax(amax, kv_cache_dtype: str) -> jax.Array:
     return jnp.asarray(host_scales(np.asarray(amax), kv_cache_dtype))
 
 
+def finite_kv(x):
+    """x with NaN as 0 and +-inf as the dtype's largest values: what the step writes into the
+    KV cache. Every attention implementation weighs the keys and values it must not see by
+    0 (other sequences' tokens in a tile, stale slots of a reused block), and 0 x NaN is NaN:
+    one request whose values overflowed (a bad LoRA adapter, a float16 overflow) would reach
+    every request attending beside it, or later to its blocks. Finite values pass unchanged."""
+    return jnp.nan_to_num(x, nan=0.0)
+
+
 def quantize(x, scale, dtype):
     """x [T, K, H] / scale f32[K] in the one-byte dtype: int8 rounds to nearest; both
     saturate at the format's largest value (a plain fp8 cast would give NaN past it)."""

@@ -89,7 +89,7 @@ class DeviceLoras:
     def _read(self, hf_config: dict, arch, lora) -> dict:
         """An adapter's values for every target (zeros where it has none), as numpy."""
         loaded = load_adapter(lora.lora_path, hf_config, self.config.max_lora_rank,
-                              arch=arch)
+                              arch=arch, dtype=self.np_dtype)  # (every value checked finite)
         values = {}
         for key, (path, _, _) in self.targets.items():
             a_shape, b_shape = self._value_shapes[key]
