@@ -1,7 +1,9 @@
 """The multi-host flags of `generate` and `serve`, and joining the hosts
 (backends/jax/distributed.py): the same command runs on every host; host 0 goes on as the
 front end, every other host runs the replicas it has devices of
-(engine/remote_replica.run_host) and exits when host 0 closes them."""
+(engine/remote_replica.run_host) and exits when host 0 closes them. Every host needs the same
+host-link key, from the environment (JAXSERVE_HOST_LINK_KEY, or JAXSERVE_HOST_LINK_KEY_FILE
+naming a file), not a flag: a command line is visible to every user of the host."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import logging
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     """Multi-host flags (backends/jax/distributed.py): the same command runs on every host."""
     parser.add_argument("--coordinator", default=None,
-                        help="multi-host: host 0's HOST:PORT, where the hosts meet")
+                        help="multi-host: host 0's HOST:PORT, where the hosts meet (every "
+                        "host also needs the same key in JAXSERVE_HOST_LINK_KEY or a file "
+                        "named by JAXSERVE_HOST_LINK_KEY_FILE)")
     parser.add_argument("--num-hosts", type=int, default=None, help="multi-host: host count")
     parser.add_argument("--host-id", type=int, default=None,
                         help="multi-host: this host's index, 0 serves and schedules")

@@ -3,11 +3,13 @@ reachable here): docker/Dockerfile installs jaxserve from the build context with
 pyproject.toml defines, its targets exist, run as a non-root user, check /health and start
 `jaxserve serve` on 0.0.0.0; every document of deploy/kubernetes/*.yaml survives a round trip
 through the Kubernetes API's model classes (the `kubernetes` client's: an unknown or misspelled
-field is dropped, a wrong type refused); every jaxserve and smg command line in them parses
-with the programs' own parsers; probes ask /health and /ready; grace periods outlast the
-drain; and names that refer to each other (Service selectors, ports, volumes, the slice's
-hosts, the router's workers) agree. The last tests feed each check a broken input, so that a
-check that could never fail would show."""
+field is dropped, a wrong type refused; a LeaderWorkerSet, a CRD the client has no class for,
+has its own fields checked against its v1 API and its pod templates round-tripped); every
+jaxserve and smg command line in them parses with the programs' own parsers; probes ask
+/health and /ready; grace periods outlast the drain; names that refer to each other (Service
+selectors, ports, volumes, the slice's hosts, the router's workers) agree; and the multi-host
+slice mounts its host-link key from a Secret. The last tests feed each check a broken input,
+so that a check that could never fail would show."""
 
 from __future__ import annotations
 
@@ -34,9 +36,22 @@ MANIFESTS = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 EXTRAS = PYPROJECT["project"]["optional-dependencies"]
 SERVE_TARGETS = {"cpu": set(), "cuda": {"cuda"}, "tpu": {"tpu"}}  # target -> its extras
-WORKLOADS = ("Deployment", "StatefulSet", "Job")
+WORKLOADS = ("Deployment", "StatefulSet", "Job", "LeaderWorkerSet")
 DRAIN_MARGIN_S = 10  # past the drain: the last chunks' flush and the process's exit
 SAMPLE_ENV = {"apps.kubernetes.io/pod-index": "0", "status.podIP": "10.0.0.1"}
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+# The LeaderWorkerSet v1 API (sigs.k8s.io/lws api/leaderworkerset/v1): its fields, and the
+# model classes of those that are Kubernetes' own types.
+LWS_SPEC = {"replicas": int, "leaderWorkerTemplate": dict, "rolloutStrategy": dict,
+            "startupPolicy": ("LeaderCreated", "LeaderReady"), "networkConfig": dict}
+LWS_TEMPLATE = {"leaderTemplate": "V1PodTemplateSpec", "workerTemplate": "V1PodTemplateSpec",
+                "size": int, "restartPolicy": ("RecreateGroupOnPodRestart",
+                                               "RecreateGroupAfterStart", "None", "Default"),
+                "subGroupPolicy": dict, "volumeClaimTemplates": "V1PersistentVolumeClaim",
+                "persistentVolumeClaimRetentionPolicy":
+                    "V1StatefulSetPersistentVolumeClaimRetentionPolicy"}
+LWS_ROLLOUT = {"type": ("RollingUpdate",), "rollingUpdateConfiguration": dict}
+LWS_NETWORK = {"subdomainPolicy": ("Shared", "UniquePerReplica")}
 
 
 # ---- Dockerfile ----------------------------------------------------------------------------
@@ -233,19 +248,63 @@ def model_class(doc: dict) -> str:
 
 def round_trip_problems(doc: dict) -> list[str]:
     """The document against its kind's API model: deserialized into the model class and
-    serialized back, it must come out as it went in."""
+    serialized back, it must come out as it went in (a LeaderWorkerSet: lws_problems)."""
+    if doc.get("kind") == "LeaderWorkerSet":
+        return lws_problems(doc)
+    return model_problems(doc, model_class(doc))
+
+
+def model_problems(value: dict, name: str) -> list[str]:
     import kubernetes.client
 
-    name = model_class(doc)
     if not hasattr(kubernetes.client, name):
-        return [f"{doc.get('kind')} ({doc.get('apiVersion')}): no model class {name}"]
+        return [f"no model class {name}"]
     api = kubernetes.client.ApiClient()
     try:
         # (the client's own deserializer, as for an API response; private in every version)
-        back = api.sanitize_for_serialization(api._ApiClient__deserialize(doc, name))
+        back = api.sanitize_for_serialization(api._ApiClient__deserialize(value, name))
     except (ValueError, TypeError) as err:
         return [f"{name}: {err}"]
-    return [f"{name}: {p}" for p in differences(doc, back, "")]
+    return [f"{name}: {p}" for p in differences(value, back, "")]
+
+
+def lws_problems(doc: dict) -> list[str]:
+    """A LeaderWorkerSet against its v1 API: every field known and of its type, the pod
+    templates and claims round-tripped through Kubernetes' own model classes."""
+    problems = [] if doc.get("apiVersion") == LWS_API else [
+        f"LeaderWorkerSet: apiVersion {doc.get('apiVersion')!r}, not {LWS_API}"]
+    problems += [f"LeaderWorkerSet.{key}: unknown field" for key in
+                 doc.keys() - {"apiVersion", "kind", "metadata", "spec"}]
+    problems += model_problems(doc.get("metadata", {}), "V1ObjectMeta")
+    spec = doc.get("spec", {})
+    problems += field_problems(spec, LWS_SPEC, "spec")
+    template = spec.get("leaderWorkerTemplate", {})
+    if "workerTemplate" not in template:
+        problems.append("spec.leaderWorkerTemplate.workerTemplate: missing")
+    problems += field_problems(template, LWS_TEMPLATE, "spec.leaderWorkerTemplate")
+    problems += field_problems(spec.get("rolloutStrategy", {}), LWS_ROLLOUT,
+                               "spec.rolloutStrategy")
+    problems += field_problems(spec.get("networkConfig", {}), LWS_NETWORK, "spec.networkConfig")
+    return problems
+
+
+def field_problems(value: dict, fields: dict, where: str) -> list[str]:
+    """Each field of `value` against `fields`: a Python type, the allowed strings, or the
+    name of a Kubernetes model class (a list field: each item's)."""
+    problems = []
+    for key, item in value.items():
+        kind = fields.get(key)
+        if kind is None:
+            problems.append(f"{where}.{key}: unknown field")
+        elif isinstance(kind, tuple):
+            if item not in kind:
+                problems.append(f"{where}.{key}: {item!r} is not one of {kind}")
+        elif isinstance(kind, str):
+            for part in item if isinstance(item, list) else [item]:
+                problems += [f"{where}.{key}: {p}" for p in model_problems(part, kind)]
+        elif type(item) is not kind:
+            problems.append(f"{where}.{key}: {item!r} is not a {kind.__name__}")
+    return problems
 
 
 def differences(sent, back, where: str) -> list[str]:
@@ -269,7 +328,7 @@ def test_the_manifests_are_there():
                                           "router.yaml"}
     kinds = {(name, doc["kind"]) for name, _, doc in DOCS}
     assert {("single-host.yaml", "Deployment"), ("single-host.yaml", "Service"),
-            ("tpu-multihost.yaml", "StatefulSet"), ("router.yaml", "Deployment")} <= kinds
+            ("tpu-multihost.yaml", "LeaderWorkerSet"), ("router.yaml", "Deployment")} <= kinds
 
 
 @pytest.mark.parametrize("name,index,doc", DOCS,
@@ -282,21 +341,46 @@ def workloads() -> list[tuple[str, dict]]:
     return [(name, doc) for name, _, doc in DOCS if doc["kind"] in WORKLOADS]
 
 
+def pod_kinds(doc: dict) -> list[dict]:
+    """The workload's pods, one view per pod template: the workload itself, or for a
+    LeaderWorkerSet its leader's and its workers' ({"role", "spec": {"template"}, "lws"})."""
+    if doc["kind"] != "LeaderWorkerSet":
+        return [doc]
+    template = doc["spec"]["leaderWorkerTemplate"]
+    roles = [("leader", template.get("leaderTemplate", template["workerTemplate"])),
+             ("worker", template["workerTemplate"])]
+    return [{"kind": "LeaderWorkerSet", "metadata": doc["metadata"], "role": role,
+             "spec": {"template": pod}, "lws": doc} for role, pod in roles]
+
+
 def containers() -> list[tuple[str, dict, dict]]:
-    """(file, workload, container) of every container."""
-    return [(name, doc, c) for name, doc in workloads()
-            for c in doc["spec"]["template"]["spec"]["containers"]]
+    """(file, pods (pod_kinds), container) of every container."""
+    return [(name, pods, c) for name, doc in workloads() for pods in pod_kinds(doc)
+            for c in pods["spec"]["template"]["spec"]["containers"]]
+
+
+def injected_env(pods: dict) -> dict[str, str]:
+    """What a LeaderWorkerSet's controller adds to its containers' env (LWS_LEADER_ADDRESS,
+    LWS_GROUP_SIZE, LWS_WORKER_INDEX), for the first group's leader or first worker."""
+    if pods["kind"] != "LeaderWorkerSet":
+        return {}
+    lws = pods["lws"]
+    name = lws["metadata"]["name"]
+    return {"LWS_LEADER_ADDRESS": f"{name}-0.{name}.default",
+            "LWS_GROUP_SIZE": str(lws["spec"]["leaderWorkerTemplate"]["size"]),
+            "LWS_WORKER_INDEX": "0" if pods["role"] == "leader" else "1"}
 
 
 def command_line(container: dict) -> list[str]:
     return [*container.get("command", []), *container.get("args", [])]
 
 
-def expand(argv: list[str], container: dict) -> tuple[list[str], list[str]]:
+def expand(argv: list[str], container: dict,
+           injected: dict | None = None) -> tuple[list[str], list[str]]:
     """Kubernetes' $(VAR) expansion with sample values for what the pod's environment fills
-    in (a field reference: its sample, else the literal); and the names it could not find
-    (Kubernetes would pass `$(NAME)` on unchanged)."""
-    env = {}
+    in (a field reference: its sample, else the literal; `injected`: what a controller adds);
+    and the names it could not find (Kubernetes would pass `$(NAME)` on unchanged)."""
+    env = dict(injected or {})
     for var in container.get("env", []):
         field = var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath", "")
         key = re.search(r"\['([^']+)'\]", field)
@@ -328,10 +412,11 @@ def parse_serve(argv: list[str]):
 
 
 def serve_containers() -> list[tuple[str, dict, dict, object]]:
-    """(file, workload, container, parsed serve arguments) of every jaxserve container."""
+    """(file, pods (pod_kinds), container, parsed serve arguments) of every jaxserve
+    container."""
     found = []
     for name, doc, container in containers():
-        argv, missing = expand(command_line(container), container)
+        argv, missing = expand(command_line(container), container, injected_env(doc))
         assert missing == [], f"{name}: $({missing[0]}) is not in the container's env"
         if argv[:2] == ["jaxserve", "serve"]:
             found.append((name, doc, container, parse_serve(argv[2:])))
@@ -342,9 +427,11 @@ def test_every_jaxserve_command_parses():
     serving = serve_containers()
     assert {name for name, *_ in serving} >= {"single-host.yaml", "tpu-multihost.yaml",
                                               "router.yaml"}
-    for name, _, container, args in serving:
+    for name, pods, container, args in serving:
         assert args.host == "0.0.0.0", f"{name}: serve binds {args.host}, not the pod's IP"
         assert args.model_tag, f"{name}: no model"
+        if pods.get("role") == "worker":
+            continue  # (serves no HTTP: host 0 does)
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports.get("http") == args.port, f"{name}: the http port is not --port"
 
@@ -392,7 +479,9 @@ def probe_problems(container: dict, port: int) -> list[str]:
 
 
 def test_probes_ask_health_and_ready():
-    for name, _, container, args in serve_containers():
+    for name, pods, container, args in serve_containers():
+        if pods.get("role") == "worker":
+            continue  # (serves no HTTP; its group restarts with its leader)
         assert probe_problems(container, args.port) == [], name
         # compilation takes minutes: liveness waits for a startup probe of 10+ minutes
         startup = container["startupProbe"]
@@ -436,8 +525,19 @@ def labels_match(selector: dict, labels: dict) -> bool:
 
 
 def pod_labels(doc: dict) -> list[dict]:
-    """The labels of the workload's pods (a StatefulSet's with each pod's name and index)."""
+    """The labels of the pods of a workload or of one of its pod_kinds (a StatefulSet's with
+    each pod's name and index, a LeaderWorkerSet's with each pod's group and worker index)."""
+    if doc["kind"] == "LeaderWorkerSet" and "role" not in doc:
+        return [labels for pods in pod_kinds(doc) for labels in pod_labels(pods)]
     labels = doc["spec"]["template"]["metadata"]["labels"]
+    if doc["kind"] == "LeaderWorkerSet":
+        lws = doc["lws"]
+        size = lws["spec"]["leaderWorkerTemplate"]["size"]
+        workers = [0] if doc["role"] == "leader" else range(1, size)
+        return [{**labels, "leaderworkerset.sigs.k8s.io/name": lws["metadata"]["name"],
+                 "leaderworkerset.sigs.k8s.io/group-index": str(group),
+                 "leaderworkerset.sigs.k8s.io/worker-index": str(worker)}
+                for group in range(lws["spec"].get("replicas", 1)) for worker in workers]
     if doc["kind"] != "StatefulSet":
         return [labels]
     return [{**labels, "statefulset.kubernetes.io/pod-name": f"{doc['metadata']['name']}-{i}",
@@ -453,26 +553,31 @@ def reference_problems(file_docs: list[dict]) -> list[str]:
     services = {d["metadata"]["name"]: d for d in file_docs if d["kind"] == "Service"}
     for load in loads:
         spec, name = load["spec"], load["metadata"]["name"]
-        if not labels_match(spec["selector"]["matchLabels"],
-                            spec["template"]["metadata"]["labels"]):
+        if load["kind"] != "LeaderWorkerSet" and not labels_match(
+                spec["selector"]["matchLabels"], spec["template"]["metadata"]["labels"]):
             problems.append(f"{name}: its selector does not select its own pods")
-        volumes = {v["name"] for v in spec["template"]["spec"].get("volumes", [])}
-        volumes |= {t["metadata"]["name"] for t in spec.get("volumeClaimTemplates", [])}
-        for volume in spec["template"]["spec"].get("volumes", []):
-            claim = volume.get("persistentVolumeClaim", {}).get("claimName")
-            if claim and claim not in claims:
-                problems.append(f"{name}: claim {claim} is not in the file")
-        for container in spec["template"]["spec"]["containers"]:
-            for mount in container.get("volumeMounts", []):
-                if mount["name"] not in volumes:
-                    problems.append(f"{name}: mount of unknown volume {mount['name']}")
+        claim_templates = (spec["leaderWorkerTemplate"] if load["kind"] == "LeaderWorkerSet"
+                           else spec).get("volumeClaimTemplates", [])
+        for pods in pod_kinds(load):
+            pod = pods["spec"]["template"]["spec"]
+            volumes = {v["name"] for v in pod.get("volumes", [])}
+            volumes |= {t["metadata"]["name"] for t in claim_templates}
+            for volume in pod.get("volumes", []):
+                claim = volume.get("persistentVolumeClaim", {}).get("claimName")
+                if claim and claim not in claims:
+                    problems.append(f"{name}: claim {claim} is not in the file")
+            for container in pod["containers"]:
+                for mount in container.get("volumeMounts", []):
+                    if mount["name"] not in volumes:
+                        problems.append(f"{name}: mount of unknown volume {mount['name']}")
         if load["kind"] == "StatefulSet":
             service = services.get(spec["serviceName"])
             if not service or service["spec"].get("clusterIP") != "None":
                 problems.append(f"{name}: serviceName {spec['serviceName']} is not a headless "
                                 "Service of the file")
     for service in services.values():
-        selected = [(load, labels) for load in loads for labels in pod_labels(load)
+        selected = [(pods, labels) for load in loads for pods in pod_kinds(load)
+                    for labels in pod_labels(pods)
                     if labels_match(service["spec"]["selector"], labels)]
         if not selected:
             problems.append(f"Service {service['metadata']['name']} selects no pod")
@@ -493,27 +598,75 @@ def test_names_refer_to_what_the_file_defines(path):
 
 
 def test_multihost_slice_is_one_process_per_host_and_only_host_0_serves():
-    [(name, sts, container, args)] = [s for s in serve_containers()
-                                      if s[0] == "tpu-multihost.yaml"]
-    spec, sts_name = sts["spec"], sts["metadata"]["name"]
-    hosts = spec["replicas"]
-    assert args.num_hosts == hosts and spec["podManagementPolicy"] == "Parallel"
-    names = [f"{sts_name}-{i}.{spec['serviceName']}" for i in range(hosts)]
-    env = {v["name"]: v for v in container["env"]}
-    assert env["TPU_WORKER_HOSTNAMES"]["value"].split(",") == names
-    assert env["TPU_WORKER_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == \
-        "metadata.labels['apps.kubernetes.io/pod-index']"
-    assert "$(TPU_WORKER_ID)" in container["args"]
-    assert args.coordinator.rpartition(":")[0] == names[0]
-    headless = [d for n, _, d in DOCS if n == name and d["metadata"]["name"] ==
-                spec["serviceName"]]
-    assert headless[0]["spec"]["publishNotReadyAddresses"] is True
+    """A LeaderWorkerSet group is the slice: every pod runs the same command, with the
+    leader as coordinator, the group's size as host count and the pod's index as host id;
+    only the leader serves HTTP, and only it is behind the Service."""
+    slice_pods = [s for s in serve_containers() if s[0] == "tpu-multihost.yaml"]
+    [(name, leader, container, args)] = [s for s in slice_pods if s[1]["role"] == "leader"]
+    [(_, worker, worker_container, worker_args)] = [s for s in slice_pods
+                                                    if s[1]["role"] == "worker"]
+    lws = leader["lws"]
+    template = lws["spec"]["leaderWorkerTemplate"]
+    assert template["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert args.num_hosts == worker_args.num_hosts == template["size"] > 1
+    assert (args.host_id, worker_args.host_id) == (0, 1)
+    assert command_line(container) == command_line(worker_container)
+    assert args.coordinator == injected_env(leader)["LWS_LEADER_ADDRESS"] + ":8476"
+    for flag, var in (("--coordinator", "LWS_LEADER_ADDRESS"), ("--num-hosts", "LWS_GROUP_SIZE"),
+                      ("--host-id", "LWS_WORKER_INDEX")):
+        assert f"$({var})" in container["args"][container["args"].index(flag) + 1]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]}["coordinator"] == 8476
     served = [d for n, _, d in DOCS if n == name and d["kind"] == "Service" and
               d["spec"].get("clusterIP") != "None"]
-    for service in served:  # host 0's pod alone
-        selected = [labels for labels in pod_labels(sts)
+    assert served
+    for service in served:  # the leader's pod alone
+        selected = [labels for labels in pod_labels(lws)
                     if labels_match(service["spec"]["selector"], labels)]
-        assert [labels["apps.kubernetes.io/pod-index"] for labels in selected] == ["0"]
+        assert [labels["leaderworkerset.sigs.k8s.io/worker-index"] for labels in selected] \
+            == ["0"]
+
+
+def key_problems(pods: dict, container: dict) -> list[str]:
+    """The host-link key from a Secret (an env secretKeyRef, or a file in a mounted secret
+    volume named by JAXSERVE_HOST_LINK_KEY_FILE), and the host's address from its pod IP."""
+    env = {v["name"]: v for v in container.get("env", [])}
+    problems = []
+    if env.get("JAXSERVE_HOST_IP", {}).get("valueFrom", {}).get("fieldRef", {}).get(
+            "fieldPath") != "status.podIP":
+        problems.append("JAXSERVE_HOST_IP is not the pod's IP")
+    if "JAXSERVE_HOST_LINK_KEY" in env:
+        if "secretKeyRef" not in env["JAXSERVE_HOST_LINK_KEY"].get("valueFrom", {}):
+            problems.append("JAXSERVE_HOST_LINK_KEY is not from a Secret")
+        return problems
+    path = env.get("JAXSERVE_HOST_LINK_KEY_FILE", {}).get("value")
+    if not path:
+        return problems + ["no host-link key (JAXSERVE_HOST_LINK_KEY[_FILE])"]
+    secrets = {v["name"]: v["secret"] for v in pods["spec"]["template"]["spec"].get(
+        "volumes", []) if "secret" in v}
+    for mount in container.get("volumeMounts", []):
+        folder = mount["mountPath"].rstrip("/") + "/"
+        if mount["name"] in secrets and path.startswith(folder):
+            secret, file = secrets[mount["name"]], path[len(folder):]
+            items = secret.get("items")
+            if items is not None and file not in [i["path"] for i in items]:
+                problems.append(f"{path}: the Secret's volume holds no {file}")
+            return problems
+    return problems + [f"JAXSERVE_HOST_LINK_KEY_FILE={path} is not in a mounted Secret"]
+
+
+def test_every_host_of_the_slice_gets_the_link_key_from_a_secret():
+    slice_pods = [s for s in serve_containers() if s[0] == "tpu-multihost.yaml"]
+    assert {pods["role"] for _, pods, _, _ in slice_pods} == {"leader", "worker"}
+    for _, pods, container, _ in slice_pods:
+        assert key_problems(pods, container) == [], pods["role"]
+    [policy] = [d for n, _, d in DOCS if n == "tpu-multihost.yaml" and
+                d["kind"] == "NetworkPolicy"]
+    lws = slice_pods[0][1]["lws"]
+    assert all(labels_match(policy["spec"]["podSelector"]["matchLabels"], labels)
+               for labels in pod_labels(lws))
+    # Others reach only the HTTP port; the group's own pods, the rest.
+    ports = [rule.get("ports") for rule in policy["spec"]["ingress"] if "from" not in rule]
+    assert ports == [[{"port": 8000, "protocol": "TCP"}]]
 
 
 def test_router_command_parses_and_names_every_worker():
@@ -577,6 +730,22 @@ def test_the_checks_catch_broken_files():
     swapped = dict(container, livenessProbe=container["readinessProbe"])
     assert probe_problems(swapped, 8000) and probe_problems(container, 9000)
     assert grace_problems({"terminationGracePeriodSeconds": 30}, container, 30)
+    # the LeaderWorkerSet: a misspelled field, a wrong enum, a wrong type in its pod template
+    _, _, lws = next(d for d in DOCS if d[2]["kind"] == "LeaderWorkerSet")
+    assert lws_problems(lws) == []
+    broken = json.loads(json.dumps(lws))
+    broken["spec"]["leaderWorkerTemplate"]["sizes"] = 4
+    broken["spec"]["startupPolicy"] = "Whenever"
+    broken["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0][
+        "args"].append(8000)
+    assert len(lws_problems(broken)) == 3, lws_problems(broken)
+    # the host-link key: in no Secret, or in an env value
+    [leader, _] = pod_kinds(lws)
+    worker_container = leader["spec"]["template"]["spec"]["containers"][0]
+    unmounted = dict(worker_container, volumeMounts=worker_container["volumeMounts"][:1])
+    assert key_problems(leader, unmounted)
+    plain = dict(worker_container, env=[{"name": "JAXSERVE_HOST_LINK_KEY", "value": "x" * 64}])
+    assert len(key_problems(leader, plain)) == 2
     file_docs = [d for n, _, d in DOCS if n == "single-host.yaml"]
     broken = json.loads(json.dumps(file_docs))
     for doc in broken:

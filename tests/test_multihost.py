@@ -3,12 +3,15 @@ one model as the mesh lays it over them: one replica split over both hosts (--me
 host 0 sends each step to host 1), or data-parallel replicas each on one host (--mesh 2x4,
 4x2: host 0 routes requests, host 1 runs its replicas' engines and sends their tokens back),
 or replicas that each span two hosts. The greedy tokens must equal a single process's, and
-a host that dies takes only its replicas."""
+a host that dies takes only its replicas. The hosts authenticate their links with the key
+every host is given (LINK_KEY); stray connections to a host's link listener as the pod
+starts (a wrong key, garbage, silence) change nothing (test_host_links.py covers each)."""
 
 from __future__ import annotations
 
 import json
 import os
+import pathlib
 import re
 import signal
 import socket
@@ -26,6 +29,7 @@ PROMPTS = ["def fibonacci(n):", "while True:", "import os\nimport sys\n\nclass C
            "for i in range("]
 NEW_TOKENS = 10
 ENGINE = ["--max-model-len", "128", "--max-num-seqs", "2", "--max-num-batched-tokens", "16"]
+LINK_KEY = "test-host-link-key-" + "0" * 32  # (JAXSERVE_HOST_LINK_KEY, the same on every host)
 
 
 def free_port() -> int:
@@ -35,28 +39,64 @@ def free_port() -> int:
 
 
 def start_hosts(command: list[str], num_hosts: int, devices_per_host: int,
-                log_level: str = "WARNING") -> list[subprocess.Popen]:
+                log_level: str = "WARNING", log_dir: pathlib.Path | None = None,
+                key: str | None = LINK_KEY) -> list[subprocess.Popen]:
     """The same command on num_hosts processes (host 0 last in the list), each with its own
-    fake CPU devices; each in a process group of its own."""
+    fake CPU devices and the host-link key; each in a process group of its own. log_dir:
+    each host's stderr goes to log_dir / "host{i}.log" (else to a pipe)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_host}")
+    env.pop("JAXSERVE_HOST_LINK_KEY_FILE", None)
+    if key is None:
+        env.pop("JAXSERVE_HOST_LINK_KEY", None)
+    else:
+        env["JAXSERVE_HOST_LINK_KEY"] = key
     cluster = ["--coordinator", f"127.0.0.1:{free_port()}", "--num-hosts", str(num_hosts)]
     base = [sys.executable, "-m", "jaxserve.cli", "--log-level", log_level]
     return [subprocess.Popen(base + command + cluster + ["--host-id", str(i)], env=env,
-                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             start_new_session=True)
+                             text=True, stdout=subprocess.PIPE,
+                             stderr=open(log_dir / f"host{i}.log", "w") if log_dir else
+                             subprocess.PIPE, start_new_session=True)
             for i in reversed(range(num_hosts))]
 
 
-def finish(hosts: list[subprocess.Popen], timeout: float = 600) -> list[tuple[str, str]]:
+def finish(hosts: list[subprocess.Popen], timeout: float = 600,
+           log_dir: pathlib.Path | None = None) -> list[tuple[str, str]]:
     try:
         results = [host.communicate(timeout=timeout) for host in hosts]
     finally:
         for host in hosts:
             kill(host)
+    if log_dir:  # (host 0 last, as start_hosts lists them)
+        results = [(out, (log_dir / f"host{len(hosts) - 1 - i}.log").read_text())
+                   for i, (out, _) in enumerate(results)]
     for host, (_, err) in zip(hosts, results):
         assert host.returncode == 0, err[-3000:]
     return results
+
+
+def listener_address(log: pathlib.Path, host: subprocess.Popen) -> tuple[str, int]:
+    """Where a host's link listener listens, from its start-up line (log level INFO)."""
+    deadline = time.monotonic() + 300
+    while not (found := re.search(r"joined; .* listening on ([\d.]+):(\d+)\.",
+                                  log.read_text())):
+        assert host.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    return found[1], int(found[2])
+
+
+def stray_connections(address: tuple[str, int]) -> list[socket.socket]:
+    """A connection with a wrong key, one that sends garbage (a pickle), one that stays
+    silent; the last two are returned open."""
+    from jaxserve.backends import host_link
+
+    try:
+        host_link.connect(address, b"not-the-key-" * 4, "core:1", timeout=30).close()
+    except (EOFError, OSError):
+        pass
+    garbage = socket.create_connection(address)
+    garbage.sendall(b"\x80\x04\x95" + b"\0" * 100)
+    return [garbage, socket.create_connection(address)]
 
 
 def kill(host: subprocess.Popen) -> None:
@@ -104,6 +144,8 @@ def test_replicas_are_laid_host_by_host():
 
 # "orbax": the same from a `jaxserve convert` folder, each process restoring only the slices
 # of its own device (test_orbax.py covers one process by default).
+# Stray connections reach each host's link listener as the pod starts, before host 0
+# connects to host 1: each is dropped with a warning, and the pod serves as ever.
 @pytest.mark.parametrize("source", ["hf", pytest.param("orbax", marks=pytest.mark.slow)])
 def test_two_processes_match_one(source, mesh_checkpoints, tmp_path):
     folder = str(mesh_checkpoints["llama"])
@@ -111,9 +153,29 @@ def test_two_processes_match_one(source, mesh_checkpoints, tmp_path):
         from jaxserve.backends.jax.orbax_checkpoint import convert
 
         folder = str(convert(folder, tmp_path / "orbax"))
-    results = finish(start_hosts(generate_command(folder, "1x2"), 2, 1))
+    hosts = start_hosts(generate_command(folder, "1x2"), 2, 1, "INFO", tmp_path)
+    strays = []
+    try:
+        for i, host in ((1, hosts[0]), (0, hosts[1])):
+            strays += stray_connections(listener_address(tmp_path / f"host{i}.log", host))
+        results = finish(hosts, log_dir=tmp_path)
+    finally:
+        for stray in strays:
+            stray.close()
+        for host in hosts:
+            kill(host)
     assert not generated(results[0][0])  # host 1 prints nothing
     assert generated(results[1][0]) == single_process(folder)
+    for _, log in results:  # the wrong key's and the garbage's (silence: after 10 s)
+        assert log.count("Host link: dropped a connection") >= 2, log[-3000:]
+        assert not re.search(r"^ERROR |Traceback", log, re.M), log[-3000:]
+
+
+def test_multi_host_refuses_to_start_without_a_key(mesh_checkpoints):
+    [host] = start_hosts(generate_command(str(mesh_checkpoints["llama"]), "1x2"), 1, 1,
+                         key=None)
+    _, err = host.communicate(timeout=120)
+    assert host.returncode != 0 and "JAXSERVE_HOST_LINK_KEY" in err, err[-3000:]
 
 
 # 2x4: one replica per host; 4x2: two per host; 2x2 over four hosts of one device: each

@@ -36,7 +36,7 @@ from jaxserve.engine.failures import EngineDeadError
 from jaxserve.engine.interface import EngineInterface
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.outputs import RequestOutput
-from jaxserve.engine.remote_replica import RemoteReplica
+from jaxserve.engine.remote_replica import CORE_CODEC, RemoteReplica
 from jaxserve.engine.sleep_mode import (
     check_enabled,
     check_level,
@@ -100,7 +100,8 @@ class DataParallelEngine(EngineInterface):
             if hosts[0] != 0:
                 logger.info("Data-parallel replica %d of %d: on host %s, waiting until it is "
                             "ready", rank + 1, size, "/".join(map(str, hosts)))
-                connection = selection.host_links().connect(hosts[0], f"core:{rank}")
+                connection = selection.host_links().connect(hosts[0], f"core:{rank}",
+                                                            CORE_CODEC)
                 replicas[rank] = RemoteReplica(connection, f"replica {rank} (host {hosts[0]})",
                                                on_news=self._news.set)
         return replicas

@@ -6,6 +6,12 @@ EngineCoreClient over a socket instead of a pipe: the same protocol (core_proces
 same mirrors, detokenization and outputs on host 0. So each replica's host work runs on its
 own host, and host 0 only admits, routes and builds outputs.
 
+What crosses is plain data (backends/wire.py), never pickles: CORE_CODEC carries the
+protocol's messages and builds, of classes, only those it lists (the configs, requests and
+their parameters, stats, compile records, logprob entries, and the exceptions that cross as
+they are); the connection is a host link authenticated with the operator's key
+(backends/host_link.py).
+
 run_host is a non-zero host's whole job: build the engine of each replica it leads and the
 runner of each replica it only follows (in replica order, as every host does, so that
 replicas over several hosts build together), then serve each engine to host 0 and follow
@@ -17,17 +23,50 @@ from __future__ import annotations
 import logging
 import threading
 
+from jaxserve.backends.jax.compile_stats import CompileRecords, CompileTimes
+from jaxserve.backends.wire import Codec
+from jaxserve.config.engine_config import (
+    AttentionConfig,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from jaxserve.config.lora import LoraConfig
+from jaxserve.config.mesh import MeshShape
+from jaxserve.config.pooler import PoolerConfig
+from jaxserve.config.request_limits import RequestLimits
+from jaxserve.config.speculative import SpeculativeConfig
+from jaxserve.core.pooling_params import PoolingParams
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.structured_output import StructuredOutputsParams
+from jaxserve.core.token_constraints import TokenConstraints
+from jaxserve.engine.admission import EngineRequest
 from jaxserve.engine.core_client import EngineCoreClient
 from jaxserve.engine.failures import EngineDeadError, describe
-from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.outputs import Logprob, RequestOutput
+from jaxserve.engine.sleep_mode import EngineSleepingError, RequestsUnfinishedError
+from jaxserve.engine.stats import EngineStats
+from jaxserve.models.lora import LoRARequest
 
 logger = logging.getLogger(__name__)
+
+# The classes the engine core protocol carries between hosts (core_process.py's messages):
+# "ready"'s EngineConfig, "add"'s EngineRequest, "step"'s records and stats, "reply"'s
+# results and the exceptions that cross as they are (core_process._PLAIN_ERRORS).
+CORE_CODEC = Codec([
+    EngineConfig, ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, AttentionConfig,
+    MeshShape, RequestLimits, SpeculativeConfig, LoraConfig, PoolerConfig,
+    EngineRequest, SamplingParams, StructuredOutputsParams, TokenConstraints, PoolingParams,
+    LoRARequest, EngineStats, CompileRecords, CompileTimes, Logprob,
+    EngineDeadError, EngineSleepingError, RequestsUnfinishedError])
 
 
 class RemoteReplica(EngineCoreClient):
     def __init__(self, connection, where: str, on_news=None) -> None:
-        """connection: a duplex connection to the replica's engine core (serve_core on its
-        lead host), which answers ("ready", EngineConfig) once its engine is built, or
+        """connection: a duplex host link (host_link.Link with CORE_CODEC) to the replica's
+        engine core (serve_core on its lead host), which answers ("ready", EngineConfig) once its engine is built, or
         ("failed", exception); where: the replica, for messages; on_news: called from the
         reader thread when news comes or the core is lost."""
         self.where = where
@@ -99,7 +138,7 @@ def run_host(config) -> None:
     for thread in threads:
         thread.start()
     for rank, engine in leads:  # host 0 connects in replica order, each once the last is ready
-        connection = links.accept(f"core:{rank}")
+        connection = links.accept(f"core:{rank}", CORE_CODEC)
         threads.append(threading.Thread(target=serve_core, args=(engine, connection, rank),
                                         name=f"jaxserve-replica-{rank}"))
         threads[-1].start()

@@ -18,34 +18,41 @@ bucket, the packed int32 inputs, the prompt-scoring targets, the pooling inputs)
 StepChannel and runs the same compiled functions on them, so the collectives inside the step
 line up.
 
-The connections are multiprocessing.connection sockets authenticated with a key host 0 draws
-and shares through jax.distributed's key-value store, where every host also publishes the
-address it listens on (HostLinks). jax.distributed runs with recoverability on: a lead host
-that dies takes its replicas (host 0 stops routing to them), not the job. A host that only
-follows a replica is not watched: when it dies, its replica's steps fail or wait.
+The hosts meet at the coordinator (jax.distributed), which host 0 binds on the address the
+other hosts reach it at (the coordinator's host, as this host's interface to it, or
+JAXSERVE_HOST_IP), not on every interface. Each host publishes in the coordinator's
+key-value store the address its host links listen on (HostLinks, the same address, bound
+alone); the links (backends/host_link.py) are authenticated with the operator's key
+(JAXSERVE_HOST_LINK_KEY or JAXSERVE_HOST_LINK_KEY_FILE), which never goes through the store,
+and carry plain data (backends/wire.py), never pickles. jax.distributed runs with
+recoverability on: a lead host that dies takes its replicas (host 0 stops routing to them),
+not the job. A host that only follows a replica is not watched: when it dies, its
+replica's steps fail or wait.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import pickle
-import secrets
 import socket
-from multiprocessing.connection import Client, Connection, Listener
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxserve.backends import host_link
+from jaxserve.backends.host_link import Link
+from jaxserve.backends.wire import Codec
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.config.mesh import AXES, ModelDims, check_devices
+from jaxserve.models.lora import LoRARequest
 
 logger = logging.getLogger(__name__)
 
 _KEY = "jaxserve/"  # jax.distributed key-value store entries
 _LOOKUP_TIMEOUT_MS = 15 * 60 * 1000  # how long a host waits for another's address
 _STOP = None  # StepChannel's message to stop following
+_STEP_CODEC = Codec([LoRARequest])  # what a StepChannel carries beside arrays and numbers
 
 _links: HostLinks | None = None
 
@@ -69,7 +76,8 @@ def replica_mesh(config: EngineConfig, rank: int = 0) -> Mesh:
 def initialize(coordinator: str | None, num_hosts: int | None, host_id: int | None) -> None:
     """Join the hosts (before anything touches a JAX backend) and open this host's listening
     socket. With no arguments, JAX reads its environment (JAX_COORDINATOR_ADDRESS,
-    JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a TPU pod's metadata)."""
+    JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a TPU pod's metadata). ValueError first when the
+    host-link key is not set (host_link.link_key)."""
     global _links
     given = [coordinator is not None, num_hosts is not None, host_id is not None]
     if any(given) and not all(given):
@@ -77,16 +85,37 @@ def initialize(coordinator: str | None, num_hosts: int | None, host_id: int | No
                          "--host-id I (or none of them, to let JAX read its environment).")
     if num_hosts is not None and not 0 <= host_id < num_hosts:
         raise ValueError(f"--host-id must be in [0, {num_hosts}), got {host_id}.")
+    key = host_link.link_key()
     # CPU hosts need gloo for cross-process collectives; accelerators ignore this setting.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # A host that dies takes its replicas with it, not the job (host 0 keeps serving).
     jax.config.update("jax_enable_recoverability", True)
+    # Host 0's coordinator on the address the others use (the operator's
+    # JAX_COORDINATOR_BIND_ADDRESS first, which jax.distributed reads itself).
+    known = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    chosen = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")
+    bind = coordinator_bind_address(known) if known and not chosen else None
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_hosts,
-                               process_id=host_id)
-    _links = HostLinks.open(coordinator)
+                               process_id=host_id, coordinator_bind_address=bind)
+    if jax.process_index() == 0 and bind is None and not chosen:
+        logger.warning("The coordinator (found by JAX) listens on every interface: give "
+                       "--coordinator HOST:PORT, or set JAX_COORDINATOR_BIND_ADDRESS=IP:PORT, "
+                       "and firewall its port (docs/deployment.md, \"Security\").")
+    from jax._src.distributed import global_state
+
+    _links = HostLinks.open(_reachable_ip(coordinator or global_state.coordinator_address),
+                            key, global_state.client, jax.process_index())
     logger.info("Host %d of %d joined; %d devices in all, %d here; listening on %s:%d.",
                 jax.process_index(), jax.process_count(), jax.device_count(),
                 jax.local_device_count(), *_links.address)
+
+
+def coordinator_bind_address(coordinator: str) -> str:
+    """Where host 0's coordinator listens: the coordinator's port on this host's address
+    that the others reach (_reachable_ip), not every interface (jax.distributed's default)."""
+    port = coordinator.rsplit(":", 1)[1]
+    ip = _reachable_ip(coordinator)
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
 def leave() -> None:
@@ -151,45 +180,32 @@ def step_channel(mesh) -> StepChannel | None:
 class HostLinks:
     """This host's listening socket and the way to every other host's: host 0 connects to a
     lead host for each replica it serves, a lead host to the other hosts of its replica. A
-    connection's first message names its purpose; accept() returns the one asked for and
-    keeps others that came first."""
+    connection's purpose is named in its handshake; accept() returns the one asked for and
+    keeps others that came first (backends/host_link.py)."""
 
-    def __init__(self, listener: Listener, address: tuple[str, int], authkey: bytes) -> None:
-        self._listener, self.address, self._authkey = listener, address, authkey
-        self._waiting: dict[str, Connection] = {}
+    def __init__(self, listener: host_link.LinkListener, key: bytes, store) -> None:
+        self._listener, self._key, self._store = listener, key, store
+        self.address = listener.address
 
     @classmethod
-    def open(cls, coordinator: str | None) -> HostLinks:
-        from jax._src.distributed import global_state
+    def open(cls, ip: str, key: bytes, store, index: int) -> HostLinks:
+        """Listen on `ip` (the address the other hosts reach this one at) and publish it in
+        `store` (jax.distributed's key-value store) as host `index`'s. The key stays here."""
+        listener = host_link.LinkListener(ip, key)
+        store.key_value_set(f"{_KEY}host/{index}", f"{ip}:{listener.address[1]}")
+        return cls(listener, key, store)
 
-        store = global_state.client
-        if jax.process_index() == 0:
-            authkey = secrets.token_hex(32)
-            store.key_value_set(_KEY + "authkey", authkey)
-        else:
-            authkey = store.blocking_key_value_get(_KEY + "authkey", _LOOKUP_TIMEOUT_MS)
-        listener = Listener(("0.0.0.0", 0), authkey=authkey.encode())
-        # (JAX found the coordinator itself when none was given: a TPU pod's metadata.)
-        address = (_reachable_ip(coordinator or global_state.coordinator_address),
-                   listener.address[1])
-        store.key_value_set(f"{_KEY}host/{jax.process_index()}", f"{address[0]}:{address[1]}")
-        return cls(listener, address, authkey.encode())
-
-    def connect(self, host: int, purpose: str) -> Connection:
-        from jax._src.distributed import global_state
-
-        where = global_state.client.blocking_key_value_get(f"{_KEY}host/{host}",
-                                                           _LOOKUP_TIMEOUT_MS)
+    def connect(self, host: int, purpose: str, codec: Codec) -> Link:
+        where = self._store.blocking_key_value_get(f"{_KEY}host/{host}", _LOOKUP_TIMEOUT_MS)
         ip, port = where.rsplit(":", 1)
-        connection = Client((ip, int(port)), authkey=self._authkey)
-        connection.send(purpose)
-        return connection
+        connection = host_link.connect((ip, int(port)), self._key, purpose)
+        return Link(connection, codec, f"to host {host} ({purpose})")
 
-    def accept(self, purpose: str) -> Connection:
-        while purpose not in self._waiting:
-            connection = self._listener.accept()
-            self._waiting[connection.recv()] = connection
-        return self._waiting.pop(purpose)
+    def accept(self, purpose: str, codec: Codec) -> Link:
+        return Link(self._listener.accept(purpose), codec, f"from a host ({purpose})")
+
+    def close(self) -> None:
+        self._listener.close()
 
 
 def _reachable_ip(coordinator: str | None) -> str:
@@ -210,15 +226,15 @@ def _reachable_ip(coordinator: str | None) -> str:
 
 class StepChannel:
     """A replica's lead host -> its other hosts: each step's bucket and inputs, or the order
-    to stop (one pickled message per step, sent to each host)."""
+    to stop (one message of plain data per step, encoded once and sent to each host)."""
 
     def __init__(self, host_links: HostLinks, purpose: str, hosts: list[int]) -> None:
         """hosts: the replica's process indices, the lead host first."""
         self.leads = jax.process_index() == hosts[0]
         if self.leads:
-            self._peers = [host_links.connect(h, purpose) for h in hosts[1:]]
+            self._peers = [host_links.connect(h, purpose, _STEP_CODEC) for h in hosts[1:]]
         else:
-            self._source = host_links.accept(purpose)
+            self._source = host_links.accept(purpose, _STEP_CODEC)
 
     def send(self, num_tokens: int, num_rows: int, packed: np.ndarray,
              targets: np.ndarray | None, bias_rows: list[tuple[int, np.ndarray]],
@@ -251,6 +267,6 @@ class StepChannel:
         return int(self._source.recv())
 
     def _send(self, message) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        data = _STEP_CODEC.encode(message)
         for peer in self._peers:
-            peer.send_bytes(data)
+            peer.send_encoded(data)
