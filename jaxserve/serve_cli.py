@@ -135,8 +135,10 @@ def _chat_args(g) -> None:
 def _limit_args(g) -> None:
     g.add_argument("--max-body-bytes", type=human_int, default=4 * 1024 * 1024,
                    help="largest request body (4M = 4 MiB; default 4M)")
-    g.add_argument("--max-waiting-requests", type=int, default=1024,
-                   help="admission cap: beyond it new requests get 429")
+    g.add_argument("--max-waiting-requests", type=int, default=4096,
+                   help="admission cap on waiting sequences: beyond it new requests get "
+                   "429 (default 4096, above max_embedding_inputs' 2048 so an embedding "
+                   "request of that many inputs is admitted)")
     g.add_argument("--max-n", type=int, default=None,
                    help="largest n a request may ask for (default 16; the request limit "
                    "max_n, also settable in --request-limits)")

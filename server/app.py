@@ -55,7 +55,7 @@ class ServerConfig:
     metrics_require_auth: bool = False
     allowed_origins: tuple[str, ...] = ()
     max_body_bytes: int = 4 * 1024 * 1024
-    max_waiting_requests: int = 1024
+    max_waiting_requests: int = 4096  # above max_embedding_inputs (2,048)
     shutdown_timeout: float = 30.0
     # A request's headers, then its body, must each arrive within this many seconds.
     request_read_timeout: float = 30.0
@@ -115,7 +115,8 @@ class ServerConfig:
         for name in ("request_read_timeout", "stream_write_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}.")
-        for name in ("limit_concurrency", "max_preparing_requests", "max_stored_responses"):
+        for name in ("limit_concurrency", "max_preparing_requests", "max_stored_responses",
+                     "max_waiting_requests"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}.")

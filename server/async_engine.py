@@ -104,7 +104,7 @@ class _Stream:
 
 
 class AsyncLLMEngine(EngineCalls):
-    def __init__(self, engine: LLMEngine, *, max_waiting_requests: int = 1024,
+    def __init__(self, engine: LLMEngine, *, max_waiting_requests: int = 4096,
                  metrics: EngineMetrics | None = None, log_requests: bool = False,
                  log_outputs: bool = False, log_stats: bool = True,
                  max_log_len: int | None = None) -> None:
@@ -190,7 +190,8 @@ class AsyncLLMEngine(EngineCalls):
     # ---- the HTTP side ------------------------------------------------------------------
     def submit(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Queue one admitted request now (raising OverloadedError, EngineDeadError or
-        ValueError for an id in use, at once) and return the iterator of its outputs.
+        ValueError, at once: an id in use, or more sequences than max_waiting_requests) and
+        return the iterator of its outputs.
         Leaving the iteration before the request finishes aborts it. Call from the event
         loop."""
         return self.submit_many([request])[0]
@@ -198,18 +199,28 @@ class AsyncLLMEngine(EngineCalls):
     def submit_many(self, requests: list[EngineRequest]) -> list[AsyncIterator[RequestOutput]]:
         """Queue several admitted requests (the prompts of one user request) all or none:
         the admission cap is checked for all of them at once, so refusing a large request
-        never refuses or aborts anyone else's. Nothing heavy runs here (the admission path
-        did the work off the event loop)."""
+        never refuses or aborts anyone else's; one with more sequences than the cap itself
+        gets ValueError (it could never be admitted: a 400, where OverloadedError is a 429 to
+        retry). Nothing heavy runs here (the admission path did the work off the event
+        loop)."""
         if not self.is_running:
             raise EngineDeadError(self.dead_reason or "the engine loop has stopped")
         self.check_awake()  # (sleep mode: engine_calls.py)
+        sequences = sum(r.params.n for r in requests)
+        if sequences > self.max_waiting_requests:
+            # Never admitted, however empty the queue: a 400, not a 429 clients would retry.
+            raise ValueError(
+                f"This request holds {sequences} sequences (inputs or prompts x n), more than "
+                f"the {self.max_waiting_requests} that may wait at once "
+                f"(--max-waiting-requests): it can never be admitted. Send at most "
+                f"{self.max_waiting_requests} (fewer inputs or prompts, or a smaller n), or "
+                "raise --max-waiting-requests.")
         loop = asyncio.get_running_loop()
         max_len = self.engine.config.model.max_model_len
         streams = [_Stream(loop, time.monotonic(), len(r.prompt_token_ids), r.params.n,
                            min(r.params.max_tokens or max_len,
                                max_len - len(r.prompt_token_ids)))
                    for r in requests]
-        sequences = sum(r.params.n for r in requests)
         ids = [r.request_id for r in requests]
         with self._lock:
             waiting = self._stats.waiting + self._pending

@@ -9,10 +9,13 @@ client written for vLLM's gRPC engine reads the same answers:
   spaces_between_special_tokens). The model's generation-config defaults are not applied
   here: GetModelInfo reports them and the gateway applies them, as with vLLM.
 - Streamed chunks carry the new tokens only (token_ids, completion_tokens and
-  output_logprobs of this chunk), prompt_tokens and cached_tokens each time, and the prompt
-  logprobs in the first chunk of each choice. A choice that ends is followed by its
-  GenerateComplete, which carries all of that choice's tokens and logprobs (as the complete
-  of a non-streamed request does).
+  output_logprobs of this chunk), prompt_tokens and cached_tokens each time. A choice that
+  ends is followed by its GenerateComplete, which carries all of that choice's tokens and
+  their logprobs (as the complete of a non-streamed request does).
+- The prompt logprobs (input_logprobs) go out once per request, as they are the same for
+  every choice: streamed, in the first chunk that can carry them (normally the first
+  choice's first chunk); unstreamed, in choice 0's GenerateComplete. Sent with each choice
+  they were n copies (n=16 and a 1,000-token prompt: 2.2 MiB).
 - finish_reason is "stop", "length" or "abort"; matched_token_id is the stop token id,
   matched_stop_str the stop string (neither for EOS).
 
@@ -170,17 +173,14 @@ def _constraint(proto: pb.SamplingParams, starts_after: str | None
 # ---- outputs -----------------------------------------------------------------------------
 class ChoiceStream:
     """Turns one request's cumulative RequestOutputs into the proto's responses, choice by
-    choice: what each choice has already sent, and whether its prompt logprobs went out."""
+    choice: what each choice has already sent, and whether the prompt logprobs went out."""
 
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.sent: dict[int, int] = {}  # choice index -> tokens sent
-        self.prompt_sent: set[int] = set()
+        self.prompt_sent = False  # streamed: once per request, not once per choice
         self.completed: set[int] = set()
-        # The prompt logprobs message, built once and shared by every choice that carries it
-        # (n choices of a 2,000-token prompt would otherwise build n copies).
-        self._input: tuple[int, pb.InputLogProbs] | None = None
 
     def responses(self, output: RequestOutput, stream: bool) -> list[pb.GenerateResponse]:
         out = []
@@ -193,15 +193,16 @@ class ChoiceStream:
                     out.append(pb.GenerateResponse(chunk=chunk))
             if choice.finish_reason is not None:
                 self.completed.add(choice.index)
-                out.append(pb.GenerateResponse(complete=self.complete(output, choice)))
+                out.append(pb.GenerateResponse(complete=self.complete(output, choice,
+                                                                      stream)))
         return out
 
     def _chunk(self, output: RequestOutput, choice: CompletionOutput
                ) -> pb.GenerateStreamChunk | None:
         start = self.sent.get(choice.index, 0)
         new = choice.token_ids[start:]
-        # The prompt logprobs go with the choice's first chunk that can carry them.
-        prompt = choice.index not in self.prompt_sent and output.prompt_logprobs is not None
+        # The prompt logprobs go with the request's first chunk that can carry them.
+        prompt = not self.prompt_sent and self._prompt_ready(output)
         if not new and not prompt and (start or choice.finish_reason is None):
             return None
         self.sent[choice.index] = len(choice.token_ids)
@@ -212,24 +213,34 @@ class ChoiceStream:
         if self.params.logprobs is not None and choice.logprobs is not None:
             chunk.output_logprobs.CopyFrom(self._output_logprobs(choice, start))
         if prompt:
-            self.prompt_sent.add(choice.index)
+            self.prompt_sent = True
             chunk.input_logprobs.CopyFrom(self._input_logprobs(output))
         return chunk
 
-    def complete(self, output: RequestOutput, choice: CompletionOutput) -> pb.GenerateComplete:
+    def complete(self, output: RequestOutput, choice: CompletionOutput, stream: bool
+                 ) -> pb.GenerateComplete:
+        """The choice's GenerateComplete; unstreamed, choice 0's carries the prompt
+        logprobs (streamed, a chunk did)."""
         complete = pb.GenerateComplete(
             output_ids=choice.token_ids, finish_reason=choice.finish_reason or "stop",
             prompt_tokens=len(self.prompt_token_ids), completion_tokens=len(choice.token_ids),
             cached_tokens=output.num_cached_tokens, index=choice.index)
         if self.params.logprobs is not None and choice.logprobs is not None:
             complete.output_logprobs.CopyFrom(self._output_logprobs(choice, 0))
-        if output.prompt_logprobs is not None:
+        if not stream and choice.index == 0 and output.prompt_logprobs is not None:
             complete.input_logprobs.CopyFrom(self._input_logprobs(output))
         if isinstance(choice.stop_reason, str):
             complete.matched_stop_str = choice.stop_reason
         elif choice.stop_reason is not None:
             complete.matched_token_id = int(choice.stop_reason)
         return complete
+
+    def _prompt_ready(self, output: RequestOutput) -> bool:
+        """Whether the prompt logprobs are all in, or the request ended without them all.
+        Choice 0 computes them: with n > 1 another choice may sample first."""
+        logprobs = output.prompt_logprobs
+        return logprobs is not None and (len(logprobs) >= len(self.prompt_token_ids)
+                                         or output.finished)
 
     def _output_logprobs(self, choice: CompletionOutput, start: int) -> pb.OutputLogProbs:
         k = self.params.logprobs
@@ -242,12 +253,6 @@ class ChoiceStream:
         return out
 
     def _input_logprobs(self, output: RequestOutput) -> pb.InputLogProbs:
-        entries = len(output.prompt_logprobs)
-        if self._input is None or self._input[0] != entries:
-            self._input = (entries, self._build_input_logprobs(output))
-        return self._input[1]
-
-    def _build_input_logprobs(self, output: RequestOutput) -> pb.InputLogProbs:
         k = self.params.prompt_logprobs
         out = pb.InputLogProbs(token_ids=self.prompt_token_ids)
         for token, entry in zip(self.prompt_token_ids, output.prompt_logprobs):

@@ -9,7 +9,10 @@ RESOURCE_EXHAUSTED, a draining server, a dead engine or a full prepare queue UNA
 request whose grammar ran past its per-step budget INVALID_ARGUMENT, a request the engine
 failed INTERNAL; a call past its deadline is aborted (its blocks freed) and answered
 DEADLINE_EXCEEDED, and a cancelled call aborts its request. Embed serves an embedding model
-(grpc_requests.embed_request); on any other model it is FAILED_PRECONDITION.
+(grpc_requests.embed_request); on any other model it is FAILED_PRECONDITION. FlushCache is a
+development-mode call, as vLLM's /reset_prefix_cache: without VLLM_SERVER_DEV_MODE=1 (read
+once, when the servicer is made, by the same dev_routes.dev_mode as the HTTP routes) it is
+UNIMPLEMENTED, as gRPC answers a call the service does not enable.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 from jaxserve.config.version import VERSION
 from jaxserve.parsers.reasoning import END as REASONING_END
 from jaxserve.server.async_engine import EngineDeadError, OverloadedError, RequestFailedError
+from jaxserve.server.dev_routes import DEV_MODE_ENV, dev_mode
 from jaxserve.server.errors import APIError
 from jaxserve.server.grpc_requests import (
     BadRequest,
@@ -70,6 +74,8 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         self.async_engine = state.engine
         self.engine = state.engine.engine
         self.last_receive = 0.0  # wall time of the last Generate
+        # Decided once, at start-up, as the HTTP side installs its development routes.
+        self.dev_mode = dev_mode()
 
     # ---- Generate --------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context) -> None:
@@ -255,6 +261,11 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         return pb.HealthCheckResponse(healthy=True, message="Health")
 
     async def FlushCache(self, request: common_pb2.FlushCacheRequest, context):
+        if not self.dev_mode:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                "FlushCache is a development-mode call (as vLLM's "
+                                "/reset_prefix_cache): start the server with "
+                                f"{DEV_MODE_ENV}=1 to serve it.")
         if not (math.isfinite(request.timeout_s) and request.timeout_s >= 0):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"timeout_s must be a finite number >= 0, got "

@@ -6,6 +6,12 @@ gRPC health turns NOT_SERVING), lets in-flight requests of both, and those still
 prepared, finish for up to --shutdown-timeout seconds, ends the rest with finish_reason
 "abort", then exits 0.
 
+If the engine loop dies (an engine core process gone, a device lost; not its own stop, nor
+sleep mode), the requests in flight get their error (HTTP 503 engine_dead, an error event in
+a stream, gRPC UNAVAILABLE), and the server shuts down and exits ENGINE_DEAD_EXIT_CODE, so
+that its supervisor restarts it (as vLLM's server exits once its engine is dead) instead of
+a process that answers 503 forever.
+
 Connections are bounded: --limit-concurrency (uvicorn's: connections and requests at once;
 beyond it uvicorn answers 503), and a response whose client stops reading is cut once the
 connection's send buffer has stayed full for --stream-write-timeout seconds (the request is
@@ -33,6 +39,8 @@ from jaxserve.server.metrics import EngineMetrics
 logger = logging.getLogger(__name__)
 
 _FLUSH_S = 2.0  # after aborting, time for the last chunks to reach clients
+_WATCH_S = 0.1  # how often the server looks whether the engine loop has died
+ENGINE_DEAD_EXIT_CODE = 1  # `jaxserve serve`'s exit status once its engine has died
 
 
 def _timed_protocol(header_timeout: float, write_timeout: float) -> type[H11Protocol]:
@@ -143,9 +151,11 @@ class _DrainingServer(uvicorn.Server):
         self.grpc = None  # the GrpcServer, once serving
         self._draining_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.engine_died = False  # the engine loop died: serve() exits ENGINE_DEAD_EXIT_CODE
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
+        watcher = self._loop.create_task(self._watch_engine())
         if self.grpc_config is not None:
             from jaxserve.server.grpc_server import GrpcServer
 
@@ -154,8 +164,23 @@ class _DrainingServer(uvicorn.Server):
         try:
             await super().serve(sockets)
         finally:
+            watcher.cancel()
             if self.grpc is not None:
                 await self.grpc.stop(grace=1.0)
+
+    async def _watch_engine(self) -> None:
+        """Stop serving once the engine loop has died (AsyncLLMEngine.error: never set by
+        its own stop, nor by sleep mode). Its requests in flight already have their error;
+        uvicorn's shutdown lets their responses finish, then serve() returns."""
+        while not self.should_exit:
+            if self.engine.error is not None:
+                logger.critical("The engine is dead (%s): shutting the server down, exit "
+                                "status %d, for its supervisor to restart it",
+                                self.engine.dead_reason, ENGINE_DEAD_EXIT_CODE)
+                self.engine_died = True
+                self.should_exit = True
+                return
+            await asyncio.sleep(_WATCH_S)
 
     def handle_exit(self, sig, frame) -> None:
         if self._draining_task is not None or self._loop is None:
@@ -185,8 +210,9 @@ class _DrainingServer(uvicorn.Server):
 
 def serve(engine, server_config: ServerConfig, grpc_config=None) -> int:
     """Serve `engine` (an engine.interface.EngineInterface: engine/core_client.py's
-    EngineCoreClient, or an engine in this process) until a signal stops the server, then
-    close it. grpc_config: a grpc_server.GrpcConfig to serve gRPC beside HTTP, or None."""
+    EngineCoreClient, or an engine in this process) until a signal stops the server (then
+    0) or the engine dies (then ENGINE_DEAD_EXIT_CODE), then close it; the process's exit
+    status. grpc_config: a grpc_server.GrpcConfig to serve gRPC beside HTTP, or None."""
     # What start-up made (weights, tokenizer, compiled steps) lives as long as the server:
     # kept out of the collector's full passes, which would walk it again every few hundred
     # steps on the engine thread (vLLM freezes its heap after start-up the same way).
@@ -207,6 +233,7 @@ def serve(engine, server_config: ServerConfig, grpc_config=None) -> int:
                                   log_outputs=options.log_outputs,
                                   log_stats=server_config.log_stats,
                                   max_log_len=options.max_log_len)
+    _warn_unservable_limits(engine.config, server_config)
     async_engine.start()
     app = create_app(async_engine, server_config)
     config = uvicorn_config(app, server_config)
@@ -218,6 +245,7 @@ def serve(engine, server_config: ServerConfig, grpc_config=None) -> int:
     finally:
         async_engine.stop()
         engine.close()  # cancel the warm-up's pending compiles; release worker hosts
+    status = ENGINE_DEAD_EXIT_CODE if server.engine_died else 0
     if engine.compiling:
         # An XLA compile cannot be interrupted, and a thread torn down inside one aborts the
         # interpreter: leave without waiting for it (the responses and logs are done).
@@ -225,5 +253,16 @@ def serve(engine, server_config: ServerConfig, grpc_config=None) -> int:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
-    return 0
+        os._exit(status)
+    return status
+
+
+def _warn_unservable_limits(config, server_config: ServerConfig) -> None:
+    """A pooling request may hold more inputs (max_embedding_inputs) than may wait at once
+    (--max-waiting-requests): those requests are refused with a 400 (async_engine.py)."""
+    inputs, cap = config.limits.max_embedding_inputs, server_config.max_waiting_requests
+    if config.pooler is not None and inputs > cap:
+        logger.warning("Request limit max_embedding_inputs (%d) is above "
+                       "--max-waiting-requests (%d): a pooling request with more than %d "
+                       "inputs is refused (400); raise --max-waiting-requests to serve them, "
+                       "or lower max_embedding_inputs (--request-limits).", inputs, cap, cap)

@@ -3,6 +3,7 @@ from smg-grpc-proto's stubs (what the SMG gateway uses), against a real server p
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import datetime
 import hashlib
@@ -24,6 +25,10 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.server.app import ServerConfig, create_app
+from jaxserve.server.async_engine import AsyncLLMEngine
+from jaxserve.server.dev_routes import DEV_MODE_ENV
+from jaxserve.server.grpc_servicer import VllmEngineServicer
 
 PROMPT = "def fibonacci(n):"
 SERVICE = "vllm.grpc.engine.VllmEngine"
@@ -129,7 +134,7 @@ def test_streamed_greedy_output_equals_llm_generate(stub, llm, prompt_ids):
                                    ref.prompt_logprobs[1:]):
         assert value.value == pytest.approx(entry[token].logprob, abs=1e-4)
     assert all(not c.HasField("input_logprobs") for c in streamed[1:])
-    assert complete.input_logprobs == first
+    assert not complete.HasField("input_logprobs")  # once per request: the first chunk's
 
     # the same request unstreamed: one GenerateComplete, the same tokens
     plain = generate(stub, prompt_ids, stream=False, temperature=0, max_tokens=24)
@@ -172,6 +177,35 @@ def test_n_with_a_seed_is_reproducible(stub, prompt_ids):
     first = run()
     assert first == run()
     assert first[0] != first[1]  # two samples, not one twice
+
+
+def test_prompt_logprobs_are_sent_once_per_request(stub, prompt_ids):
+    """With n choices the prompt logprobs (the same for each) go out once: streamed in the
+    first chunk, unstreamed in choice 0's complete (not n copies: 16 of a 1,000-token prompt
+    were 2.2 MiB)."""
+    params = dict(temperature=1.0, seed=7, n=3, max_tokens=4, ignore_eos=True,
+                  prompt_logprobs=1)
+
+    def carriers(responses):
+        return [(kind, r.chunk.index if kind == "chunk" else r.complete.index,
+                 getattr(r, kind).input_logprobs) for r in responses
+                for kind in (r.WhichOneof("response"),)
+                if getattr(r, kind).HasField("input_logprobs")]
+
+    streamed = generate(stub, prompt_ids, **params)
+    assert sorted(by_choice(streamed)[1]) == [0, 1, 2]
+    sent = carriers(streamed)
+    assert [(kind, index) for kind, index, _ in sent] == [("chunk", 0)]
+    assert streamed[0].chunk.HasField("input_logprobs")
+    first = sent[0][2]
+    assert list(first.token_ids) == prompt_ids and len(first.top_logprobs) == len(prompt_ids)
+    plain = generate(stub, prompt_ids, stream=False, **params)
+    assert sorted(by_choice(plain)[1]) == [0, 1, 2]
+    sent = carriers(plain)
+    assert [(kind, index) for kind, index, _ in sent] == [("complete", 0)]
+    assert list(sent[0][2].token_ids) == prompt_ids
+    assert [v.value for v in sent[0][2].token_logprobs[1:]] == pytest.approx(
+        [v.value for v in first.token_logprobs[1:]], abs=1e-4)
 
 
 BAD_INPUTS = {
@@ -300,18 +334,63 @@ def test_tokenizer_bundle_rebuilds_the_tokenizer(stub, llm, tiny_checkpoints):
         llm.get_tokenizer().encode(PROMPT, add_special_tokens=False)
 
 
-def test_flush_cache_forgets_cached_prefixes(stub, prompt_ids):
+def test_flush_cache_needs_dev_mode(stub):
+    """The shared server runs without VLLM_SERVER_DEV_MODE: FlushCache is not served, as
+    HTTP's development routes are not (whatever the request holds)."""
+    for request in (common_pb2.FlushCacheRequest(), common_pb2.FlushCacheRequest(timeout_s=-1)):
+        code, details = status_of(lambda r=request: stub.FlushCache(r, timeout=10))
+        assert code == grpc.StatusCode.UNIMPLEMENTED, details
+        assert DEV_MODE_ENV in details
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """grpc.aio's ServicerContext as far as FlushCache uses it."""
+
+    async def abort(self, code, details):
+        raise _Aborted(code, details)
+
+
+def test_flush_cache_in_dev_mode_forgets_cached_prefixes(llm, prompt_ids, monkeypatch):
+    """The servicer around the module's engine: dev mode is read when the servicer is made
+    (at start-up), not at each call."""
     long = prompt_ids * 8
-    generate(stub, long, temperature=0, max_tokens=2)
-    again = by_choice(generate(stub, long, temperature=0, max_tokens=2))[1][0]
-    assert again.cached_tokens > 0
-    reply = stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=10)
-    assert reply.success, reply.message
-    after = by_choice(generate(stub, long, temperature=0, max_tokens=2))[1][0]
-    assert after.cached_tokens == 0
-    code, _ = status_of(lambda: stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=-1),
-                                                timeout=10))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    params = SamplingParams(temperature=0, max_tokens=2)
+
+    def cached() -> int:
+        return llm.generate([{"prompt_token_ids": long}], params,
+                            use_tqdm=False)[0].num_cached_tokens
+
+    cached()
+    assert cached() > 0
+    async_engine = AsyncLLMEngine(llm.engine)
+    async_engine.start()
+    try:
+        state = create_app(async_engine, ServerConfig(served_model_name="tiny")).state.jaxserve
+        monkeypatch.delenv(DEV_MODE_ENV, raising=False)
+        off = VllmEngineServicer(state)
+        monkeypatch.setenv(DEV_MODE_ENV, "1")
+        on = VllmEngineServicer(state)
+
+        def flush(servicer, **fields):
+            return asyncio.run(servicer.FlushCache(common_pb2.FlushCacheRequest(**fields),
+                                                   _Context()))
+
+        with pytest.raises(_Aborted) as refused:
+            flush(off)
+        assert refused.value.args[0] == grpc.StatusCode.UNIMPLEMENTED
+        with pytest.raises(_Aborted) as bad:
+            flush(on, timeout_s=-1)
+        assert bad.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT
+        monkeypatch.delenv(DEV_MODE_ENV)
+        reply = flush(on)
+        assert reply.success, reply.message
+    finally:
+        async_engine.stop()
+    assert cached() == 0
 
 
 def test_health_reflection_and_what_is_not_served(stub, server):

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 from pathlib import Path
 
-from jaxserve.config.generation_config import sampling_defaults
+from jaxserve.config.generation_config import load_json, sampling_defaults
 from jaxserve.config.lora import LoraConfig
 from jaxserve.config.mesh import MeshShape, ModelDims, parse_mesh, plan_sharding
 from jaxserve.config.pooler import PoolerConfig, resolve_pooler
@@ -446,8 +445,9 @@ def read_hf_config(model: str | os.PathLike) -> dict:
     if not path.is_file():
         raise ValueError(f"{folder} has no config.json; expected a Hugging Face model folder "
                          "(config.json, *.safetensors, tokenizer files).")
-    # (a multimodal folder as its language model: every reader of the config sees that)
-    return language_model_config(json.loads(path.read_text()))
+    # (a multimodal folder as its language model: every reader of the config sees that;
+    # NaN or Infinity anywhere in the file is refused, naming its key)
+    return language_model_config(load_json(path))
 
 
 def _resolve_dtype(dtype: str, hf_config: dict, model: str, on_accelerator: bool) -> str:

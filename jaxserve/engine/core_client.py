@@ -103,6 +103,7 @@ class EngineCoreClient(EngineInterface):
             self._commands.send(("close",))
             self._process.join(30)
             raise
+        logger.info("The engine core runs in process %d", self._process.pid)
 
     def _start(self, config) -> None:
         """What follows the core's "ready" (its EngineConfig): the admission path, the
