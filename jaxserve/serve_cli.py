@@ -156,6 +156,10 @@ def _limit_args(g) -> None:
                    help="/v1/responses answers kept in memory (store=true) for GET "
                    "/v1/responses/{id} and previous_response_id; past it the least recently "
                    "used is evicted (default 1024)")
+    g.add_argument("--max-stored-response-bytes", type=human_int, default=256 * 2**20,
+                   help="the stored /v1/responses answers' size at most (their text, "
+                   "256M = 256 MiB; default 256M); past it the least recently used are "
+                   "evicted")
     g.add_argument("--stream-write-timeout", type=float, default=60.0,
                    help="seconds a client may leave its response unread (the connection's "
                    "send buffer full) before the connection is cut and its request aborted")
@@ -256,7 +260,8 @@ def server_config(args: argparse.Namespace):
         stream_write_timeout=args.stream_write_timeout,
         limit_concurrency=args.limit_concurrency or _default_concurrency(),
         max_preparing_requests=args.max_preparing_requests,
-        max_stored_responses=args.max_stored_responses, root_path=args.root_path,
+        max_stored_responses=args.max_stored_responses,
+        max_stored_response_bytes=args.max_stored_response_bytes, root_path=args.root_path,
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
         ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
         openapi=not args.disable_fastapi_docs,

@@ -69,6 +69,7 @@ class ServerConfig:
     max_preparing_requests: int = 256  # requests being parsed / tokenized / compiled at once
     # /v1/responses kept for GET and previous_response_id (the least recently used evicted)
     max_stored_responses: int = 1024
+    max_stored_response_bytes: int = 256 * 2**20  # ... and their size (responses_store.py)
     chat: ChatSettings = dataclasses.field(default_factory=ChatSettings)
     responses: ResponseOptions = dataclasses.field(default_factory=ResponseOptions)
     # Behind a proxy that routes a path prefix here and strips it (--root-path): the prefix.
@@ -116,7 +117,7 @@ class ServerConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}.")
         for name in ("limit_concurrency", "max_preparing_requests", "max_stored_responses",
-                     "max_waiting_requests"):
+                     "max_stored_response_bytes", "max_waiting_requests"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}.")
@@ -166,7 +167,8 @@ class ServerState:
         self.serving.loras = LoraModels(engine.engine.processor, config.served_names,
                                         config.lora)
         self.responses_api = OpenAIResponses(self.serving,
-                                             ResponseStore(config.max_stored_responses))
+                                             ResponseStore(config.max_stored_responses,
+                                                           config.max_stored_response_bytes))
         self.pooling = PoolingServing(self.serving)
         self.draining = False
         self.started = time.time()

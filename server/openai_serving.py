@@ -141,9 +141,11 @@ class OpenAIServing:
         return self.prepare_chat_body(parse_body(raw, ChatCompletionRequest), ids)
 
     def prepare_chat_body(self, body: ChatCompletionRequest, ids: tuple[str | None, str],
-                          prefix: str = "chatcmpl") -> Prepared:
+                          prefix: str = "chatcmpl",
+                          prompt: list[int] | None = None) -> Prepared:
         """A validated chat request through the admission path (also /v1/responses', which
-        translates its requests into chat requests: responses_protocol.py)."""
+        translates its requests into chat requests: responses_protocol.py). prompt: its
+        messages as render_chat_body renders them, when the caller has them already."""
         model = self.check_model(body.model)
         request_id = self._request_id(prefix, body, ids)
         params = self._params(body, "messages")
@@ -166,17 +168,22 @@ class OpenAIServing:
             raise APIError(400, "chat_template: a chat template sent with the request is "
                            "refused unless the server runs with --trust-request-chat-template.",
                            param="chat_template", code="invalid_value")
+        if prompt is None:
+            prompt = self.render_chat_body(body)
+        return self._admit("chat.completion", body, params, [(None, prompt)], "messages",
+                           model, request_id)
+
+    def render_chat_body(self, body: ChatCompletionRequest) -> list[int]:
+        """A chat request's messages (and tools) through the chat template: its prompt."""
         try:
             kwargs = body.template_kwargs(self.chat.default_kwargs,
                                           not self.chat.exclude_tools_when_none)
             messages = body.template_messages()
         except ValueError as err:
             raise from_value_error(err, "messages") from None
-        ids = self._render_chat(messages, body.adds_generation_prompt,
-                                body.chat_template or self.chat.template, kwargs,
-                                body.add_special_tokens)
-        return self._admit("chat.completion", body, params, [(None, ids)], "messages", model,
-                           request_id)
+        return self._render_chat(messages, body.adds_generation_prompt,
+                                 body.chat_template or self.chat.template, kwargs,
+                                 body.add_special_tokens)
 
     def _request_id(self, prefix: str, body, ids: tuple[str | None, str]) -> str:
         """As vLLM: the X-Request-Id header, else the body's request_id, else a fresh id;
@@ -197,6 +204,7 @@ class OpenAIServing:
         # none: a "tools" there is an unknown field, logged and ignored as vLLM does)
         tools = body.tools if "tools" in type(body).model_fields else None
         try:
+            self.processor.check_identifier(body.user, "user")
             check_tool_count(len(tools or ()), self.processor.limits)
             return self.processor.check_params(body.sampling_params(self.sampling_defaults))
         except ValueError as err:

@@ -136,6 +136,8 @@ class PoolingServing:
         """(the served name the request picks, its request id), once its fields are checked."""
         model = self.serving.check_model(body.model)
         self._checked(body.check)
+        self._checked(lambda: self.processor.check_identifier(getattr(body, "user", None),
+                                                              "user"))
         header, fresh = ids
         own = header or body.request_id
         if own:

@@ -254,9 +254,10 @@ class ResponsesRequest(Body):
         return {"type": "function", "function": {"name": choice["name"]}}
 
     # ---- the chat request -----------------------------------------------------------------
-    def chat_request(self, messages: list[dict], max_model_len: int) -> ChatCompletionRequest:
-        """The chat request this request runs as: messages is the whole conversation
-        (instructions first, then a previous response's turns, then the input)."""
+    def chat_request(self, messages: list[dict]) -> ChatCompletionRequest:
+        """The chat request this request runs as: messages is the conversation
+        (instructions first, then a previous response's turns, then the input), as
+        truncation "auto" kept it (responses_truncation.py)."""
         tools = [{"type": "function", "function": t.model_dump(exclude={"type"},
                                                                 exclude_none=True)}
                  for t in self.function_tools()]
@@ -276,7 +277,6 @@ class ResponsesRequest(Body):
             parallel_tool_calls=self.parallel_tool_calls,
             reasoning_effort=self.reasoning.effort if self.reasoning is not None else None,
             response_format=self._response_format(),
-            truncate_prompt_tokens=self._truncation(max_model_len),
             continue_final_message=continues, add_generation_prompt=not continues)
         try:
             return ChatCompletionRequest.model_validate(
@@ -294,15 +294,10 @@ class ResponsesRequest(Body):
             "name": fmt.name, "description": fmt.description, "schema": fmt.schema_,
             "strict": fmt.strict}}
 
-    def _truncation(self, max_model_len: int) -> int | None:
-        """truncation 'auto', as vLLM: the prompt's first tokens are dropped until it fits
-        beside max_output_tokens (or leaves one token of room)."""
-        if self.truncation != "auto":
-            return None
-        if self.max_output_tokens is None:
-            return -1
-        keep = max_model_len - self.max_output_tokens
-        return keep if keep >= 1 else None  # nothing fits: the context-length 400
+    def prompt_limit(self, max_model_len: int) -> int:
+        """The most prompt tokens that leave room for max_output_tokens (or for one token
+        when it is not set): what truncation "auto" fits the conversation into."""
+        return max_model_len - (self.max_output_tokens or 1)
 
     # ---- echoed in the response ---------------------------------------------------------
     def echoed(self) -> dict:

@@ -29,18 +29,26 @@ from jaxserve.parsers.tools import tool_parser
 from jaxserve.server.async_engine import EngineDeadError, OverloadedError, RequestFailedError
 from jaxserve.server.errors import APIError, from_value_error, short
 from jaxserve.server.openai_serving import OpenAIServing, Prepared, api_error
+from jaxserve.server.protocol import ChatCompletionRequest
 from jaxserve.server.request_body import parse_body
 from jaxserve.server.request_log import log_received
 from jaxserve.server.responses_items import to_messages
 from jaxserve.server.responses_output import ResponseBuilder
 from jaxserve.server.responses_protocol import ResponsesRequest, renamed
 from jaxserve.server.responses_store import ResponseStore, StoredResponse
+from jaxserve.server.responses_truncation import (
+    MessageCounter,
+    fit,
+    longest_token_chars,
+    message_texts,
+)
 from jaxserve.server.schema_base import ParamError
 from jaxserve.server.tool_calls import ChoiceTools, check_tool_count
 
 logger = logging.getLogger(__name__)
 
 # The stream's last event, by the response's status.
+_FIT_TRIES = 4  # renders truncation "auto" tries before the context-length error
 _TERMINAL = {"completed": "response.completed", "incomplete": "response.incomplete",
              "cancelled": "response.failed"}
 
@@ -51,13 +59,15 @@ class ResponsesPrepared:
     body: ResponsesRequest
     response_id: str
     # The conversation without the instructions (a previous response's, then the input),
-    # as chat messages: what a later previous_response_id continues.
+    # as chat messages, as truncation "auto" kept it: what a later previous_response_id
+    # continues.
     messages: list[dict]
 
 
 class OpenAIResponses:
     def __init__(self, serving: OpenAIServing, store: ResponseStore) -> None:
         self.serving, self.store = serving, store
+        self._token_chars: int | None = None  # the vocabulary's longest entry
 
     # ---- prepare thread -------------------------------------------------------------------
     def prepare(self, raw: bytes, ids: tuple[str | None, str]) -> ResponsesPrepared:
@@ -72,8 +82,13 @@ class OpenAIResponses:
                 if body.instructions else []
             if not system + messages:
                 raise ParamError("input", "input must not be empty.")
-            chat = body.chat_request(system + messages, serving.max_model_len)
-            prepared = serving.prepare_chat_body(chat, ids, prefix="resp")
+            limit = body.prompt_limit(serving.max_model_len)
+            if body.truncation == "auto":
+                chat, prompt, messages = self._fit(body, system, messages, limit)
+            else:
+                self._check_size(system + messages, limit)
+                chat, prompt = body.chat_request(system + messages), None
+            prepared = serving.prepare_chat_body(chat, ids, prefix="resp", prompt=prompt)
         except ParamError as err:
             raise APIError(400, short(str(err)), param=err.param, code="invalid_value") \
                 from None
@@ -82,8 +97,14 @@ class OpenAIResponses:
         return ResponsesPrepared(prepared, body, f"resp_{ids[1]}", messages)
 
     def _check_limits(self, body: ResponsesRequest) -> None:
-        """The request limits max_input_items and max_tools, before any item is read."""
+        """The request limits max_input_items and max_tools, and the identifiers' lengths
+        (max_user_length, max_safety_identifier_length), before any item is read."""
         limits = self.serving.processor.limits
+        for name in ("user", "prompt_cache_key", "safety_identifier"):
+            try:
+                self.serving.processor.check_identifier(getattr(body, name), name)
+            except ValueError as err:
+                raise from_value_error(err) from None
         count = 1 if isinstance(body.input, str) else len(body.input)
         if count > limits.max_input_items:
             raise from_value_error(limit_error("input", "the number of input items",
@@ -93,6 +114,57 @@ class OpenAIResponses:
             check_tool_count(len(body.tools), limits)
         except ValueError as err:
             raise from_value_error(err) from None
+
+    def _counter(self) -> MessageCounter:
+        if self._token_chars is None:  # (once: it reads the whole vocabulary)
+            self._token_chars = longest_token_chars(self.serving.tokenizer)
+        return MessageCounter(self.serving.tokenizer, self._token_chars)
+
+    def _fit(self, body: ResponsesRequest, system: list[dict], messages: list[dict],
+             limit: int) -> tuple[ChatCompletionRequest, list[int], list[dict]]:
+        """truncation "auto": (the chat request, its prompt, the messages it keeps) with the
+        oldest messages dropped until the prompt fits `limit` tokens, the instructions
+        kept (responses_truncation.py). Each try renders the kept part through the chat
+        template and, when the template's own tokens make it too long, fits again with a
+        budget smaller by the excess; past _FIT_TRIES the admission path's context-length
+        error answers."""
+        counter = self._counter()
+        own = counter.count(-1, system[0], limit, "instructions") if system else 0
+        budget = limit - (limit if own is None else own)
+        for attempt in range(_FIT_TRIES):
+            fitted = fit(messages, budget, counter)
+            if not fitted.messages:
+                raise APIError(400, f"This model's maximum context length is "
+                               f"{self.serving.max_model_len} tokens: the instructions and "
+                               f"max_output_tokens leave no room for the input, even with "
+                               "truncation 'auto' (which drops input items, oldest first, "
+                               "but keeps the instructions). Shorten the instructions or "
+                               "lower max_output_tokens.", param="input",
+                               code="context_length_exceeded")
+            chat = body.chat_request(system + fitted.messages)
+            prompt = self.serving.render_chat_body(chat)
+            over = len(prompt) - limit
+            if over <= 0:
+                break
+            budget -= over + 16 * attempt
+        if fitted.dropped or fitted.cut:
+            logger.debug("truncation 'auto' dropped %d of %d messages%s", fitted.dropped,
+                         len(messages), " and cut the start of the oldest kept" if fitted.cut
+                         else "")
+        return chat, prompt, fitted.messages
+
+    def _check_size(self, messages: list[dict], limit: int) -> None:
+        """truncation "disabled": a conversation whose text is longer than `limit` tokens
+        could hold is refused before it is rendered or tokenized."""
+        counter = self._counter()
+        size = sum(len(text) for message in messages for text in message_texts(message))
+        if size > counter.bound(limit):
+            raise APIError(400, f"This model's maximum context length is "
+                           f"{self.serving.max_model_len} tokens. However, your input holds "
+                           f"{size} characters, more than {limit} tokens can hold. Please "
+                           "reduce the length of the input, or set truncation 'auto' to drop "
+                           "the oldest items.", param="input",
+                           code="context_length_exceeded")
 
     def _previous(self, body: ResponsesRequest) -> list[dict]:
         """The conversation a previous response ended (404 when it is not stored)."""

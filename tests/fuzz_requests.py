@@ -124,6 +124,10 @@ MESSAGES = st.lists(st.fixed_dictionaries(
             "function": st.fixed_dictionaries({"name": TEXT, "arguments": SCHEMA_TEXTS})}),
             max_size=2)}), max_size=4)
 
+# End-user ids (user, prompt_cache_key, safety_identifier): around their length limits
+# (max_safety_identifier_length 64, max_user_length 256) and far past them.
+IDENTIFIERS = TEXT | st.sampled_from(["u" * 64, "u" * 65, "u" * 256, "u" * 257,
+                                      "u" * 1_000_000]) | ANY
 FIELDS = {
     "model": st.sampled_from(["tiny", None, "gpt-4", ""]),
     "prompt": (st.sampled_from(["def f(x):", "Hello"]) | TEXT
@@ -155,7 +159,7 @@ FIELDS = {
                          "tokenize", "add_generation_prompt"]), ANY, max_size=2)
     | st.sampled_from(TEMPLATE_KWARG_BOMBS) | ANY,
     "documents": st.lists(st.dictionaries(TEXT, TEXT, max_size=2), max_size=2) | ANY,
-    "request_id": TEXT | st.just("r" * 300),
+    "request_id": TEXT | st.just("r" * 300), "user": IDENTIFIERS,
     "add_generation_prompt": st.booleans(), "add_special_tokens": st.booleans(),
 }
 
@@ -189,9 +193,18 @@ TEXT_FORMATS = st.one_of(
               SCHEMAS),
     st.sampled_from([{"format": {"type": "json_object"}}, {"format": {"type": "text"}},
                      {"verbosity": "high"}]), ANY)
+# Conversations longer than the context, for truncation "auto" to drop items from (and a
+# newest item too long by itself, to cut).
+LONG_INPUTS = st.sampled_from([
+    [{"role": "user", "content": "word " * 2000}, {"role": "assistant", "content": "ok"},
+     {"role": "user", "content": "hi"}],
+    [{"role": "user", "content": "x"}, {"role": "user", "content": "word " * 300_000}],
+    [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}" * 5000},
+     {"type": "function_call_output", "call_id": "c", "output": "y " * 5000}]])
 RESPONSES_FIELDS = {
     "model": FIELDS["model"],
-    "input": TEXT | ITEMS | st.just([{"role": "user", "content": "x"}] * 3000),
+    "input": (TEXT | ITEMS | st.just([{"role": "user", "content": "x"}] * 3000)
+              | LONG_INPUTS),
     "instructions": TEXT | ANY,
     "max_output_tokens": st.integers(1, 6) | INTS | FLOATS | TEXT | st.none(),
     "temperature": FLOATS, "top_p": FLOATS, "top_k": INTS, "seed": INTS,
@@ -209,7 +222,8 @@ RESPONSES_FIELDS = {
     "store": st.booleans() | ANY, "stream": st.booleans(), "background": st.booleans() | ANY,
     "metadata": st.dictionaries(TEXT, TEXT, max_size=20) | ANY,
     "truncation": st.sampled_from(["auto", "disabled", "x"]),
-    "stop": FIELDS["stop"], "logit_bias": FIELDS["logit_bias"], "user": TEXT | ANY,
+    "stop": FIELDS["stop"], "logit_bias": FIELDS["logit_bias"], "user": IDENTIFIERS,
+    "prompt_cache_key": IDENTIFIERS, "safety_identifier": IDENTIFIERS,
     "service_tier": st.sampled_from(["auto", "default", "flex"]), "prompt": ANY,
     "request_id": FIELDS["request_id"], "repetition_penalty": FLOATS, "priority": INTS,
     "ignore_eos": st.booleans() | ANY, "cache_salt": TEXT, "max_tool_calls": INTS,
@@ -246,7 +260,7 @@ POOLING_FIELDS = {
     "documents": SCORE_SIDE, "items": SCORE_SIDE, "data_1": SCORE_SIDE, "data_2": SCORE_SIDE,
     "query": SCORE_SIDE, "top_n": st.integers(-1, 8) | INTS, "return_documents": st.booleans()
     | ANY, "max_tokens_per_query": INTS, "max_tokens_per_doc": INTS, "instruction": TEXT,
-    "priority": INTS, "cache_salt": TEXT, "user": TEXT | ANY,
+    "priority": INTS, "cache_salt": TEXT, "user": IDENTIFIERS,
     "request_id": FIELDS["request_id"], "mm_processor_kwargs": ANY,
 }
 POOLING_VALID = {E: {"model": "tiny", "input": ["def f(x):", "import os"]},

@@ -228,3 +228,15 @@ def test_bench_lora_ratios_pair_the_rounds():
     rows = lambda *tok_s: [{"output_tok_s": v} for v in tok_s]
     runs = {"base": rows(100.0, 50.0, 100.0), "lora": rows(80.0, 40.0, 90.0)}
     assert bench.median_ratio(runs, "lora", "base") == pytest.approx(0.8)
+
+
+def test_bench_responses_chain_continues_each_turn(tiny_checkpoints, tmp_path):
+    out = run_script("bench_responses_chain.py", "--model", str(tiny_checkpoints["llama"]),
+                     "--turns", "5", "--turn-mb", "0.05", "--json", str(tmp_path / "r.json"),
+                     "--", *ENGINE)
+    report = json.loads(out.stdout)
+    assert report == json.loads((tmp_path / "r.json").read_text()) and report["ok"]
+    assert len(report["seconds"]) == len(report["rss_mib"]) == 5
+    # Each 50 kB turn is past the 512-token context: truncation "auto" fits every one.
+    assert all(400 < n <= 512 - 8 for n in report["input_tokens"])
+    assert report["rss_start_mib"] > 0 and report["latency_last5_over_first5"] > 0

@@ -36,6 +36,10 @@ DESCRIPTIONS = {
     "max_logprobs": "logprobs / top_logprobs per token",
     "max_prompt_logprobs": "prompt_logprobs per token",
     "max_request_id_length": "characters of request_id (X-Request-Id, gRPC request_id)",
+    "max_user_length": "characters of an end-user or cache-routing id (user, "
+                       "prompt_cache_key)",
+    "max_safety_identifier_length": "characters of /v1/responses' safety_identifier (as "
+                                    "OpenAI's)",
     "max_response_bytes": "worst-case size of a response: choices x tokens x logprob entries",
     "max_abort_ids": "request ids in one gRPC Abort",
     "max_input_items": "input items of one /v1/responses request (messages, function calls "
@@ -76,6 +80,8 @@ class RequestLimits:
     max_logprobs: int = 20  # the top-k the device step computes
     max_prompt_logprobs: int = 20
     max_request_id_length: int = 256
+    max_user_length: int = 256
+    max_safety_identifier_length: int = 64  # OpenAI's cap
     max_response_bytes: int = 256 * 2**20
     max_abort_ids: int = 1024
     max_input_items: int = 2048

@@ -6,7 +6,7 @@ order, so that the cheap checks come before any expensive work:
 1. check_params: the request limits table (request_limits.py: n, stops, token-id lists,
    bad words, logit bias, logprobs, structured-output caps) and, for a structured output,
    its schema parsed with a depth bound and its structure checked (grammar_checks.py);
-   check_request_id, check_prompt_count, check_priority likewise (a pooling request:
+   check_request_id, check_identifier, check_prompt_count, check_priority likewise (a pooling request:
    check_pooling_count, and its PoolingParams resolved against the engine's pooler);
 2. render_chat / encode: chat templates and tokenization (request text stays text);
 3. process: truncation, the model's checks (length, vocabulary), bad words tokenized, the
@@ -203,6 +203,16 @@ class InputProcessor:
         if len(request_id) > self.limits.max_request_id_length:
             raise limit_error(field, "the length of a request id", "max_request_id_length",
                               self.limits.max_request_id_length, len(request_id))
+
+    def check_identifier(self, value: str | None, field: str) -> None:
+        """An end-user or routing id a request carries (user, prompt_cache_key,
+        safety_identifier): echoed and stored, so bounded (max_user_length;
+        safety_identifier: max_safety_identifier_length)."""
+        name = "max_safety_identifier_length" if field == "safety_identifier" \
+            else "max_user_length"
+        limit = getattr(self.limits, name)
+        if value is not None and len(value) > limit:
+            raise limit_error(field, "the length of an end-user id", name, limit, len(value))
 
     def check_prompt_count(self, count: int, field: str = "prompt") -> None:
         if count > self.limits.max_prompts:
