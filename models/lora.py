@@ -310,8 +310,10 @@ def load_adapter(path: str | Path, hf_config: dict, max_lora_rank: int, arch=Non
         b = tensor(module.b).T * np.float32(spec.config.scaling(module.key))  # [r, out]
         # The values as the slots hold them: scaled, in dtype (a large weight can overflow
         # float16 or the scaling can take it past any dtype's range).
-        _check_finite(module.a, a.astype(dtype), f" in {np.dtype(dtype).name}")
-        _check_finite(module.b, b.astype(dtype), f" once scaled, in {np.dtype(dtype).name}")
+        with np.errstate(over="ignore", invalid="ignore"):  # (what _check_finite reports)
+            a_cast, b_cast = a.astype(dtype), b.astype(dtype)
+        _check_finite(module.a, a_cast, f" in {np.dtype(dtype).name}")
+        _check_finite(module.b, b_cast, f" once scaled, in {np.dtype(dtype).name}")
         start = 0
         for path in module.paths:
             in_shape, out_shape = spec.shapes[path]

@@ -230,6 +230,7 @@ def test_bench_lora_ratios_pair_the_rounds():
     assert bench.median_ratio(runs, "lora", "base") == pytest.approx(0.8)
 
 
+@pytest.mark.slow  # (a server of its own: the suite's budget)
 def test_bench_responses_chain_continues_each_turn(tiny_checkpoints, tmp_path):
     out = run_script("bench_responses_chain.py", "--model", str(tiny_checkpoints["llama"]),
                      "--turns", "5", "--turn-mb", "0.05", "--json", str(tmp_path / "r.json"),

@@ -99,6 +99,8 @@ def test_a_server_stopped_by_sigterm_exits_zero(engine):
     assert status == 0
 
 
+# Slow (a server process of its own; the suite's budget): the watcher itself is tested above.
+@pytest.mark.slow
 def test_serve_exits_non_zero_when_its_engine_core_process_dies(tiny_checkpoints, tmp_path):
     with running_server(tiny_checkpoints["llama"], "--engine-process", "--precompile", "lazy",
                         wait_for="/health", log_dir=tmp_path) as srv:
