@@ -20,6 +20,8 @@ import ml_dtypes
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from jaxserve import SamplingParams
 from jaxserve.backends import host_link
@@ -322,6 +324,41 @@ def test_classes_outside_the_allowlist_do_not_cross():
     assert CORE_CODEC.decode(CORE_CODEC.encode(payload)) == payload
     with pytest.raises(TypeError):
         Codec([object])
+
+
+_NAMES = st.sampled_from([f"{c.__module__}.{c.__qualname__}" for c in CORE_CODEC.classes]
+                         + ["os.system", "builtins.eval", ""])
+_PLAIN = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats()
+                      | st.text(max_size=8)
+                      | st.binary(max_size=16),
+                      lambda inner: st.lists(inner, max_size=3)
+                      | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=8)
+
+
+def _extension(code, payload) -> bytes:
+    return msgpack.packb(msgpack.ExtType(code, msgpack.packb(payload)))
+
+
+_MESSAGES = st.one_of(
+    st.binary(max_size=64),
+    st.builds(_extension, st.integers(0, 12), _PLAIN),
+    st.builds(_extension, st.integers(1, 9), st.tuples(_NAMES, _PLAIN).map(list)),
+    st.builds(_extension, st.sampled_from([2, 3]),
+              st.tuples(st.sampled_from(["float32", "int64", "bfloat16", "object"]),
+                        st.lists(st.integers(-2, 4), max_size=3),
+                        st.binary(max_size=24)).map(list)))
+
+
+# The link's message format is an input too: whatever bytes a peer sends, decode returns
+# plain data or allowlisted objects, or raises WireError (which breaks the link), nothing
+# else.
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_MESSAGES)
+def test_any_bytes_decode_to_data_or_a_wire_error(data):
+    try:
+        CORE_CODEC.decode(data)
+    except WireError:
+        pass
 
 
 def test_a_link_that_gets_a_refused_message_breaks(caplog):
