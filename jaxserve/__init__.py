@@ -48,6 +48,7 @@ def _default_logging() -> None:
 
 
 _default_logging()
+logs.quiet_torch_advice()  # the JAX-only install's first screen: no torch advice
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams",
            "RequestOutput", "CompletionOutput", "Logprob", "PoolingParams",
            "PoolingRequestOutput", "EmbeddingRequestOutput", "ClassificationRequestOutput",

@@ -9,29 +9,116 @@ NNX) and `torch/` (PyTorch). The folder sits at the repository root and installs
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Callable
 
-from jaxserve.models import deepseek_arch, gemma_arch, gpt_oss_arch, llama_arch, mixtral_arch
+from jaxserve.models import llama_arch
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "llama",
-    "Qwen3ForCausalLM": "llama",
-    "Phi3ForCausalLM": "llama",  # Phi-3, Phi-4: fused projections, partial rotary
-    "MixtralForCausalLM": "mixtral",
-    "Qwen2MoeForCausalLM": "mixtral",
-    "Qwen3MoeForCausalLM": "mixtral",
-    "Gemma2ForCausalLM": "gemma",
-    "Gemma3ForCausalLM": "gemma",
-    "Gemma3ForConditionalGeneration": "gemma",  # its language model; images are refused
-    "GptOssForCausalLM": "gpt_oss",  # attention sinks, biased MoE; MXFP4 experts dequantized
-    # multi-head latent attention over a latent cache, grouped routing, shared experts
-    "DeepseekV2ForCausalLM": "deepseek",
-    "DeepseekV3ForCausalLM": "deepseek",
-    # Pooling checkpoints (embeddings, classification heads): served with runner="pooling"
-    **dict.fromkeys(llama_arch.POOLING_ARCHITECTURES, "llama"),
-}
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+    """One row of FAMILIES: a family's Hugging Face architectures and where its code lives,
+    as "module:Class" names imported on first use (as vLLM's model registry), so reading the
+    table imports neither jax nor torch. arch's module (numpy only, both backends) holds the
+    settings class and the checkpoint mapping: hf_param_path and param_shapes."""
+
+    name: str  # "llama", "mixtral", "gemma", "gpt_oss", "deepseek": models/<name>_arch.py
+    label: str  # what messages and the docs call it
+    architectures: tuple[str, ...]  # config.json's `architectures` entries it serves
+    arch: str  # the settings class (a frozen dataclass: LlamaArch or a subclass)
+    jax_model: str  # the Flax NNX model, (arch, dtype, ...) -> module
+    torch_model: str | None  # its PyTorch twin; None: the torch backend has none
+    torch_gap: str = ""  # without a twin: what the torch backend lacks for it
+
+    @property
+    def arch_module(self):
+        """models/<name>_arch.py (numpy only)."""
+        return importlib.import_module(self.arch.partition(":")[0])
+
+    @property
+    def arch_from_hf(self) -> Callable:
+        """(hf config dict) -> arch, a frozen dataclass (LlamaArch or subclass)."""
+        return _load(self.arch).from_hf
+
+    @property
+    def param_path(self) -> Callable:
+        """(HF tensor name, arch) -> load_params target(s), None, or KeyError."""
+        return self.arch_module.hf_param_path
+
+    @property
+    def param_shapes(self) -> Callable:
+        """(arch, quantization) -> {parameter path: (shape, dtype or None)}."""
+        return self.arch_module.param_shapes
+
+    @property
+    def model_cls(self) -> Callable:
+        """The Flax NNX model class, (arch, dtype, ...) -> module with call(kv_caches, batch,
+        ...) and logits(); imports jax and flax."""
+        return _load(self.jax_model)
+
+    @property
+    def torch_cls(self) -> Callable | None:
+        """The PyTorch model class, (arch, dtype, quantization=...) -> torch.nn.Module;
+        imports torch. None where the family has no twin (EngineConfig refuses it on the
+        torch backend)."""
+        return None if self.torch_model is None else _load(self.torch_model)
+
+    def model_path(self, backend: str) -> str | None:
+        """The "module:Class" of `backend`'s ("jax" or "torch") model, None where it has none."""
+        return {"jax": self.jax_model, "torch": self.torch_model}[backend]
+
+
+# The model families: every architecture jaxserve serves, its family's settings and
+# checkpoint mapping, and each backend's model of it.
+FAMILIES = (
+    ModelFamily(
+        "llama", "Llama",
+        ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+         "Phi3ForCausalLM",  # Phi-3, Phi-4: fused projections, partial rotary
+         # Pooling checkpoints (embeddings, classification heads): runner="pooling"
+         *llama_arch.POOLING_ARCHITECTURES),
+        arch="jaxserve.models.llama_arch:LlamaArch",
+        jax_model="jaxserve.models.jax.llama:LlamaForCausalLM",
+        torch_model="jaxserve.models.torch.llama:LlamaForCausalLM"),
+    ModelFamily(
+        "mixtral", "Mixtral",
+        ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"),
+        arch="jaxserve.models.mixtral_arch:MixtralArch",
+        jax_model="jaxserve.models.jax.mixtral:MixtralForCausalLM",
+        # the Llama twin runs the mixture-of-experts layers too (its SparseMoE)
+        torch_model="jaxserve.models.torch.llama:LlamaForCausalLM"),
+    ModelFamily(
+        "gemma", "Gemma",
+        ("Gemma2ForCausalLM", "Gemma3ForCausalLM",
+         "Gemma3ForConditionalGeneration"),  # its language model; images are refused
+        arch="jaxserve.models.gemma_arch:GemmaArch",
+        jax_model="jaxserve.models.jax.gemma:GemmaForCausalLM",
+        torch_model="jaxserve.models.torch.gemma:GemmaForCausalLM"),
+    ModelFamily(
+        # attention sinks, biased MoE; MXFP4 experts dequantized
+        "gpt_oss", "GPT-OSS", ("GptOssForCausalLM",),
+        arch="jaxserve.models.gpt_oss_arch:GptOssArch",
+        jax_model="jaxserve.models.jax.gpt_oss:GptOssForCausalLM",
+        torch_model=None,
+        torch_gap="the torch backend's models have no attention sinks or biased experts"),
+    ModelFamily(
+        # multi-head latent attention over a latent cache, grouped routing, shared experts
+        "deepseek", "DeepSeek", ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
+        arch="jaxserve.models.deepseek_arch:DeepseekArch",
+        jax_model="jaxserve.models.jax.deepseek:DeepseekForCausalLM",
+        torch_model=None,
+        torch_gap="the torch backend has no latent cache or MLA kernel for its multi-head "
+                  "latent attention"),
+)
+
+FAMILY_OF = {name: family for family in FAMILIES for name in family.architectures}
+SUPPORTED_ARCHITECTURES = {name: family.name for name, family in FAMILY_OF.items()}
+
+
+def _load(target: str):
+    """The class a table entry names, "module:Class", imported."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def pooling_task(hf_config: dict) -> str | None:
@@ -41,41 +128,6 @@ def pooling_task(hf_config: dict) -> str | None:
     if name not in llama_arch.POOLING_ARCHITECTURES:
         return None
     return "classify" if name.endswith("ForSequenceClassification") else "embed"
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelFamily:
-    """How to build and load one family: its settings and checkpoint mapping (numpy, both
-    backends) and, imported only when asked for, its Flax model."""
-
-    name: str  # "llama", "mixtral", "gemma", "gpt_oss", "deepseek": models/<name>_arch.py, jax/<name>.py
-    arch_from_hf: Callable  # (hf config dict) -> arch, a frozen dataclass (LlamaArch or subclass)
-    param_path: Callable  # (HF tensor name, arch) -> load_params target(s), None, or KeyError
-    param_shapes: Callable  # (arch, quantization) -> {parameter path: (shape, dtype or None)}
-
-    @property
-    def model_cls(self) -> Callable:
-        """The Flax NNX model class, (arch, dtype, ...) -> module with call(kv_caches, batch,
-        ...) and logits(); imports jax and flax."""
-        if self.name == "mixtral":
-            from jaxserve.models.jax.mixtral import MixtralForCausalLM
-
-            return MixtralForCausalLM
-        if self.name == "gemma":
-            from jaxserve.models.jax.gemma import GemmaForCausalLM
-
-            return GemmaForCausalLM
-        if self.name == "gpt_oss":
-            from jaxserve.models.jax.gpt_oss import GptOssForCausalLM
-
-            return GptOssForCausalLM
-        if self.name == "deepseek":
-            from jaxserve.models.jax.deepseek import DeepseekForCausalLM
-
-            return DeepseekForCausalLM
-        from jaxserve.models.jax.llama import LlamaForCausalLM
-
-        return LlamaForCausalLM
 
 
 def resolve_architecture(hf_config: dict) -> str:
@@ -91,20 +143,6 @@ def resolve_architecture(hf_config: dict) -> str:
 
 def model_family(hf_config: dict) -> ModelFamily:
     """The family of a config's architecture (ValueError as resolve_architecture). numpy only:
-    the Flax model loads on first use of `model_cls`, so host-side code, `jaxserve plan` and
-    the torch backend never import jax or flax through here."""
-    family = SUPPORTED_ARCHITECTURES[resolve_architecture(hf_config)]
-    if family == "mixtral":
-        return ModelFamily("mixtral", mixtral_arch.MixtralArch.from_hf,
-                           mixtral_arch.hf_param_path, mixtral_arch.param_shapes)
-    if family == "gemma":
-        return ModelFamily("gemma", gemma_arch.GemmaArch.from_hf, gemma_arch.hf_param_path,
-                           gemma_arch.param_shapes)
-    if family == "gpt_oss":
-        return ModelFamily("gpt_oss", gpt_oss_arch.GptOssArch.from_hf,
-                           gpt_oss_arch.hf_param_path, gpt_oss_arch.param_shapes)
-    if family == "deepseek":
-        return ModelFamily("deepseek", deepseek_arch.DeepseekArch.from_hf,
-                           deepseek_arch.hf_param_path, deepseek_arch.param_shapes)
-    return ModelFamily("llama", llama_arch.LlamaArch.from_hf, llama_arch.hf_param_path,
-                       llama_arch.param_shapes)
+    the models load on first use of `model_cls` / `torch_cls`, so host-side code, `jaxserve
+    plan` and the torch backend never import jax or flax through here."""
+    return FAMILY_OF[resolve_architecture(hf_config)]

@@ -144,14 +144,11 @@ class DeepseekArch(LlamaArch):
 
 def check_latent_attention(config) -> None:
     """What a DeepSeek model's latent cache (multi-head latent attention) does not take yet,
-    for an EngineConfig being built: ValueError naming the setting."""
+    for an EngineConfig being built: ValueError naming the setting. (The torch backend,
+    which has no DeepSeek model, refuses it by the family table: models/__init__.py.)"""
     names = config.model.hf_config.get("architectures") or ()
     if not set(names) & set(ARCHITECTURES):
         return
-    if config.backend == "torch":
-        raise ValueError(f"{names[0]} (multi-head latent attention) runs on the JAX backend "
-                         "only: the torch backend has no latent cache or MLA kernel. Use "
-                         "backend='jax'.")
     if config.lora is not None:
         raise ValueError(f"enable_lora: LoRA adapters on {names[0]} (multi-head latent "
                          "attention) are not supported; drop enable_lora.")

@@ -300,7 +300,7 @@ def _fused(name: str, arch: LlamaArch) -> list:
 def param_shapes(arch: LlamaArch, quantization: str | None = None) -> dict:
     """Every parameter of the model, {path: (shape, dtype)} with dtype None for the model's
     dtype: the table `jaxserve plan` counts without building a model. The Flax model declares
-    exactly these (tests/test_plan.py compares them)."""
+    exactly these (tests/config/test_plan.py compares them)."""
     d, f, v = arch.hidden_size, arch.intermediate_size, arch.vocab_size
     shapes = {("embed",): ((v, d), None)}  # [V, D]
     for i in range(arch.num_layers):

@@ -19,7 +19,7 @@ configurations:
   lora-off  the same LoRA engine, every prompt without an adapter (the base model through
             the LoRA path: its fixed cost).
 
-The adapters are PEFT folders made by the real peft library (tests/lora_helpers.py's
+The adapters are PEFT folders made by the real peft library (tests/support/lora_helpers.py's
 make_adapter: rank --rank, all seven projection modules, random nonzero A and B), built once
 into --adapter-dir (default ~/.cache/jaxserve-bench/lora/, one folder per model). Both
 engines are built first (precompile=True: every bucket compiled) and stay alive; every
@@ -74,9 +74,9 @@ def make_prompts(args, vocab: int) -> list[list[int]]:
 # ----------------------------------------------------------------------------- adapters
 
 def _lora_helpers():
-    """tests/lora_helpers.py (make_adapter: the tests' PEFT adapters), loaded by path."""
+    """tests/support/lora_helpers.py (make_adapter: the tests' PEFT adapters), loaded by path."""
     spec = importlib.util.spec_from_file_location("lora_helpers",
-                                                  ROOT / "tests" / "lora_helpers.py")
+                                                  ROOT / "tests" / "support" / "lora_helpers.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -174,7 +174,7 @@ def median_ratio(rows: dict, num: str, den: str) -> float:
 def main() -> int:
     args = parse_args()
     from jaxserve import LoRARequest
-    from jaxserve.backends.jax.compile_stats import compilation_count
+    from jaxserve.backends.compile_stats import compilation_count
 
     model = args.model or str(ensure_small_checkpoint())
     vocab = json.loads((pathlib.Path(model) / "config.json").read_text())["vocab_size"]

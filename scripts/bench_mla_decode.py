@@ -174,7 +174,7 @@ def measure_batch(llm, batch: int, steps: int, args, rng) -> dict:
 
 def run(folder: str, args) -> dict:
     """Build the engine, measure every batch size; the report's numbers."""
-    from jaxserve.backends.jax.compile_stats import compilation_count
+    from jaxserve.backends.compile_stats import compilation_count
 
     start = time.perf_counter()
     llm = build_engine(folder, args)

@@ -15,7 +15,7 @@ max_num_batched_tokens 2048, every shape bucket compiled before anything is time
 accelerator (jax.default_backend() == "cpu"), or with --tiny, a tiny Llama (hidden 64, 2
 layers, vocab 8192: twice the tokenizer's, as the 8B model's exceeds it) runs the same code
 end to end with 12 requests, decode batches 1, 4 and 8 and HF (float32, on the CPU) on 4
-requests: a minute or two on 2 cores, most of it compiling (tests/test_bench_on_device.py
+requests: a minute or two on 2 cores, most of it compiling (tests/benchmarks/test_bench_on_device.py
 runs it). On a machine with a GPU that JAX does not see (its CPU-only build), the script
 stops at once (exit 2) and says what to install, instead of benchmarking the tiny model.
 

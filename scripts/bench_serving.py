@@ -21,8 +21,6 @@ import shlex
 import sys
 import tempfile
 
-from jaxserve.bench_cli import add_serve_args, run_bench_serve
-from jaxserve.bench_serve import check_args
 from jaxserve.benchmarks.local_server import (
     PYTHON_CLI,
     free_port,
@@ -31,6 +29,8 @@ from jaxserve.benchmarks.local_server import (
     stop_server,
     wait_healthy,
 )
+from jaxserve.benchmarks.serve.run import check_args
+from jaxserve.cli.bench import add_serve_args, run_bench_serve
 
 
 def build_parser() -> argparse.ArgumentParser:

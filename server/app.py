@@ -33,11 +33,11 @@ from jaxserve.server.async_engine import AsyncLLMEngine
 from jaxserve.server.dev_routes import install_dev_routes
 from jaxserve.server.errors import APIError, from_validation_error
 from jaxserve.server.lora_models import LoraModels, LoraSettings, install_lora_routes
-from jaxserve.server.openai_serving import REQUEST_ID_KEY, OpenAIServing
-from jaxserve.server.pooling_serving import PoolingServing
-from jaxserve.server.responses_serving import OpenAIResponses
-from jaxserve.server.responses_store import ResponseStore
-from jaxserve.server.serving_options import ChatSettings, ResponseOptions
+from jaxserve.server.openai.options import ChatSettings, ResponseOptions
+from jaxserve.server.openai.serving import REQUEST_ID_KEY, OpenAIServing
+from jaxserve.server.pooling.serving import PoolingServing
+from jaxserve.server.responses.serving import OpenAIResponses
+from jaxserve.server.responses.store import ResponseStore
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class ServerConfig:
     max_preparing_requests: int = 256  # requests being parsed / tokenized / compiled at once
     # /v1/responses kept for GET and previous_response_id (the least recently used evicted)
     max_stored_responses: int = 1024
-    max_stored_response_bytes: int = 256 * 2**20  # ... and their size (responses_store.py)
+    max_stored_response_bytes: int = 256 * 2**20  # ... and their size (server/responses/store.py)
     chat: ChatSettings = dataclasses.field(default_factory=ChatSettings)
     responses: ResponseOptions = dataclasses.field(default_factory=ResponseOptions)
     # Behind a proxy that routes a path prefix here and strips it (--root-path): the prefix.
@@ -477,7 +477,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _install_pooling_routes(app: FastAPI, state: ServerState, request_ids) -> None:
-    """vLLM's pooling routes (pooling_serving.py): on a generating model each answers a 400
+    """vLLM's pooling routes (server/pooling/serving.py): on a generating model each answers a 400
     that says why, as the generation routes do on a pooling model."""
     pooling = state.pooling
 

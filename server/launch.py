@@ -157,7 +157,7 @@ class _DrainingServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         watcher = self._loop.create_task(self._watch_engine())
         if self.grpc_config is not None:
-            from jaxserve.server.grpc_server import GrpcServer
+            from jaxserve.server.grpc.server import GrpcServer
 
             self.grpc = GrpcServer(self.state, self.grpc_config)
             await self.grpc.start()
@@ -212,7 +212,7 @@ def serve(engine, server_config: ServerConfig, grpc_config=None) -> int:
     """Serve `engine` (an engine.interface.EngineInterface: engine/core_client.py's
     EngineCoreClient, or an engine in this process) until a signal stops the server (then
     0) or the engine dies (then ENGINE_DEAD_EXIT_CODE), then close it; the process's exit
-    status. grpc_config: a grpc_server.GrpcConfig to serve gRPC beside HTTP, or None."""
+    status. grpc_config: a server/grpc/server.py's GrpcConfig to serve gRPC beside HTTP, or None."""
     # What start-up made (weights, tokenizer, compiled steps) lives as long as the server:
     # kept out of the collector's full passes, which would walk it again every few hundred
     # steps on the engine thread (vLLM freezes its heap after start-up the same way).

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from jaxserve.backends.jax.compile_stats import (
+from jaxserve.backends.compile_stats import (
     COMPILE_BUCKETS,
     CompileRecords,
     compile_records,

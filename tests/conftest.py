@@ -9,9 +9,9 @@ import shutil
 import sys
 import tempfile
 
-import pooling_helpers
 import pytest
-from pooling_helpers import KINDS, make_pooling_checkpoint
+from support import pooling_helpers
+from support.pooling_helpers import KINDS, make_pooling_checkpoint
 
 from jaxserve.benchmarks import checkpoint_checks, checkpoints
 
@@ -69,7 +69,7 @@ def api_server(tiny_checkpoints, tmp_path_factory):
     log holds no ERROR line.
     Yielded once /health answers: the first tests run while the background warm-up still
     compiles the other buckets (test_server_api checks what happens after it)."""
-    from server_helpers import SHARED_READ_TIMEOUT, running_server
+    from support.server_helpers import SHARED_READ_TIMEOUT, running_server
 
     # The engine in its own process, as `serve` runs it on hosts of 4 or more CPUs (this
     # machine's 2 would choose a thread): every server test goes through the engine core.

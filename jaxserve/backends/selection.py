@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from jaxserve.backends.protocol import Runner
+from jaxserve.config.backend_capabilities import supports
 from jaxserve.config.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -57,10 +58,10 @@ def create_runner(config: EngineConfig, rank: int = 0) -> Runner:
 
 def replica_hosts(config: EngineConfig) -> list[list[int]]:
     """Per data-parallel replica, the processes (hosts) that run it, its lead host first:
-    [[0]] * D in one process; on several hosts, the JAX backend's layout
-    (backends/jax/distributed.py)."""
+    [[0]] * D in one process or on a backend without multi-host serving; on several hosts,
+    the JAX backend's layout (backends/jax/distributed.py)."""
     size = config.parallel.data_parallel_size
-    if config.backend == "torch" or not multi_host():
+    if not supports(config.backend, "multi_host") or not multi_host():
         return [[0] for _ in range(size)]
     from jaxserve.backends.jax import distributed
 

@@ -19,8 +19,10 @@ tests import it too.
   triton_checks      the Triton kernels against their reference, the KV write
   triton_timing      the Triton kernel's timing beside SDPA
   triton_run         the Triton kernels' whole check as one call
+  serve/             `jaxserve bench serve`: datasets, the client, the report
 
-The top of the package's layers: it may import anything in jaxserve, and nothing in jaxserve
-imports it. torch, triton, transformers, httpx and matplotlib are imported only by the
-modules (or inside the functions) that need them.
+Near the top of the package's layers: it may import anything in jaxserve, and nothing in
+jaxserve imports it but the command line (`jaxserve bench serve`, jaxserve/cli/bench.py).
+torch, triton, transformers, httpx and matplotlib are imported only by the modules (or
+inside the functions) that need them.
 """

@@ -1,5 +1,5 @@
 """Ragged paged-attention batches on random pages, for the attention benchmark, the kernel
-checks (JAX and Triton) and the kernel tests (tests/attention_cases.py).
+checks (JAX and Triton) and the kernel tests (tests/support/attention_cases.py).
 
 One builder of the layout (which pages each sequence's keys sit on, where each new token's
 key goes), as numpy arrays: the JAX callers wrap it with `jax_batch`, the Triton checks move

@@ -108,7 +108,7 @@ _NO_MOSAIC = ("Mosaic cannot lower the TPU kernel here (no bf16 x bf16 -> f32 do
 # takes about 6 MiB (128 keys) and 11 MiB (256 keys) at head_dim 256, most of it the K/V
 # buffers' sublane padding (KernelTiles.vmem_bytes), so neither budget binds: they are
 # stated so that a change of tiles is checked against them
-# (tests/test_accelerators_table.py). Chosen from the hardware, not timed on it.
+# (tests/config/test_accelerators_table.py). Chosen from the hardware, not timed on it.
 _TILES_128 = KernelTiles(keys_per_chunk=128, vmem_limit_bytes=16 * MiB)
 _TILES_256 = KernelTiles(keys_per_chunk=256, vmem_limit_bytes=32 * MiB)
 

@@ -11,6 +11,15 @@ import functools
 import os
 from pathlib import Path
 
+# (BACKENDS and the attention implementations' names stay importable from here)
+from jaxserve.config.backend_capabilities import (  # noqa: F401
+    ATTENTION_BACKENDS,
+    BACKENDS,
+    JAX_ATTENTION_BACKENDS,
+    TORCH_ATTENTION_BACKENDS,
+    check_config,
+    resolve_backend,
+)
 from jaxserve.config.generation_config import load_json, sampling_defaults
 from jaxserve.config.lora import LoraConfig
 from jaxserve.config.mesh import MeshShape, ModelDims, parse_mesh, plan_sharding
@@ -26,13 +35,6 @@ SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ORBAX_MARKER = "jaxserve_orbax.json"  # in a `jaxserve convert` folder (orbax_checkpoint.py)
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names
 DTYPE_CHOICES = SUPPORTED_DTYPES + tuple(DTYPE_ALIASES)
-# The JAX backend's attention implementations (attend.py) and the torch backend's
-# (backends/torch/runner.py); "auto" and "reference" exist on both.
-JAX_ATTENTION_BACKENDS = ("auto", "pallas", "reference", "interpret", "interpret-gpu")
-TORCH_ATTENTION_BACKENDS = ("auto", "reference", "triton", "triton-interpret")
-ATTENTION_BACKENDS = tuple(dict.fromkeys(JAX_ATTENTION_BACKENDS + TORCH_ATTENTION_BACKENDS))
-# Which framework runs the model: JAX (every mesh) or PyTorch/Triton (one device).
-BACKENDS = ("auto", "jax", "torch")
 # auto: the folder's safetensors or its Orbax checkpoint; safetensors: the former only (as
 # vLLM's flag); dummy: random weights of the model's shape.
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -65,9 +67,14 @@ class ModelConfig:
                              f"{self.load_format!r}; jaxserve reads Hugging Face safetensors "
                              "folders and its own Orbax conversions (pt, gguf, bitsandbytes, "
                              "tensorizer and the others are not supported).")
-        if self.load_format == "safetensors" and (Path(self.model) / ORBAX_MARKER).is_file():
+        if self.load_format == "safetensors" and self.is_orbax:
             raise ValueError(f"load_format='safetensors', but {self.model} is an Orbax "
                              "checkpoint (jaxserve convert); use load_format='auto'.")
+
+    @property
+    def is_orbax(self) -> bool:
+        """Whether the folder is an Orbax checkpoint (`jaxserve convert`)."""
+        return (Path(self.model) / ORBAX_MARKER).is_file()
 
     @property
     def vocab_size(self) -> int:
@@ -246,28 +253,20 @@ class EngineConfig:
     enable_sleep_mode: bool = False  # LLM.sleep / wake_up allowed (vLLM's flag)
 
     def __post_init__(self) -> None:
-        if self.lora is not None and self.backend == "torch":
-            raise ValueError("enable_lora: LoRA adapters run on the JAX backend only; drop "
-                             "enable_lora or use backend='jax'.")
+        """The sub-configs' combination (each checked its own fields)."""
         if self.lora is not None and self.pooler is not None:
             raise ValueError("enable_lora: a pooling model (runner='pooling') serves no LoRA "
                              "adapters; drop enable_lora.")
-        if self.enable_sleep_mode and self.backend == "torch":
-            raise ValueError("enable_sleep_mode: sleep and wake_up run on the JAX backend "
-                             "only; drop enable_sleep_mode or use backend='jax'.")
         if self.pooler is not None and self.speculative is not None:
             raise ValueError("speculative_config: a pooling model (runner='pooling') "
                              "generates no tokens to speculate on; drop speculative_config.")
         if self.precompile not in PRECOMPILE:
             raise ValueError(f"precompile must be True, False or 'background', got "
                              f"{self.precompile!r}.")
-        _check_backend(self.backend, self.attention.backend, self.parallel.mesh)
-        scheme = self.model.weights_scheme
-        if scheme == "int8" and self.backend == "torch":
-            raise ValueError("quantization: int8 weights run on the JAX backend only; drop "
-                             "quantization or use backend='jax'.")
-        if self.model.quantization is not None and (
-                Path(self.model.model) / ORBAX_MARKER).is_file():
+        # what the backend lacks: its model families, attention, features
+        # (backend_capabilities.py's table)
+        check_config(self)
+        if self.model.quantization is not None and self.model.is_orbax:
             raise ValueError("quantization: an Orbax checkpoint (jaxserve convert) is restored "
                              "as saved; quantize from the Hugging Face folder instead.")
         if self.scheduler.async_scheduling and self.speculative is not None:
@@ -275,19 +274,7 @@ class EngineConfig:
                              "speculative step's next inputs depend on how many proposals it "
                              "accepts. Drop one of them (speculative decoding steps "
                              "synchronously when async_scheduling is left unset).")
-        if self.backend == "torch" and self.speculative is not None:
-            raise ValueError("speculative_config: speculative decoding runs on the JAX backend "
-                             "only; drop speculative_config or use backend='jax'.")
-        if self.backend == "torch" and "GptOssForCausalLM" in (
-                self.model.hf_config.get("architectures") or ()):
-            raise ValueError("GPT-OSS (GptOssForCausalLM) runs on the JAX backend only: the "
-                             "torch backend's models have no attention sinks or biased "
-                             "experts. Use backend='jax'.")
         check_latent_attention(self)
-        if self.backend == "torch" and (Path(self.model.model) / ORBAX_MARKER).is_file():
-            raise ValueError(f"{self.model.model} is an Orbax checkpoint (jaxserve convert), "
-                             "which the JAX backend restores; the torch backend loads Hugging "
-                             "Face folders. Use backend='jax' or the original folder.")
 
     @classmethod
     def create(
@@ -332,32 +319,23 @@ class EngineConfig:
         enable_sleep_mode: bool = False,
         on_accelerator: bool = False,
     ) -> EngineConfig:
-        """Resolve defaults against the model folder's config.json and validate everything."""
-        hf_config = read_hf_config(model)
-        resolve_architecture(hf_config)
+        """Resolve defaults against the model folder's config.json and validate everything,
+        in stages: read the model folder; resolve the settings that default from it, the
+        platform or each other; derive the sub-configs (each checks its own fields); check
+        their combination (__post_init__)."""
+        hf_config = read_model_folder(model)
+        # the settings that default from the folder, the platform or each other
         pooler = resolve_pooler(runner, convert, pooler_config, hf_config, model)
         resolved_dtype = _resolve_dtype(dtype, hf_config, model, on_accelerator)
-        limit = int(hf_config.get("max_position_embeddings") or 2048)
-        if max_model_len is None:
-            max_model_len = min(limit, 8192 if on_accelerator else 2048)
-        if not isinstance(max_model_len, int) or max_model_len < 2:
-            raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}.")
-        if max_model_len > limit:
-            raise ValueError(f"max_model_len ({max_model_len}) is larger than the model's "
-                             f"max_position_embeddings ({limit}); use at most {limit}.")
+        max_model_len = _resolve_max_model_len(max_model_len, hf_config, on_accelerator)
         if max_num_seqs is None:
             max_num_seqs = 256 if on_accelerator else 128
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if on_accelerator else 512
         speculative = SpeculativeConfig.parse(speculative_config)
-        if async_scheduling not in (None, True, False):
-            raise ValueError(f"async_scheduling must be True, False or None (auto), got "
-                             f"{async_scheduling!r}.")
-        if async_scheduling is None:
-            async_scheduling = speculative is None
-        if compilation_cache_dir == "default":
-            cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-            compilation_cache_dir = os.path.join(cache_home, "jaxserve", "xla")
+        async_scheduling = _resolve_async_scheduling(async_scheduling, speculative)
+        compilation_cache_dir = _resolve_compilation_cache_dir(compilation_cache_dir)
+        # the sub-configs, then their combination checked by __post_init__
         return cls(
             model=ModelConfig(model=str(model), tokenizer=str(tokenizer or model),
                               dtype=resolved_dtype, max_model_len=max_model_len, seed=seed,
@@ -388,33 +366,51 @@ class EngineConfig:
         )
 
 
+def read_model_folder(model: str | os.PathLike) -> dict:
+    """create's first stage: the folder's config.json (read_hf_config), of an architecture
+    jaxserve serves (ValueError listing them otherwise)."""
+    hf_config = read_hf_config(model)
+    resolve_architecture(hf_config)
+    return hf_config
+
+
+def _resolve_max_model_len(max_model_len: int | None, hf_config: dict,
+                           on_accelerator: bool) -> int:
+    """None: the model's max_position_embeddings, at most 8192 on an accelerator and 2048
+    on the CPU; a given length must fit the model."""
+    limit = int(hf_config.get("max_position_embeddings") or 2048)
+    if max_model_len is None:
+        max_model_len = min(limit, 8192 if on_accelerator else 2048)
+    if not isinstance(max_model_len, int) or max_model_len < 2:
+        raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}.")
+    if max_model_len > limit:
+        raise ValueError(f"max_model_len ({max_model_len}) is larger than the model's "
+                         f"max_position_embeddings ({limit}); use at most {limit}.")
+    return max_model_len
+
+
+def _resolve_async_scheduling(async_scheduling: bool | None,
+                              speculative: SpeculativeConfig | None) -> bool:
+    """None (auto): on unless speculative decoding is, which steps synchronously."""
+    if async_scheduling not in (None, True, False):
+        raise ValueError(f"async_scheduling must be True, False or None (auto), got "
+                         f"{async_scheduling!r}.")
+    return speculative is None if async_scheduling is None else async_scheduling
+
+
+def _resolve_compilation_cache_dir(folder: str | None) -> str | None:
+    """The folder "default" names: $XDG_CACHE_HOME/jaxserve/xla (~/.cache when unset);
+    None: off."""
+    if folder != "default":
+        return folder
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return os.path.join(cache_home, "jaxserve", "xla")
+
+
 def _check_switch(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}.")
     return value
-
-
-def resolve_backend(backend: str) -> str:
-    """auto -> jax (the torch backend is chosen, never picked for the user)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}.")
-    return "jax" if backend == "auto" else backend
-
-
-def _check_backend(backend: str, attention: str, mesh: MeshShape) -> None:
-    """The attention implementation exists on the backend; the torch backend runs on one
-    device."""
-    if backend not in BACKENDS[1:]:
-        raise ValueError(f"backend must be jax or torch once resolved, got {backend!r}.")
-    own = JAX_ATTENTION_BACKENDS if backend == "jax" else TORCH_ATTENTION_BACKENDS
-    if attention not in own:
-        other = "torch" if backend == "jax" else "jax"
-        raise ValueError(f"attention_backend={attention!r} belongs to the {other} backend; "
-                         f"the {backend} backend takes {', '.join(own)}.")
-    if backend == "torch" and mesh != MeshShape():
-        raise ValueError(f"The torch backend runs on one device; got mesh {mesh}. Use the "
-                         "JAX backend for tensor, data and expert parallelism (tensor "
-                         "parallelism for the torch backend is later work).")
 
 
 def _parallel_config(hf_config: dict, mesh, data_parallel_size: int, tensor_parallel_size: int,

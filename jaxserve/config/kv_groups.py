@@ -88,14 +88,16 @@ def describe_groups(groups: KVGroups) -> str:
 def kv_groups_for(config) -> KVGroups:
     """The KV groups an engine of `config` (an EngineConfig) uses: its model's windows in
     groups, or one group of every layer when hybrid_kv_cache is off. Layers of several
-    kinds share slots only on the JAX backend with an unquantized cache (a quantized
-    cache's scales are per layer); elsewhere such a model keeps one group."""
+    kinds share slots only on a backend with shared_kv_slots (backend_capabilities.py: the
+    JAX one) and with an unquantized cache (a quantized cache's scales are per layer);
+    elsewhere such a model keeps one group."""
+    from jaxserve.config.backend_capabilities import supports
     from jaxserve.models import model_family
 
     hf = config.model.hf_config
     windows = model_family(hf).arch_from_hf(hf).sliding_windows
     groups = KVGroups.for_windows(windows, config.cache.hybrid_kv_cache)
-    if groups.num_groups > 1 and (config.backend != "jax"
+    if groups.num_groups > 1 and (not supports(config.backend, "shared_kv_slots")
                                   or config.cache.kv_cache_dtype != "auto"):
         return KVGroups.single(len(windows))
     return groups

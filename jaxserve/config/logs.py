@@ -115,3 +115,20 @@ class _QuietPaths(logging.Filter):
         args = record.args if isinstance(record.args, tuple) else ()
         path = str(args[2]).split("?")[0] if len(args) > 2 else ""
         return path not in self.paths
+
+
+class _NoTorchAdvice(logging.Filter):
+    """Drops transformers' "PyTorch was not found" advice, logged when transformers is first
+    imported without torch: jaxserve's JAX install needs no torch (its tokenizers and configs
+    are what it reads), and the torch backend names its own install when asked for."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("PyTorch was not found")
+
+
+def quiet_torch_advice() -> None:
+    """Installs the filter on transformers' logger, before transformers is imported (the
+    logger object is shared, so its own handler set up later sees the filter too)."""
+    logger = logging.getLogger("transformers")
+    if not any(isinstance(f, _NoTorchAdvice) for f in logger.filters):
+        logger.addFilter(_NoTorchAdvice())

@@ -5,7 +5,7 @@ Each is either accepted with one WARNING, where it truly has no meaning here (`-
 there is no eager mode to force), or refused with a sentence that says what jaxserve lacks
 (`-pp 2`: no pipeline parallelism). Some are accepted for some values only (`-pp 1`,
 `--cpu-offload-gb 0`). The flags jaxserve implements are its own (engine_args.py, the serve
-parser in serve_cli.py); tests/test_vllm_flags.py walks vLLM's list against both.
+parser in jaxserve/cli/serve.py); tests/config/test_vllm_flags.py walks vLLM's list against both.
 """
 
 from __future__ import annotations

@@ -3,4 +3,4 @@ front end uses (`admission.py`), data-parallel replicas, the stats snapshot othe
 read, the detokenizer and the `RequestOutput` types with their processor.
 
 Nothing here imports jax, flax or torch at import time: a backend is built through
-`backends.selection` (tests/test_host_side_imports.py)."""
+`backends.selection` (tests/project/test_host_side_imports.py)."""

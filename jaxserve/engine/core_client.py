@@ -31,7 +31,7 @@ import threading
 import time
 from concurrent.futures import Future
 
-from jaxserve.backends.jax.compile_stats import CompileRecords
+from jaxserve.backends.compile_stats import CompileRecords
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.engine.admission import EngineRequest, InputProcessor
 from jaxserve.engine.core_process import run_engine_core

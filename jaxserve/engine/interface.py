@@ -59,7 +59,7 @@ class EngineInterface(abc.ABC):
     def compile_records(self):
         """The compile records of the process where the engine compiles
         (compile_stats.CompileRecords, for /metrics): this one's."""
-        from jaxserve.backends.jax.compile_stats import compile_records
+        from jaxserve.backends.compile_stats import compile_records
 
         return compile_records()
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from jaxserve.backends.jax.compile_stats import CompileRecords, CompileTimes
+from jaxserve.backends.compile_stats import CompileRecords, CompileTimes
 from jaxserve.backends.wire import Codec
 from jaxserve.config.engine_config import (
     AttentionConfig,

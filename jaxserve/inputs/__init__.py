@@ -1,4 +1,4 @@
 """Request text in, host side: the tokenizer wrapper, chat templates rendered without turning
 request text into special tokens, and JSON parsed with a depth bound.
 
-Nothing here imports jax, flax or torch (tests/test_host_side_imports.py)."""
+Nothing here imports jax, flax or torch (tests/project/test_host_side_imports.py)."""

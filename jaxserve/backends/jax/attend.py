@@ -88,7 +88,7 @@ def attention_for(backend: str, platform: str, head_dim: int | None = None,
     (v2, v3: one log line says why) and on a GPU for a head_dim its kernel cannot tile. On a
     TPU generation the table knows, the kernel gets that generation's tiles and VMEM budget;
     on an unknown device_kind, its defaults. Every choice computes the reference's function
-    (tests/test_ref_attention.py and the kernel tests check them against it). Raises
+    (tests/kernels/test_ref_attention.py and the kernel tests check them against it). Raises
     ValueError for pallas on a platform, generation or head_dim without a kernel.
     """
     if backend not in JAX_ATTENTION_BACKENDS:

@@ -39,6 +39,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxserve.backends.compile_stats import (
+    compilation_count,
+    enable_persistent_cache,
+    install_counter,
+    record_compile,
+    record_load,
+)
 from jaxserve.backends.jax import distributed, kv_quant
 from jaxserve.backends.jax.accelerators import warn_if_cpu_fallback
 from jaxserve.backends.jax.attend import KV_SCALE_SPEC, attention_for, make_attend
@@ -48,13 +55,6 @@ from jaxserve.backends.jax.attend_mla import (
     mla_attention_for,
 )
 from jaxserve.backends.jax.bucket_compiler import CompiledFunctions
-from jaxserve.backends.jax.compile_stats import (
-    compilation_count,
-    enable_persistent_cache,
-    install_counter,
-    record_compile,
-    record_load,
-)
 from jaxserve.backends.jax.executable_cache import executable_cache_for
 from jaxserve.backends.jax.lora_weights import DeviceLoras
 from jaxserve.backends.jax.orbax_checkpoint import is_orbax_folder, restore_params
