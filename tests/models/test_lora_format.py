@@ -218,9 +218,9 @@ def test_adapters_of_other_models_are_refused(adapters, tiny_checkpoints, tmp_pa
     with pytest.raises(ValueError, match="mlp.down_proj targets mlp.w_down, which layer 0 of "
                                          "the base model does not have"):
         inspect_adapter(adapter, hf_config(tiny_checkpoints["mixtral"]), 8)
-    # Qwen2-MoE: gate_proj also names the shared expert's, which LoRA here does not cover.
+    # Qwen2-MoE: the shared expert's gate_proj, which LoRA here does not cover.
     moe = make_adapter(tiny_checkpoints["qwen2_moe"], tmp_path / "moe", seed=4, rank=4,
-                       target_modules=["q_proj", "gate_proj"])
+                       target_modules=["q_proj", "shared_expert.gate_proj"])
     with pytest.raises(ValueError, match=r"mlp\.shared_expert\.gate_proj\.lora_A\.weight' is "
                                          "not the lora_A/lora_B weight of a supported module"):
         inspect_adapter(moe, hf_config(tiny_checkpoints["qwen2_moe"]), 8)

@@ -41,10 +41,20 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port nothing listens on, never one this process handed out before: the
+    kernel may give a just-closed port again, and a server started with two of them (HTTP and
+    gRPC) would then fail to bind its second."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 @contextlib.contextmanager
