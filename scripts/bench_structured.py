@@ -57,18 +57,18 @@ def run(llm, constrained: bool, args) -> dict:
                                      max_tokens=args.output_len, structured_outputs=grammar))
     engine = llm.engine
     totals: dict = {}
-    _timed(engine.grammars, "fill_masks", totals)
-    _timed(engine, "_advance_grammar", totals)
-    _timed(engine.runner, "dispatch", totals)
+    timed = [(engine.grammars, "fill_masks"), (engine.failures, "advance_grammar"),
+             (engine.runner, "dispatch")]
+    for obj, name in timed:
+        _timed(obj, name, totals)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    for name in ("fill_masks", "_advance_grammar", "dispatch"):  # unwrap
-        delattr(engine.grammars if name == "fill_masks" else
-                engine.runner if name == "dispatch" else engine, name)
+    for obj, name in timed:  # unwrap
+        delattr(obj, name)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     steps = totals.get("dispatch_calls", 0)
-    mask_s = totals.get("fill_masks", 0.0) + totals.get("_advance_grammar", 0.0)
+    mask_s = totals.get("fill_masks", 0.0) + totals.get("advance_grammar", 0.0)
     return {"constrained": constrained, "output_tokens": tokens, "seconds": elapsed,
             "output_tok_s": tokens / elapsed, "steps": steps,
             "mask_ms_per_step": 1e3 * mask_s / max(steps, 1),

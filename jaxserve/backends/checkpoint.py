@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from jaxserve.config.progress import progress
@@ -34,6 +35,9 @@ from jaxserve.models.safetensors_format import (  # noqa: F401 - re-exported
     safetensors_files,
 )
 
+# The host dtype parameter values are read in, per model dtype (ModelConfig.dtype); each
+# backend pairs it with its own dtype of the same name.
+HOST_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 # Parameters kept in float32 whatever the model's dtype (vLLM keeps them so too): DeepSeek-V3's
 # router correction bias, whose small differences choose the experts.
 FLOAT32_PARAMS = frozenset({"score_correction"})

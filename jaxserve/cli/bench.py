@@ -48,7 +48,19 @@ def run_bench_serve(args: argparse.Namespace) -> int:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    """`vllm bench serve`'s common flags (names, defaults), and the sweep and plot."""
+    """`vllm bench serve`'s common flags (names, defaults), and the sweep and plot: one
+    argument group each, in --help's order."""
+    _add_server_args(p)
+    _add_model_args(p)
+    _add_dataset_args(p)
+    _add_load_args(p)
+    _add_sampling_args(p)
+    _add_results_args(p)
+
+
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    """The "server" group: where the server is and how to reach it (URL, endpoint, headers,
+    key, TLS, the ready check)."""
     g = p.add_argument_group("server")
     g.add_argument("--backend", default="openai", choices=BACKENDS,
                    help="openai or vllm: /v1/completions; openai-chat: /v1/chat/completions "
@@ -71,6 +83,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="retry the first (untimed) test request until it succeeds or this "
                    "many seconds pass (default 0: one try)")
 
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """The "model" group: the model the requests name, the tokenizer that counts tokens."""
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None,
                    help="model name (default: the first of the server's /v1/models)")
@@ -85,6 +100,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-remote-code", action="store_true",
                    help="let the tokenizer's folder or Hub repository run its own code")
 
+
+def _add_dataset_args(p: argparse.ArgumentParser) -> None:
+    """The "dataset" group: the prompts (random or ShareGPT), how many, their lengths."""
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset-name", default="random", choices=DATASETS,
                    help="random: synthetic token sequences; sharegpt: a local ShareGPT-format "
@@ -110,6 +128,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-shuffle", action="store_true",
                    help="take ShareGPT conversations in file order")
 
+
+def _add_load_args(p: argparse.ArgumentParser) -> None:
+    """The "load" group: how the requests are sent (rate, burstiness, concurrency, warm-ups)
+    and what their bodies add."""
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", default="inf", metavar="RATE[,RATE...]",
                    help="requests per second (inf: all at once; default %(default)s); a comma "
@@ -131,6 +153,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--extra-body", type=_json_object, default=None,
                    help="JSON object merged into every request body")
 
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """The "sampling parameters" group: sent with every request (unset: the server's)."""
     g = p.add_argument_group("sampling parameters")
     g.add_argument("--temperature", type=float, default=None)
     g.add_argument("--top-p", type=float, default=None)
@@ -140,6 +165,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--presence-penalty", type=float, default=None)
     g.add_argument("--repetition-penalty", type=float, default=None)
 
+
+def _add_results_args(p: argparse.ArgumentParser) -> None:
+    """The "results" group: what is reported and saved (metrics, percentiles, goodput, the
+    result files, the plot)."""
     g = p.add_argument_group("results")
     g.add_argument("--percentile-metrics", default=",".join(METRICS),
                    help="metrics whose statistics are reported, of "

@@ -20,7 +20,7 @@ from jaxserve.models import FAMILIES, FAMILY_OF, resolve_architecture
 # Which framework runs the model: JAX (every mesh) or PyTorch/Triton (one device).
 BACKENDS = ("auto", "jax", "torch")
 # The JAX backend's attention implementations (attend.py) and the torch backend's
-# (backends/torch/runner.py); "auto" and "reference" exist on both.
+# (backends/torch/attend.py); "auto" and "reference" exist on both.
 JAX_ATTENTION_BACKENDS = ("auto", "pallas", "reference", "interpret", "interpret-gpu")
 TORCH_ATTENTION_BACKENDS = ("auto", "reference", "triton", "triton-interpret")
 ATTENTION_BACKENDS = tuple(dict.fromkeys(JAX_ATTENTION_BACKENDS + TORCH_ATTENTION_BACKENDS))

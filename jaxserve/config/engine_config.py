@@ -212,7 +212,7 @@ class ParallelConfig:
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     """Which ragged paged attention the step runs (attend.attention_for resolves it on the
-    JAX backend, backends/torch/runner.py's make_attend on the torch backend).
+    JAX backend, backends/torch/attend.py's make_attend on the torch backend).
 
     JAX backend: auto: the Pallas kernel on TPU and GPU, the XLA:CPU-tuned pure-JAX version
     on the CPU; pallas: the platform's Pallas kernel (TPU or GPU only); reference: the

@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.step_fields import sampling_row
 from jaxserve.core.token_constraints import TokenConstraints
 
 
@@ -44,12 +45,11 @@ class Request:
         budget = max_model_len - self.num_prompt_tokens
         self.max_output_tokens = min(params.max_tokens or budget, budget)
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
-        # Sampling settings as the step's input builder reads them, row by row.
-        self.sampling_floats = (params.temperature, params.top_p, params.min_p,
-                                params.presence_penalty, params.frequency_penalty,
-                                params.repetition_penalty, params.logprobs is not None,
-                                constraints is not None and constraints.has_row)
-        self.sampling_top_k = params.top_k
+        # Its sampling settings as its step rows take them (kept by state slot).
+        self.sampling_row = sampling_row(
+            params, seeds=seed, prompt_lens=self.num_prompt_tokens,
+            wants_logprobs=params.logprobs is not None,
+            has_bias=constraints is not None and constraints.has_row)
         self.stop_token_ids = frozenset(params.stop_token_ids)
         self._stops = self.eos_token_ids | self.stop_token_ids  # either ends it
         self._min_outputs = max(params.min_tokens, 1)  # before a stop token may end it

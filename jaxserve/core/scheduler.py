@@ -81,44 +81,51 @@ class Scheduler:
         scheduling): a request's tokens then include placeholders for what that step
         samples, and a decoding request's next input is its placeholder. A request whose
         inputs need its known tokens (a grammar, bad words) waits for them; one whose
-        placeholders already reach its length limit is not scheduled again."""
+        placeholders already reach its length limit is not scheduled again.
+
+        Three stages fill the step: the running pass (_schedule_running), the waiting pass
+        (_schedule_waiting), and the rows' records for what neither advanced
+        (_advance_rest)."""
         budget = self.config.max_num_batched_tokens
         max_seqs = self.config.max_num_seqs
         if limits is not None:
             budget, max_seqs = min(budget, limits[0]), min(max_seqs, limits[1])
-        for request in self._admitted:  # their reset step has been dispatched
+        self._start_step()
+        # The step being formed: its rows are appended as the passes schedule them.
+        step = SchedulerOutput([], [], [], [], [], [])
+        budget = self._schedule_running(step, budget, max_seqs)
+        self._schedule_waiting(step, budget, max_seqs)
+        self._advance_rest(step)
+        return step
+
+    def _start_step(self) -> None:
+        """What the last step's forming left: the requests it admitted have had their reset
+        step dispatched. Decide whether this step makes proposals (speculative decoding, up
+        to disable_by_batch_size running requests)."""
+        for request in self._admitted:
             request.needs_state_reset = False
         self._admitted = []
-        scheduled: list[Request] = []
-        counts: list[int] = []
-        preempted: list[Request] = []
         spec = self.speculative
         self._speculating = spec is not None and (spec.disable_by_batch_size is None or len(
             self.running) <= spec.disable_by_batch_size)
 
-        # The running requests' own tokens come before any proposal.
-        reserved = 0
-        if self._speculating:
-            reserved = sum(r.num_tokens + r.num_placeholders - r.num_computed_tokens
-                           for r in self.running[:max_seqs])
-        kv, running, speculating = self.kv_manager, self.running, self._speculating
+    def _schedule_running(self, step: SchedulerOutput, budget: int, max_seqs: int) -> int:
+        """The running pass: each running request in order (oldest first) gets its next
+        tokens (a decode token and, when speculating, its proposals; or its prompt's next
+        chunk) while the budget and the sequence limit allow, preempting newer ones when the
+        KV pool cannot hold them (_make_room). A request waiting for a step in flight is
+        passed over. Without proposals each row advances past the step as it is scheduled;
+        with them the counts are final only after the waiting pass. The budget left."""
+        scheduled, counts = step.requests, step.num_scheduled_tokens
         # Each row's first position, and whether it samples (then the request has one more
         # placeholder until the step is folded in), as its request advances past the step.
-        firsts: list[int] = []
-        samples: list[bool] = []
-
-        def advance(request: Request, count: int) -> None:
-            first = request.num_computed_tokens
-            firsts.append(first)
-            end = request.num_computed_tokens = first + count
-            request.steps_in_flight += 1
-            # Proposals are written after the known tokens (and count in `count`).
-            sampling = end - request.num_proposed >= request.num_tokens + \
-                request.num_placeholders
-            samples.append(sampling)
-            if sampling:
-                request.num_placeholders += 1
-
+        firsts, samples = step.num_computed_tokens, step.samples
+        kv, running, speculating = self.kv_manager, self.running, self._speculating
+        # The running requests' own tokens come before any proposal.
+        reserved = 0
+        if speculating:
+            reserved = sum(r.num_tokens + r.num_placeholders - r.num_computed_tokens
+                           for r in running[:max_seqs])
         index = 0
         while index < len(running) and budget > 0 and len(scheduled) < max_seqs:
             request = running[index]
@@ -132,35 +139,20 @@ class Scheduler:
                 continue
             if speculating:
                 reserved -= remaining
-                request.num_proposed = self._propose(request, budget - remaining - reserved)
-                num_new = min(remaining + request.num_proposed, budget)
-                if request.num_proposed and not kv.allocate_slots(request, num_new):
-                    request.num_proposed = 0  # no room for proposals: never preempt for them
-                    num_new = min(remaining, budget)
+                num_new = self._count_with_proposals(request, remaining, budget, reserved)
             else:
                 num_new = remaining if remaining < budget else budget
             # (kv_room: whether its blocks already hold the step, without a call)
             if request.num_computed_tokens + num_new > request.kv_room and \
-                    not kv.allocate_slots(request, num_new):
-                while True:
-                    # Victims come from running past index: none of them has been scheduled
-                    # in this pass. That matters for prefix caching: allocate_slots registers
-                    # the blocks a scheduled request fills this step, and those must be
-                    # written by this step; a scheduled request is never preempted before.
-                    victim = self._victim(index)
-                    self.running.remove(victim)
-                    self._preempt(victim)
-                    preempted.append(victim)
-                    if victim is request or kv.allocate_slots(request, num_new):
-                        break
-                if request.status is not RequestStatus.RUNNING:
-                    break
+                    not kv.allocate_slots(request, num_new) and \
+                    not self._make_room(request, num_new, index, step.preempted):
+                break
             scheduled.append(request)
             counts.append(num_new)
             budget -= num_new
             index += 1
             if not speculating:  # its count is final: it advances past the step now
-                # (advance() inlined: the loop every decode row goes through)
+                # (_advance_rest's loop inlined: the one every decode row goes through)
                 first = request.num_computed_tokens
                 firsts.append(first)
                 request.num_computed_tokens = first + num_new
@@ -170,38 +162,82 @@ class Scheduler:
                     request.num_placeholders += 1
                 else:
                     samples.append(False)
+        return budget
 
-        # Waiting requests' prompt tokens come before proposals too: proposals keep only the
-        # budget admission leaves (a prompt token is always used, a proposal only if kept).
-        proposed = sum(r.num_proposed for r in scheduled) if self._speculating else 0
-        new_rows: list[int] = []
-        budget = self._admit(budget + proposed, max_seqs, scheduled, counts, preempted,
-                             new_rows)
+    def _count_with_proposals(self, request: Request, remaining: int, budget: int,
+                              reserved: int) -> int:
+        """A speculating step's count for a running request: its `remaining` own tokens and
+        the proposals that fit what the budget keeps after the other running requests' own
+        tokens (`reserved`), when its blocks can hold them: proposals never preempt."""
+        request.num_proposed = self._propose(request, budget - remaining - reserved)
+        num_new = min(remaining + request.num_proposed, budget)
+        if request.num_proposed and not self.kv_manager.allocate_slots(request, num_new):
+            request.num_proposed = 0  # no room for proposals: never preempt for them
+            num_new = min(remaining, budget)
+        return num_new
+
+    def _make_room(self, request: Request, num_new: int, index: int,
+                   preempted: list[Request]) -> bool:
+        """Preempt running requests (_victim) until `request`, running[index], gets blocks
+        for num_new more tokens, or is itself the one preempted (then False). Each one
+        preempted goes into `preempted`.
+
+        Victims come from running past index: none of them has been scheduled in this pass.
+        That matters for prefix caching: allocate_slots registers the blocks a scheduled
+        request fills this step, and those must be written by this step; a scheduled request
+        is never preempted before."""
+        while True:
+            victim = self._victim(index)
+            self.running.remove(victim)
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request or self.kv_manager.allocate_slots(request, num_new):
+                break
+        return request.status is RequestStatus.RUNNING
+
+    def _schedule_waiting(self, step: SchedulerOutput, budget: int, max_seqs: int) -> None:
+        """The waiting pass: admit waiting requests (_admit) with what the running pass left.
+        Their prompt tokens come before proposals too: proposals keep only the budget
+        admission leaves (a prompt token is always used, a proposal only if kept), chosen
+        then (_choose_proposals); what they leave may admit more."""
+        proposed = sum(r.num_proposed for r in step.requests) if self._speculating else 0
+        budget = self._admit(step, budget + proposed, max_seqs)
         if proposed:
-            budget -= self._choose_proposals(scheduled, counts, budget)
+            budget -= self._choose_proposals(step.requests, step.num_scheduled_tokens,
+                                             budget)
             # The head of the queue may have been refused blocks for a bigger chunk.
-            self._admit(budget, max_seqs, scheduled, counts, preempted, new_rows)
-        # The rows not advanced yet (admitted ones; with proposals, all: their counts were
-        # chosen last).
-        done = len(firsts)
-        for request, count in zip(scheduled[done:], counts[done:]):
-            advance(request, count)
-        return SchedulerOutput(scheduled, counts, preempted, firsts, samples, new_rows)
+            self._admit(step, budget, max_seqs)
 
-    def _admit(self, budget: int, max_seqs: int, scheduled: list[Request], counts: list[int],
-               preempted: list[Request], new_rows: list[int]) -> int:
+    def _advance_rest(self, step: SchedulerOutput) -> None:
+        """Complete the step's row records: the rows not advanced yet (admitted ones; with
+        proposals, all: their counts were chosen last) record their first position and
+        whether they sample, and their requests advance past the step (a sampling row gives
+        its request a placeholder)."""
+        requests, counts = step.requests, step.num_scheduled_tokens
+        firsts, samples = step.num_computed_tokens, step.samples
+        done = len(firsts)
+        for request, count in zip(requests[done:], counts[done:]):
+            first = request.num_computed_tokens
+            firsts.append(first)
+            end = request.num_computed_tokens = first + count
+            request.steps_in_flight += 1
+            # Proposals are written after the known tokens (and count in `count`).
+            sampling = end - request.num_proposed >= request.num_tokens + \
+                request.num_placeholders
+            samples.append(sampling)
+            if sampling:
+                request.num_placeholders += 1
+
+    def _admit(self, step: SchedulerOutput, budget: int, max_seqs: int) -> int:
         """Admit waiting requests in order while the budget, the sequence limit and the KV
-        pool allow, and only when nothing had to give way this step (their rows into
-        new_rows); the budget left."""
-        while (not preempted and self.waiting and budget > 0
+        pool allow, and only when nothing had to give way this step, each with its cached
+        prefix (its rows into the step's new_rows); the budget left."""
+        scheduled = step.requests
+        while (not step.preempted and self.waiting and budget > 0
                and len(self.running) < max_seqs and len(scheduled) < max_seqs):
-            request = self.waiting[0]
-            if self.lora_slots is not None and not self.lora_slots.can_admit(request.lora):
-                # Its adapter waits for a slot: the first request that can run goes first.
-                request = next((r for r in self.waiting
-                                if self.lora_slots.can_admit(r.lora)), None)
-                if request is None:
-                    break
+            request = self._next_to_admit()
+            if request is None:
+                break
             if request.steps_in_flight:
                 break  # preempted while a step held it: it starts over once that is folded
             hits = self.kv_manager.get_computed_blocks(request)  # no reference taken yet
@@ -209,29 +245,44 @@ class Scheduler:
             num_new = min(request.num_tokens - num_hit, budget)
             if not self.kv_manager.allocate_slots(request, num_new, hits):
                 break
-            if request is self.waiting[0]:
-                self.waiting.popleft()
-            else:
-                self.waiting.remove(request)
-            if self.lora_slots is not None:
-                request.lora_slot = self.lora_slots.acquire(request.lora)
-            request.num_computed_tokens = num_hit
-            self.kv_manager.record_lookup(request, num_hit)
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = num_hit
-            request.status = RequestStatus.RUNNING
-            if request.scheduled_time is None:
-                request.scheduled_time = time.monotonic()
-            request.state_slot = self._free_slots.pop()
-            request.num_proposed = 0
-            request.needs_state_reset = True
-            self._admitted.append(request)
-            self.running.append(request)
-            new_rows.append(len(scheduled))
+            self._start_running(request, num_hit)
+            step.new_rows.append(len(scheduled))
             scheduled.append(request)
-            counts.append(num_new)
+            step.num_scheduled_tokens.append(num_new)
             budget -= num_new
         return budget
+
+    def _next_to_admit(self) -> Request | None:
+        """The waiting request to admit next: the head of the queue, or, when its LoRA
+        adapter waits for a slot, the first one that can run (None: none can)."""
+        request = self.waiting[0]
+        if self.lora_slots is not None and not self.lora_slots.can_admit(request.lora):
+            request = next((r for r in self.waiting
+                            if self.lora_slots.can_admit(r.lora)), None)
+        return request
+
+    def _start_running(self, request: Request, num_hit: int) -> None:
+        """Move an admitted request (its blocks allocated) from waiting to running: its LoRA
+        and state slots, num_computed_tokens at the end of its num_hit cached tokens, the
+        prefix-cache lookup recorded."""
+        if request is self.waiting[0]:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(request)
+        if self.lora_slots is not None:
+            request.lora_slot = self.lora_slots.acquire(request.lora)
+        request.num_computed_tokens = num_hit
+        self.kv_manager.record_lookup(request, num_hit)
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_hit
+        request.status = RequestStatus.RUNNING
+        if request.scheduled_time is None:
+            request.scheduled_time = time.monotonic()
+        request.state_slot = self._free_slots.pop()
+        request.num_proposed = 0
+        request.needs_state_reset = True
+        self._admitted.append(request)
+        self.running.append(request)
 
     def lora_stats(self) -> dict:
         """EngineStats' LoRA fields (vllm:lora_requests_info): the names of the adapters of

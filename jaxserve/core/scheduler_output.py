@@ -13,7 +13,8 @@ formed the step. A backend reads, for each one in batch order (row r):
 - `block_ids`: its KV blocks, enough for first + count slots;
 - `state_slot`: its row of the device-side penalty, bias, grammar and last-token state, and
   whether the row was just handed out and starts from nothing (`new_rows`);
-- `seed`, `sampling_floats`, `sampling_top_k`, `params`: how to sample its next token;
+- `sampling_row` (core/step_fields.py's SamplingRow), `params`: how to sample its next
+  token;
 - `samples[r]`: whether the row samples a token (a prompt chunk short of the prompt's end
   does not), and `num_prompt_tokens`: whether it still reads its prompt (prompt logprobs).
 

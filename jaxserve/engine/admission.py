@@ -30,9 +30,9 @@ import numpy as np
 from jaxserve.config.generation_config import eos_token_ids
 from jaxserve.config.request_limits import RequestLimits, limit_error
 from jaxserve.core import grammar_checks
-from jaxserve.core.input_builder import MAX_BANNED_IDS
 from jaxserve.core.pooling_params import PoolingParams
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.step_fields import MAX_BANNED_IDS
 from jaxserve.core.structured_output import GrammarCompiler
 from jaxserve.core.token_constraints import TokenConstraints
 from jaxserve.inputs.tokenizer import (

@@ -1,4 +1,5 @@
-"""How the engine keeps one request from stopping it (LLMEngine's failure isolation).
+"""How the engine keeps one request from stopping it (LLMEngine's failure isolation: the
+FailureIsolation the engine holds, LLMEngine.failures).
 
 When preparing, running or reading a step raises, the engine finds the request(s) that
 caused it and fails only those (finish_reason "error", RequestOutput.error says why),
@@ -10,7 +11,7 @@ freeing their blocks:
   whose own step fails is the culprit;
 - a failure while reading one request's results, detokenizing it or building its output
   fails that request; so does a structured output's grammar that gives up (its mask, or a
-  token it cannot take: _fail_masks, _advance_grammar).
+  token it cannot take: fail_masks, advance_grammar).
 After a culprit's step failed, an empty step checks the device; only when that fails too (an
 error that persists with no request in it: the device is lost) does step() raise
 EngineDeadError.
@@ -26,6 +27,8 @@ from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.core.structured_output import describe_error
 
 if TYPE_CHECKING:
+    from jaxserve.backends.protocol import Runner
+    from jaxserve.core.scheduler import Scheduler
     from jaxserve.engine.output_processor import TrackedRequest
 
 logger = logging.getLogger(__name__)
@@ -36,30 +39,72 @@ class EngineDeadError(RuntimeError):
 
 
 class FailureIsolation:
-    """LLMEngine's failure handling, on the engine's own state: its scheduler, runner and
-    tracked requests; the children that run alone (_suspects: child id -> the computed
-    length up to which it does), the requests failed since step() last returned (_failed),
-    and the failure that makes the next step() check the device (_device_failure)."""
+    """LLMEngine's failure handling: it fails requests through the engine's scheduler, checks
+    the device through its runner, and finds a child's request in the engine's by_child map
+    (child id -> TrackedRequest, the engine's own dict, shared). Its own state: the children
+    that run alone (suspects: child id -> the computed length up to which it does), the
+    requests failed since step() last returned (failed), and the failure that makes the
+    next step() check the device (device_failure)."""
 
-    def _fail_all(self, err: Exception) -> None:
+    def __init__(self, scheduler: Scheduler, runner: Runner,
+                 by_child: dict[str, TrackedRequest]) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.by_child = by_child
+        # Children whose step failed on the device -> the computed length up to which they
+        # run alone (the end of that step): a culprit fails alone before it catches up.
+        self.suspects: dict[str, int] = {}
+        self.failed: list[TrackedRequest] = []  # failed since the last step() returned
+        self.device_failure: BaseException | None = None  # a culprit's step failed
+
+    # ---- what the engine asks ---------------------------------------------------------
+    def take_failed(self) -> list[TrackedRequest]:
+        """The requests failed since the last call (each reported once), then none."""
+        failed, self.failed = self.failed, []
+        return failed
+
+    @property
+    def has_suspects(self) -> bool:
+        """Whether some child runs alone (then steps are synchronous)."""
+        return bool(self.suspects)
+
+    def is_suspect(self, request_id: str) -> bool:
+        """Whether this child runs in a step of its own."""
+        return request_id in self.suspects
+
+    def clear_caught_up(self, out: SchedulerOutput) -> None:
+        """After step `out` ran: a suspect that ran alone up to its failed step is cleared."""
+        for req, first, count in zip(out.requests, out.num_computed_tokens,
+                                     out.num_scheduled_tokens):
+            if first + count >= self.suspects.get(req.request_id, 0):
+                self.suspects.pop(req.request_id, None)
+
+    def forget(self, tracked: TrackedRequest) -> None:
+        """A request the engine no longer tracks: its children are no longer suspects."""
+        for child in tracked.children:
+            self.suspects.pop(child.request_id, None)
+
+    # ---- failing requests -------------------------------------------------------------
+    def fail_all(self, tracked_requests: list[TrackedRequest], err: Exception) -> None:
+        """The engine failed outside any one request: fail every request (the engine drops
+        its steps in flight first); the next step() checks the device."""
         logger.error("The engine failed outside any one request (%s): failing all %d "
-                     "requests", describe(err), len(self._tracked), exc_info=err)
-        self._in_flight, self._older = [], []
-        self.reset_prefix_cache()  # the failed steps' blocks
-        for tracked in list(self._tracked.values()):
-            self._fail(tracked, err, "in the engine", log=False)
-        self._device_failure = err
+                     "requests", describe(err), len(tracked_requests), exc_info=err)
+        for tracked in tracked_requests:
+            self.fail(tracked, err, "in the engine", log=False)
+        self.device_failure = err
 
-    def _fail_masks(self, broken: list[Request]) -> None:
+    def fail_masks(self, broken: list[Request]) -> None:
+        """Fail the requests whose structured output's next-token mask ran past its budget."""
         for req in broken:
             logger.info("Request %s failed: its structured output's next-token mask could not "
                         "be computed within the per-step budget", req.request_id[:64])
-            self._fail(self._by_child[req.request_id], RuntimeError(
+            self.fail(self.by_child[req.request_id], RuntimeError(
                 f"the grammar's next-token mask ran past its per-step budget: "
                 f"{describe_error(req.grammar.get_error())}"), "while computing its "
                 "structured output's next-token mask", log=False, param="structured_outputs")
 
-    def _advance_grammar(self, tracked: TrackedRequest, req: Request, token: int) -> bool:
+    def advance_grammar(self, tracked: TrackedRequest, req: Request, token: int) -> bool:
         """Feed a sampled token to the request's grammar; a grammar that has reached its end
         finishes the request ("stop"). False (the request failed) if the grammar refuses
         the token, which the step's mask should have made impossible."""
@@ -70,7 +115,7 @@ class FailureIsolation:
         if not req.grammar.consume_token(token):
             logger.info("Request %s failed: its structured output's grammar gave up at a "
                         "token (over its per-step budget)", tracked.request_id[:64])
-            self._fail(tracked, RuntimeError(
+            self.fail(tracked, RuntimeError(
                 f"the grammar gave up at the output's token {req.num_output_tokens} (its "
                 f"lexer or parser ran past its per-step budget): "
                 f"{describe_error(req.grammar.get_error())}"),
@@ -80,7 +125,7 @@ class FailureIsolation:
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
         return True
 
-    def _step_failed(self, out: SchedulerOutput, err: Exception) -> None:
+    def step_failed(self, out: SchedulerOutput, err: Exception) -> None:
         """A step failed on the device. What it did to its requests' KV and penalty state is
         unknown, so they are recomputed from scratch, each alone; one that was alone already
         is the culprit."""
@@ -93,17 +138,17 @@ class FailureIsolation:
         if not live:
             return
         if len(out.requests) == 1:
-            self._fail(self._by_child[out.requests[0].request_id], err, "while its step ran",
-                       device=True)
+            self.fail(self.by_child[out.requests[0].request_id], err, "while its step ran",
+                      device=True)
             return
         logger.warning("A step of %d requests failed on the device (%s); recomputing each "
                        "alone", len(out.requests), describe(err))
         for req, end in live:
-            self._suspects[req.request_id] = end
+            self.suspects[req.request_id] = end
             self.scheduler.recompute(req)
 
-    def _fail(self, tracked: TrackedRequest, err: BaseException, stage: str, *,
-              device: bool = False, log: bool = True, param: str | None = None) -> None:
+    def fail(self, tracked: TrackedRequest, err: BaseException, stage: str, *,
+             device: bool = False, log: bool = True, param: str | None = None) -> None:
         """End a request with finish_reason "error" and free what it holds. device: the
         error came from its own step on the runner, so the device is checked next. param:
         the request field whose value caused it (the error then says what, and the server
@@ -118,16 +163,19 @@ class FailureIsolation:
             logger.error("Request %s failed %s: %s", tracked.request_id, stage,
                          describe(err), exc_info=err)
         for child in tracked.children:
-            self._suspects.pop(child.request_id, None)
+            self.suspects.pop(child.request_id, None)
             if not child.finished:
                 self.scheduler.finish(child, RequestStatus.FINISHED_ERROR)
-        self._failed.append(tracked)
+        self.failed.append(tracked)
         if device:
-            self._device_failure = err
+            self.device_failure = err
 
-    def _check_device(self) -> None:
-        """After a culprit's step failed: does the device still run an empty step?"""
-        cause, self._device_failure = self._device_failure, None
+    def check_device(self) -> None:
+        """After a culprit's step failed (else nothing): does the device still run an empty
+        step? EngineDeadError if not."""
+        if self.device_failure is None:
+            return
+        cause, self.device_failure = self.device_failure, None
         try:
             self.runner.fetch(self.runner.dispatch(SchedulerOutput([], [], [])))
         except Exception as err:  # noqa: BLE001 - reported as the reason the engine died

@@ -3,12 +3,15 @@
 A request with n > 1 becomes n sequences (children) that share the prompt; each child has
 its own seed (seed + i when a seed is given), detokenizer and finish reason.
 
-One request never stops the engine: failures.py finds the request(s) that caused a failure
-and fails only those. Sleep mode and weight updates: sleep_mode.py.
+One request never stops the engine: its FailureIsolation (failures.py, self.failures)
+finds the request(s) that caused a failure and fails only those. Sleep mode and weight
+updates are the engine's methods below (their argument checks, shared by every front end:
+sleep_mode.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -36,23 +39,45 @@ from jaxserve.engine.output_processor import (
     track,
 )
 from jaxserve.engine.outputs import RequestOutput
-from jaxserve.engine.sleep_mode import SleepMode
+from jaxserve.engine.sleep_mode import (
+    EngineSleepingError,
+    check_enabled,
+    check_level,
+    check_tags,
+    host_weights,
+    unfinished,
+)
 from jaxserve.engine.stats import EngineStats, HostTimes
 
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
+class LLMEngine(EngineInterface):
     def __init__(self, config: EngineConfig, runner: Runner | None = None,
                  rank: int = 0) -> None:
         """runner: the device side; built from config on data-parallel replica `rank`'s
-        devices when not given (benchmarks pass a null runner to measure the host side)."""
+        devices when not given (benchmarks pass a null runner to measure the host side).
+        The stages: admission, the device and its scheduler, request tracking, the step
+        pipeline, failure isolation."""
         self.config = config
-        # The admission path (checks, templates, tokenization, grammars): every front end
-        # hands the engine what it made.
-        self.processor = InputProcessor.for_config(config)
+        self._build_admission()
+        self._build_device(runner, rank)
+        self._init_tracking()
+        self._init_steps()
+        self.failures = FailureIsolation(self.scheduler, self.runner, self._by_child)
+
+    def _build_admission(self) -> None:
+        """The admission path (checks, templates, tokenization, grammars): every front end
+        hands the engine what it made; the engine keeps its tokenizer, grammars and EOS."""
+        self.processor = InputProcessor.for_config(self.config)
         self.tokenizer, self.grammars = self.processor.tokenizer, self.processor.grammars
         self.eos_token_ids = self.processor.eos_token_ids
+
+    def _build_device(self, runner: Runner | None, rank: int) -> None:
+        """The runner (built unless given), the KV block manager over its blocks and the
+        scheduler; logs the cache and the model's sampling defaults, and starts the warm-up
+        (config.precompile)."""
+        config = self.config
         self.runner = runner if runner is not None else create_runner(config, rank)
         blocks, size = self.runner.num_blocks, config.cache.block_size
         groups = self.runner.kv_groups
@@ -74,8 +99,12 @@ class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
                         config.model.sampling_defaults)
         if config.precompile:
             self.runner.warm_up(background=config.precompile == "background")
-        self._rng = np.random.default_rng(config.model.seed)
-        self._pooling = config.pooler is not None  # (pooling requests only: core/pooling.py)
+
+    def _init_tracking(self) -> None:
+        """The tracked requests (by request id and by child id), the subsets of them that
+        need work of some steps, the output builder, and the seeds' generator."""
+        self._rng = np.random.default_rng(self.config.model.seed)
+        self._pooling = self.config.pooler is not None  # (pooling requests: core/pooling.py)
         self.outputs = OutputBuilder(self.tokenizer)
         self._tracked: dict[str, TrackedRequest] = {}
         self._by_child: dict[str, TrackedRequest] = {}
@@ -88,19 +117,18 @@ class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
             kind: {} for kind in ("scoring", "constrained", "reads_tokens", "logprobs", "stops")}
         (self._scoring, self._constrained, self._reads_tokens, self._with_logprobs,
          self._with_stops) = self._subsets.values()
+
+    def _init_steps(self) -> None:
+        """The step pipeline: the steps on the device not collected yet, whether steps are
+        scheduled ahead (asynchronous scheduling), and the host-time counters."""
         # The last step dispatched to the device and not collected yet, as (batch, runner
         # handle, dispatch time) parts: one part, unless suspects or a failed dispatch split
         # the step. With asynchronous scheduling, the step before it too (_older), while a
         # step() that launched the next one first collects it.
-        self._async = config.scheduler.async_scheduling
+        self._async = self.config.scheduler.async_scheduling
         self._in_flight: list[tuple[SchedulerOutput, object, float]] = []
         self._older: list[tuple[SchedulerOutput, object, float]] = []
         self._launched_ahead = False  # begin_step() launched this step() call's step
-        # Children whose step failed on the device -> the computed length up to which they
-        # run alone (the end of that step): a culprit fails alone before it catches up.
-        self._suspects: dict[str, int] = {}
-        self._failed: list[TrackedRequest] = []  # failed since the last step() returned
-        self._device_failure: BaseException | None = None  # a culprit's step failed
         self.host_times = HostTimes()  # where the engine thread's time goes, by stage
         self._outputs_start = time.perf_counter()
         self._final_only = False  # the current step() call's
@@ -162,7 +190,7 @@ class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
             "a structured output's grammar is compiled before the request is added"
         if request.request_id in self._tracked:
             raise ValueError(f"request_id {request.request_id!r} is already in use.")
-        self._check_awake()  # (sleep mode: sleep_mode.py)
+        self._check_awake()  # (sleep mode: sleep() below)
         children = []
         for i in range(params.n):
             seed = (params.seed + i if params.seed is not None
@@ -203,15 +231,77 @@ class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
         self._forget(request_id)
         if not report:
             if tracked.error is not None:
-                self._failed.remove(tracked)
+                self.failures.failed.remove(tracked)
             return None
         if tracked.error is not None:  # failed, not reported yet: report it now instead
-            self._failed.remove(tracked)
+            self.failures.failed.remove(tracked)
             return self.outputs.error_output(tracked)
         return self.outputs.make_output(tracked)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._tracked)
+
+    # ---- sleep mode and weight updates (their checks: sleep_mode.py) -------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the device memory of the KV cache and of the weights (level 1: kept in host
+        memory; level 2: dropped, read again at wake_up). Needs enable_sleep_mode and no
+        unfinished request."""
+        level = check_level(level)
+        check_enabled(self.config)
+        if self._tracked:
+            raise unfinished(len(self._tracked))
+        self._settle()
+        self.runner.sleep(level)
+        self.kv_manager.reset_prefix_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what tags name ("weights", "kv_cache"; None: both) and sleeps: the
+        weights from host memory, or from the model's folder after level 2 (unless updates
+        gave them all); the KV cache as zeros of the same shape (nothing recompiles). The
+        prefix cache starts empty."""
+        tags = check_tags(tags)
+        if self.is_sleeping():
+            self.runner.wake_up(tags)
+        self.kv_manager.reset_prefix_cache()
+
+    def is_sleeping(self) -> bool:
+        """Whether the weights or the KV cache are off the device (partly woken counts)."""
+        return bool(getattr(self.runner, "sleeping", False))
+
+    def update_weights(self, weights) -> int:
+        """Replace the weights the given tensors map to (a dict {Hugging Face tensor name:
+        array}, or a folder of safetensors: every tensor in it), each new value of its
+        parameter's shape, placed on its sharding and dtype: nothing recompiles. Every
+        tensor is checked before any weight changes (ValueError naming it). Asleep, it
+        replaces the host copy (level 1) or gives the weights wake_up uses (level 2). The
+        prefix cache is reset. Returns how many parameters changed."""
+        weights = host_weights(weights)
+        update = getattr(self.runner, "update_weights", None)
+        if update is None:
+            raise ValueError(f"update_weights runs on the JAX backend; this engine runs "
+                             f"backend={self.config.backend!r}.")
+        self._wait_for_steps()
+        count = update(weights)
+        self.kv_manager.reset_prefix_cache()
+        return count
+
+    def _check_awake(self) -> None:
+        if getattr(self.runner, "sleeping", False):
+            raise EngineSleepingError()
+
+    def _settle(self) -> None:
+        """Collect the steps still on the device (with no request left, asynchronous
+        scheduling may have launched one past the last finish), before their arrays go."""
+        parts, self._older, self._in_flight = self._older + self._in_flight, [], []
+        self._launched_ahead = False
+        self._collect(parts)
+
+    def _wait_for_steps(self) -> None:
+        """Wait for the steps in flight (their results stay to be collected), so no device
+        work reads a weight while it is replaced."""
+        for _, handle, _ in self._older + self._in_flight:
+            with contextlib.suppress(Exception):  # (a failed step is the collector's news)
+                self.runner.fetch(handle)
 
     # ---- one step -----------------------------------------------------------------------
     def step(self, final_only: bool = False, wanted=None) -> list[RequestOutput]:
@@ -231,9 +321,9 @@ class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
         EngineDeadError when the device no longer runs even an empty step."""
         changed = self._advance(final_only)
         outputs = self.outputs.step_outputs(
-            changed, self._failed, lambda tracked, err: self._fail(
+            changed, self.failures.failed, lambda tracked, err: self.failures.fail(
                 tracked, err, "while building its output"), final_only, wanted)
-        self._failed = []
+        self.failures.take_failed()  # (reported above)
         for output in outputs:
             if output.finished:
                 self._forget(output.request_id)
@@ -251,7 +341,7 @@ class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
                 # (the last choice first: a plain attribute, read for every request)
                 if tracked.children[-1].finished and tracked.finished:
                     self._forget(tracked.request_id)
-        failed, self._failed = self._failed, []
+        failed = self.failures.take_failed()
         for tracked in failed:
             self._forget(tracked.request_id)
         self.host_times.add("outputs", time.perf_counter() - self._outputs_start)
@@ -273,8 +363,7 @@ class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
         except Exception as err:  # noqa: BLE001 - outside any one request: fail them all
             self._fail_all(err)
             changed = []
-        if self._device_failure is not None:
-            self._check_device()
+        self.failures.check_device()  # after a culprit's step failed
         return changed
 
     def begin_step(self) -> None:
@@ -284,7 +373,8 @@ class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
         nor while requests whose step failed on the device run alone (suspects: each failure
         must be their own), or requests whose inputs read their tokens (structured outputs,
         bad words) run: then steps are synchronous."""
-        if not self._async or self._launched_ahead or self._suspects or self._reads_tokens:
+        if not self._async or self._launched_ahead or self.failures.has_suspects or \
+                self._reads_tokens:
             return
         self._launched_ahead = True
         self._older, self._in_flight = self._older + self._in_flight, []
@@ -325,7 +415,7 @@ class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
                 match = match_stop_strings(tracked, req, req.token_ids[
                     req.num_tokens - count: req.num_tokens].tolist())
             except Exception as err:  # noqa: BLE001 - this request only
-                self._fail(tracked, err, "while detokenizing")
+                self.failures.fail(tracked, err, "while detokenizing")
                 continue
             if match is not None:  # it ends at that token; its row in the step already
                 stop_str, later = match  # running is dropped when that step is collected
@@ -341,7 +431,7 @@ class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
         if tracked is not None:
             for child in tracked.children:
                 self._by_child.pop(child.request_id, None)
-                self._suspects.pop(child.request_id, None)
+            self.failures.forget(tracked)
 
     def _launch(self) -> None:
         start = time.perf_counter()
@@ -356,12 +446,12 @@ class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
     def _launch_parts(self, out: SchedulerOutput) -> None:
         if out.empty:
             return
-        if not self._suspects:
+        if not self.failures.has_suspects:
             self._dispatch(out)
             return
         rest = []
         for row, req in enumerate(out.requests):
-            if req.request_id in self._suspects:
+            if self.failures.is_suspect(req.request_id):
                 self._dispatch(out.rows([row]))
             else:
                 rest.append(row)
@@ -380,7 +470,7 @@ class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
             if not isinstance(err, Exception):
                 raise  # Ctrl-C, exit
             if len(out.requests) == 1:
-                self._fail(self._by_child[out.requests[0].request_id], err,
+                self.failures.fail(self._by_child[out.requests[0].request_id], err,
                            "while its step was prepared", device=True)
                 return
             logger.warning("A step of %d requests could not start (%s); starting them one at "
@@ -390,7 +480,14 @@ class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
                     self._dispatch(out.rows([row]))
             return
         self._in_flight.append((out, handle, time.perf_counter()))
-        self._fail_masks(broken)
+        self.failures.fail_masks(broken)
+
+    def _fail_all(self, err: Exception) -> None:
+        """The engine failed outside any one request: drop the steps in flight, forget the
+        prefixes of the blocks they fill, and fail every request (FailureIsolation)."""
+        self._in_flight, self._older = [], []
+        self.reset_prefix_cache()  # the failed steps' blocks
+        self.failures.fail_all(list(self._tracked.values()), err)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (vLLM's reset_prefix_cache): later prompts hit nothing
@@ -413,18 +510,15 @@ class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
                 self.reset_prefix_cache()
                 if not isinstance(err, Exception):
                     raise  # Ctrl-C, exit
-                self._step_failed(out, err)
+                self.failures.step_failed(out, err)
                 continue
             fetched = time.perf_counter()
             self.host_times.add("wait", fetched - waiting)
             if len(parts) == 1:  # a step that shared the device times nothing
                 self.scheduler.observe_step(out, fetched - started)
             appended += self._fold(out, result)
-            if self._suspects:  # a suspect that ran alone up to its failed step is cleared
-                for req, first, count in zip(out.requests, out.num_computed_tokens,
-                                             out.num_scheduled_tokens):
-                    if first + count >= self._suspects.get(req.request_id, 0):
-                        self._suspects.pop(req.request_id, None)
+            if self.failures.has_suspects:
+                self.failures.clear_caught_up(out)
             self.host_times.add("fold", time.perf_counter() - fetched)
         return appended
 
@@ -446,7 +540,7 @@ class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
                     self.outputs.record_prompt_logprobs(tracked, req, row_start, first, count,
                                                         result.prompt_scores)
                 except Exception as err:  # noqa: BLE001 - this request only
-                    self._fail(tracked, err, "while its results were read")
+                    self.failures.fail(tracked, err, "while its results were read")
         pooled = self._fold_pooled(out, result.pooled) if self._pooling else None
         sampled = result.sampled
         taken = self.scheduler.update_from_output(out, sampled, result.num_emitted)
@@ -462,7 +556,7 @@ class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
             tracked = self._by_child[req.request_id]
             tokens = req.token_ids[req.num_tokens - count: req.num_tokens].tolist()
             if req.grammar is not None and not all(
-                    self._advance_grammar(tracked, req, token) for token in tokens):
+                    self.failures.advance_grammar(tracked, req, token) for token in tokens):
                 continue
             if req.params.logprobs is not None:
                 k = req.params.logprobs
@@ -473,7 +567,7 @@ class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
                                                   sampled.top_logprobs[i][:k])
                         for i, token in enumerate(tokens, first))
                 except Exception as err:  # noqa: BLE001 - this request only
-                    self._fail(tracked, err, "while its results were read")
+                    self.failures.fail(tracked, err, "while its results were read")
                     continue
             appended.append((req, first, count))
         return appended
@@ -484,7 +578,7 @@ class LLMEngine(FailureIsolation, SleepMode, EngineInterface):
         (request, row, 0) for _step's changed requests."""
         done, failed = fold_pooled(self.scheduler, out, pooled)
         for req, err in failed:
-            self._fail(self._by_child[req.request_id], err, "while its output was pooled")
+            self.failures.fail(self._by_child[req.request_id], err, "while its output was pooled")
         for req, _, _ in done:
             self._by_child[req.request_id].pooled = req.pooling.result
         return done

@@ -1,11 +1,12 @@
 """Sleep mode and weight updates, engine side: vLLM's sleep / wake_up / is_sleeping, and the
 weight updates reinforcement-learning trainers make between generation phases.
 
-SleepMode is LLMEngine's part (a mixin on the engine's own state: its config, runner, KV
-manager, tracked requests and steps in flight); the runner does the device work
-(backends/jax/sleep.py). The argument checks here are every front end's: the data-parallel
-front end, the engine core client (a utility call to the core process) and the server
-(server/engine_calls.py, server/dev_routes.py) check with the same functions.
+The engine's side is LLMEngine's own methods (sleep, wake_up, is_sleeping, update_weights:
+they act on its config, runner, KV manager, tracked requests and steps in flight); the
+runner does the device work (backends/jax/sleep.py). This module holds what every front end
+shares: the argument checks and errors. The data-parallel front end, the engine core client
+(a utility call to the core process) and the server (server/engine_calls.py,
+server/dev_routes.py) check with the same functions.
 
 Choices where vLLM leaves it open: sleeping again at the same or a lower level, and waking
 what is awake, change nothing; a deeper level (2 after 1) drops the host copy of the weights.
@@ -17,7 +18,6 @@ computed with other weights.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from collections.abc import Mapping
@@ -118,68 +118,3 @@ def _host_array(name: str, value) -> np.ndarray:
         raise ValueError(f"weights[{name!r:.120}]: {type(value).__name__} is not a numeric "
                          "array; give numpy, torch or jax arrays.")
     return array
-
-
-class SleepMode:
-    """LLMEngine's sleep mode and weight updates (see the module's docstring)."""
-
-    def sleep(self, level: int = 1) -> None:
-        """Free the device memory of the KV cache and of the weights (level 1: kept in host
-        memory; level 2: dropped, read again at wake_up). Needs enable_sleep_mode and no
-        unfinished request."""
-        level = check_level(level)
-        check_enabled(self.config)
-        if self._tracked:
-            raise unfinished(len(self._tracked))
-        self._settle()
-        self.runner.sleep(level)
-        self.kv_manager.reset_prefix_cache()
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Bring back what tags name ("weights", "kv_cache"; None: both) and sleeps: the
-        weights from host memory, or from the model's folder after level 2 (unless updates
-        gave them all); the KV cache as zeros of the same shape (nothing recompiles). The
-        prefix cache starts empty."""
-        tags = check_tags(tags)
-        if self.is_sleeping():
-            self.runner.wake_up(tags)
-        self.kv_manager.reset_prefix_cache()
-
-    def is_sleeping(self) -> bool:
-        """Whether the weights or the KV cache are off the device (partly woken counts)."""
-        return bool(getattr(self.runner, "sleeping", False))
-
-    def update_weights(self, weights) -> int:
-        """Replace the weights the given tensors map to (a dict {Hugging Face tensor name:
-        array}, or a folder of safetensors: every tensor in it), each new value of its
-        parameter's shape, placed on its sharding and dtype: nothing recompiles. Every
-        tensor is checked before any weight changes (ValueError naming it). Asleep, it
-        replaces the host copy (level 1) or gives the weights wake_up uses (level 2). The
-        prefix cache is reset. Returns how many parameters changed."""
-        weights = host_weights(weights)
-        update = getattr(self.runner, "update_weights", None)
-        if update is None:
-            raise ValueError(f"update_weights runs on the JAX backend; this engine runs "
-                             f"backend={self.config.backend!r}.")
-        self._wait_for_steps()
-        count = update(weights)
-        self.kv_manager.reset_prefix_cache()
-        return count
-
-    def _check_awake(self) -> None:
-        if getattr(self.runner, "sleeping", False):
-            raise EngineSleepingError()
-
-    def _settle(self) -> None:
-        """Collect the steps still on the device (with no request left, asynchronous
-        scheduling may have launched one past the last finish), before their arrays go."""
-        parts, self._older, self._in_flight = self._older + self._in_flight, [], []
-        self._launched_ahead = False
-        self._collect(parts)
-
-    def _wait_for_steps(self) -> None:
-        """Wait for the steps in flight (their results stay to be collected), so no device
-        work reads a weight while it is replaced."""
-        for _, handle, _ in self._older + self._in_flight:
-            with contextlib.suppress(Exception):  # (a failed step is the collector's news)
-                self.runner.fetch(handle)

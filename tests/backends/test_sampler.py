@@ -12,23 +12,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from jaxserve.core.step_fields import SAMPLING_FIELDS
+
 V = 8
 
 
 def inputs(rows=1, **overrides) -> dict[str, np.ndarray]:
-    values = dict(temperature=np.ones(rows, np.float32), top_k=np.zeros(rows, np.int32),
-                  top_p=np.ones(rows, np.float32), min_p=np.zeros(rows, np.float32),
-                  presence_penalty=np.zeros(rows, np.float32),
-                  frequency_penalty=np.zeros(rows, np.float32),
-                  repetition_penalty=np.ones(rows, np.float32),
-                  seeds=np.arange(rows, dtype=np.uint32),
-                  sample_positions=np.zeros(rows, np.int32),
+    """A step's sampling arrays (the sampling fields of core/step_fields.py) for `rows` rows:
+    each field's padding value, except each row's own seed and state slot, logprobs asked
+    for, and 16 banned-id entries per row."""
+    values = {f.name: np.full(rows, f.pad, f.dtype) for f in SAMPLING_FIELDS}
+    values.update(seeds=np.arange(rows, dtype=np.uint32),
                   state_slots=np.arange(1, rows + 1, dtype=np.int32),
-                  reset_state=np.zeros(rows, bool), prompt_lens=np.zeros(rows, np.int32),
                   wants_logprobs=np.ones(rows, bool),
-                  banned_ids=np.full((rows, 16), -1, np.int32),
-                  has_bias=np.zeros(rows, bool), has_grammar=np.zeros(rows, bool),
-                  num_proposed=np.zeros(rows, np.int32))
+                  banned_ids=np.full((rows, 16), -1, np.int32))
     for key, value in overrides.items():
         values[key] = np.array(
             np.broadcast_to(np.asarray(value, values[key].dtype), values[key].shape))
@@ -77,9 +74,10 @@ class TorchSampler:
     def __init__(self) -> None:
         import torch
 
+        from jaxserve.backends.torch import batch as torch_batch
         from jaxserve.backends.torch import sampler as torch_sampler
 
-        self.torch, self.sampler = torch, torch_sampler
+        self.torch, self.sampler, self.batch = torch, torch_sampler, torch_batch
 
     def state(self, rows, counts=None, mask=None):
         state = self.sampler.PenaltyState.zeros(rows, V, "cpu")
@@ -97,8 +95,7 @@ class TorchSampler:
         return state
 
     def _s(self, s):
-        return {k: self.torch.from_numpy(v.view(np.int32) if v.dtype == np.uint32 else v)
-                for k, v in s.items()}
+        return self.batch.sampling_on(s, self.torch.device("cpu"))
 
     def sample(self, logits, state, s):
         flags = self.sampler.StepFlags.of(s, len(s["temperature"]), V)

@@ -35,8 +35,9 @@ from jaxserve.config.engine_args import EngineArgs
 from jaxserve.engine.admission import EngineRequest
 from jaxserve.engine.data_parallel import DataParallelEngine
 from jaxserve.engine.failures import EngineDeadError
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.remote_replica import RemoteReplica
-from jaxserve.engine.sleep_mode import EngineSleepingError, RequestsUnfinishedError, SleepMode
+from jaxserve.engine.sleep_mode import EngineSleepingError, RequestsUnfinishedError
 from jaxserve.server.app import ServerConfig, create_app
 from jaxserve.server.async_engine import AsyncLLMEngine
 from jaxserve.server.dev_routes import DEV_MODE_ENV, install_dev_routes
@@ -375,8 +376,8 @@ def test_torch_backend_refuses_update_weights():
                                    runner=object())
     with pytest.raises(ValueError, match="update_weights runs on the JAX backend; this engine "
                        "runs backend='torch'"):
-        SleepMode.update_weights(engine, {"model.norm.weight": np.ones(4, np.float32)})
-    assert not SleepMode.is_sleeping(engine)
+        LLMEngine.update_weights(engine, {"model.norm.weight": np.ones(4, np.float32)})
+    assert not LLMEngine.is_sleeping(engine)
 
 
 # ---- the development-mode routes, in-process --------------------------------------------

@@ -115,7 +115,7 @@ def _pair(name, quant, seed=0):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxserve.backends.torch.runner import _to_torch
+    from jaxserve.backends.torch.weights import _to_torch
     from jaxserve.models.jax import quantized as jq
     from jaxserve.models.torch import quantized as tq
 
@@ -191,7 +191,7 @@ def test_the_torch_models_components_have_the_jax_models_paths(tiny_checkpoints,
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxserve.backends.torch.runner import _path
+    from jaxserve.backends.torch.weights import _path
     from jaxserve.models import model_family
     from jaxserve.models.torch.gemma import GemmaForCausalLM
     from jaxserve.models.torch.llama import LlamaForCausalLM

@@ -307,7 +307,7 @@ TORCH_PARAMS = [pytest.param(impl, fmt, i, id=f"{impl}-{fmt}-{'-'.join(map(str, 
 @pytest.mark.parametrize("impl,fmt,case", TORCH_PARAMS)
 def test_torch_quantized_cache_matrix(impl, fmt, case):
     """The torch backend's attention (the Triton kernel in interpret mode, the PyTorch
-    reference) over a quantized cache, through the torch kv_quant.quantized_attend: as exact as
+    reference) over a quantized cache, through the torch kv_quant.attend_quantized: as exact as
     unquantized against the values it reads, within QUANT_TOL of the unquantized cache."""
     import torch
     from support.triton_helpers import to_torch, torch_batch
@@ -332,7 +332,7 @@ def test_torch_quantized_cache_matrix(impl, fmt, case):
         dequant.append((quant.float() * scale[None, None, :, None]).numpy())
     attend_fn = (torch_ref.ragged_paged_attention if impl == "ref" else
                  lambda *a, **kw: attention.ragged_paged_attention(*a, interpret=True, **kw))
-    attend = torch_kv_quant.quantized_attend(lambda *args: None, attend_fn)
+    attend = torch_kv_quant.attend_quantized(lambda *args: None, attend_fn)
     zeros = torch.zeros((qt.shape[0],) + kt.shape[2:], dtype=qt.dtype)
     scale = 1.0 / math.sqrt(head_dim)
     tb = torch_batch(batch)

@@ -1,7 +1,11 @@
-"""The ragged batch one device step consumes (docs/architecture.md's layout), as a JAX pytree.
+"""The ragged batch one device step consumes (docs/architecture.md's layout), as JAX pytrees.
 
 T tokens from R sequences, padded to a (T, R) bucket. Padding tokens write their K/V into the
 null block 0 and their rows are ignored; padding sequences have kv_len 0.
+
+Both types are made from the step's field table (core/step_fields.py): Batch holds its
+"batch" fields, SamplingInputs its "sampling" fields, in the table's order, so a field added
+there is a field here.
 """
 
 from __future__ import annotations
@@ -10,41 +14,18 @@ import dataclasses
 
 import jax
 
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Batch:
-    token_ids: jax.Array  # i32[T]
-    positions: jax.Array  # i32[T]
-    slot_mapping: jax.Array  # i32[T]   flat KV slot = block_id * block_size + offset
-    cu_q_lens: jax.Array  # i32[R+1]  query start of each sequence in the T tokens
-    kv_lens: jax.Array  # i32[R]      context length of each sequence after this step
-    block_tables: jax.Array  # i32[R, B]
-    num_seqs: jax.Array  # i32[1]
-    logits_indices: jax.Array  # i32[R]  the token whose logits are sampled
+from jaxserve.core.step_fields import BATCH_FIELDS, SAMPLING_FIELDS, fields_comment
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SamplingInputs:
-    """Per-sequence sampling settings as arrays, so any mix runs in one compiled step."""
+def _pytree(name: str, fields, doc: str) -> type:
+    """A frozen dataclass of jax.Array fields, registered as a pytree."""
+    cls = dataclasses.make_dataclass(name, [(f.name, jax.Array) for f in fields],
+                                     frozen=True)
+    cls.__module__, cls.__doc__ = __name__, f"{doc}\n\n{fields_comment(fields)}\n"
+    return jax.tree_util.register_dataclass(cls)
 
-    temperature: jax.Array  # f32[R]   0 = greedy
-    top_k: jax.Array  # i32[R]         0 = disabled
-    top_p: jax.Array  # f32[R]
-    min_p: jax.Array  # f32[R]
-    presence_penalty: jax.Array  # f32[R]
-    frequency_penalty: jax.Array  # f32[R]
-    repetition_penalty: jax.Array  # f32[R]
-    seeds: jax.Array  # u32[R]
-    sample_positions: jax.Array  # i32[R]  position of the token being sampled (RNG fold-in)
-    state_slots: jax.Array  # i32[R]  row of the penalty state; 0 = scratch row for padding
-    reset_state: jax.Array  # bool[R]  the sequence starts from scratch this step
-    prompt_lens: jax.Array  # i32[R]
-    wants_logprobs: jax.Array  # bool[R]  the request asked for logprobs of sampled tokens
-    banned_ids: jax.Array  # i32[R, X]  tokens masked this step (stop ids before min_tokens,
-    #                                   bad words' last tokens); -1 pad
-    has_bias: jax.Array  # bool[R]  add the row's logit bias (PenaltyState.logit_bias)
-    has_grammar: jax.Array  # bool[R]  mask by the row's grammar (PenaltyState.grammar_mask)
-    num_proposed: jax.Array  # i32[R]  speculative proposals among the row's last tokens: the
-    #                                  step samples at each of them and at the last token
+
+Batch = _pytree("Batch", BATCH_FIELDS, "The ragged batch the model reads (G: with several "
+                "KV groups only).")
+SamplingInputs = _pytree("SamplingInputs", SAMPLING_FIELDS, "Per-sequence sampling settings "
+                         "as arrays, so any mix runs in one compiled step.")

@@ -34,11 +34,11 @@ import time
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxserve.backends.checkpoint import HOST_DTYPES
 from jaxserve.backends.compile_stats import (
     compilation_count,
     enable_persistent_cache,
@@ -87,8 +87,8 @@ from jaxserve.models.llama_arch import with_max_model_len
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": (jnp.float32, np.float32), "bfloat16": (jnp.bfloat16, ml_dtypes.bfloat16),
-           "float16": (jnp.float16, np.float16)}
+# (JAX dtype, host dtype) per model dtype name: jnp names its dtypes as the config does.
+_DTYPES = {name: (getattr(jnp, name), host) for name, host in HOST_DTYPES.items()}
 
 
 @dataclasses.dataclass
@@ -104,13 +104,24 @@ class InFlightStep:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, mesh: Mesh | None = None) -> None:
-        """mesh: this replica's (1, model) mesh; replica 0's when not given."""
+        """mesh: this replica's (1, model) mesh; replica 0's when not given. Three stages:
+        the model (_build_model), the KV cache (_build_kv_cache), the step
+        (_build_step)."""
         install_counter()
         if jax.process_count() > 1:  # one process: the executable cache below instead
             enable_persistent_cache(config.compilation_cache_dir)
         self.config = config
         self.num_speculative = (config.speculative.num_speculative_tokens
                                 if config.speculative is not None else 0)  # K
+        self._build_model(mesh)
+        self._build_kv_cache()
+        self._build_step()
+        self.sleep_mode = RunnerSleep(self)
+
+    def _build_model(self, mesh: Mesh | None) -> None:
+        """The mesh and the sharding plan, the architecture, the attention kernel, the model
+        with its weights (graphdef, params) and the LoRA slots."""
+        config = self.config
         self.mesh = mesh or distributed.replica_mesh(config)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.local_device = next(d for d in self.mesh.devices.flat
@@ -142,28 +153,24 @@ class ModelRunner:
         if scheme is not None:
             options["quantization"] = scheme
         abstract = nnx.eval_shape(lambda: family.model_cls(self.arch, self.dtype, **options))
-        spec_of = lambda path: PartitionSpec(*param_spec(path, self.plan))
         model = self._load_model(abstract)
-        kv_cache_dtype = config.cache.kv_cache_dtype
-        kv_values = kv_quant.value_dtype(kv_cache_dtype, self.dtype)
-        quantized_values = kv_values if kv_quant.is_quantized(kv_cache_dtype) else None
-        self.attend = (make_attend_latent if self.latent_dim else make_attend)(
-            self.attention_fn, self.mesh, quantized_values)
         self.graphdef, self.params = nnx.split(model)
         self._log_placement()
-        self.padding = PaddingStats()
+        # LoRA slots (enable_lora), and each token's slot among the step's inputs.
+        spec_of = lambda path: PartitionSpec(*param_spec(path, self.plan))
+        self.loras = None if config.lora is None else DeviceLoras(
+            config.lora, hf, self.arch, family.param_shapes(self.arch), spec_of, self.mesh,
+            self.dtype, np_dtype)
+
+    def _build_kv_cache(self) -> None:
+        """The block geometry and KV groups, the penalty state (allocated first, so that the
+        device's bytes in use count it), the number of blocks the device holds, and the
+        zeroed cache per layer slot (with calibrated scales when quantized)."""
+        config = self.config
         self.block_size = config.cache.block_size
         self.blocks_per_seq = kv_sizing.blocks_per_seq(config.model.max_model_len,
                                                        self.block_size)
         self.kv_groups = kv_groups_for(config)  # layers sharing block tables and tensors
-        # LoRA slots (enable_lora), and each token's slot among the step's inputs.
-        self.loras = None if config.lora is None else DeviceLoras(
-            config.lora, hf, self.arch, family.param_shapes(self.arch), spec_of, self.mesh,
-            self.dtype, np_dtype)
-        self.inputs = StepInputBuilder(config.scheduler.max_num_seqs, self.block_size,
-                                       self.blocks_per_seq, self.kv_groups.num_groups,
-                                       lora=self.loras is not None)
-        # Before sizing the KV cache, so that the device's bytes in use count them.
         self.penalty_state = PenaltyState.zeros(config.scheduler.max_num_seqs + 1,
                                                 self.arch.vocab_size, self.replicated)
         self.num_blocks = self._num_kv_blocks()
@@ -171,8 +178,10 @@ class ModelRunner:
         self.cache_tensors = 1 if self.latent_dim else 2
         shape = ((self.num_blocks, self.block_size, self.latent_dim) if self.latent_dim else
                  (self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim))
+        kv_cache_dtype = config.cache.kv_cache_dtype
         # On the CPU a bf16 / f16 / fp8 cache holds its bits as integers (ref.kv_storage_dtype).
-        self.cache_dtype = ref.kv_storage_dtype(kv_values, platform)
+        self.cache_dtype = ref.kv_storage_dtype(kv_quant.value_dtype(kv_cache_dtype, self.dtype),
+                                                self.mesh.devices.flat[0].platform)
         spec = LATENT_CACHE_SPEC if self.latent_dim else KV_CACHE_SPEC
         zeros = jax.jit(functools.partial(jnp.zeros, shape, self.cache_dtype),
                         out_shardings=NamedSharding(self.mesh, PartitionSpec(*spec)))
@@ -181,6 +190,21 @@ class ModelRunner:
                           + (scales[i] if scales else ())
                           for i in range(self.kv_groups.num_slots)]
         self._kv_zeros = zeros  # (wake_up: the cache again, by the same compiled function)
+
+    def _build_step(self) -> None:
+        """The step's input builder and attention, the jitted step and its helper functions
+        (scores, pooling, bias and grammar rows), the shapes to compile for, the executable
+        cache and the per-bucket compiled functions (warm_up compiles them ahead)."""
+        config = self.config
+        self.padding = PaddingStats()
+        self.inputs = StepInputBuilder(config.scheduler.max_num_seqs, self.block_size,
+                                       self.blocks_per_seq, self.kv_groups.num_groups,
+                                       lora=self.loras is not None)
+        kv_cache_dtype = config.cache.kv_cache_dtype
+        kv_values = kv_quant.value_dtype(kv_cache_dtype, self.dtype)
+        quantized_values = kv_values if kv_quant.is_quantized(kv_cache_dtype) else None
+        self.attend = (make_attend_latent if self.latent_dim else make_attend)(
+            self.attention_fn, self.mesh, quantized_values)
         self._step = jax.jit(functools.partial(
             step_fn, StepSettings(self.graphdef, self.attend, self.replicated,
                                   self.kv_groups if self.kv_groups.num_groups > 1 else None,
@@ -199,7 +223,6 @@ class ModelRunner:
         self.compiled = CompiledFunctions(self._build, config.scheduler, self.executables,
                                           pooling=config.pooler is not None,
                                           extra=("lora",) if self.loras else ())
-        self.sleep_mode = RunnerSleep(self)
 
     def _load_model(self, abstract: nnx.Module) -> nnx.Module:
         """The weights into an abstract model, on their shardings: random ones

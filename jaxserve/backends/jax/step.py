@@ -24,10 +24,12 @@ from jaxserve.backends.jax.batch import Batch, SamplingInputs
 from jaxserve.backends.jax.packing import Layout, pack_device, unpack
 from jaxserve.backends.jax.rejection_sampler import accept_drafts
 from jaxserve.backends.jax.sampler import sample, update_penalty_state, uses_penalties
+from jaxserve.core.step_fields import BATCH_FIELDS, SAMPLING_FIELDS
 from jaxserve.kernels_pallas.ref import token_layout
 from jaxserve.models.jax.lora import attach as attach_lora
 
-_BATCH_FIELDS = tuple(f.name for f in dataclasses.fields(Batch))
+_BATCH_FIELDS = tuple(f.name for f in BATCH_FIELDS)
+_SAMPLING_FIELDS = tuple(f.name for f in SAMPLING_FIELDS)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -47,12 +49,12 @@ def step_fn(settings: StepSettings, params, kv_caches, penalty_state, packed, lo
     """One step (the module docstring); loras: the LoRA slots' arrays (lora_weights.py; {}
     without LoRA)."""
     arrays = unpack(packed, layout)
-    feed, token_slots = arrays.pop("feed_slots"), arrays.pop("lora_slots", None)
-    batch = Batch(**{f: arrays.pop(f) for f in _BATCH_FIELDS})
+    feed, token_slots = arrays["feed_slots"], arrays.get("lora_slots")
+    batch = Batch(**{f: arrays[f] for f in _BATCH_FIELDS})
     # Placeholder inputs: the token the previous step sampled for the row's request.
     batch = dataclasses.replace(batch, token_ids=jnp.where(
         feed > 0, penalty_state.last_tokens[feed], batch.token_ids))
-    sampling = SamplingInputs(**arrays)
+    sampling = SamplingInputs(**{f: arrays[f] for f in _SAMPLING_FIELDS})
     model = nnx.merge(settings.graphdef, params)
     if loras:
         attach_lora(model, loras, token_slots)

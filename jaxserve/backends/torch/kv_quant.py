@@ -2,7 +2,7 @@
 
 kv_quant.py's scheme in PyTorch, by kv_formats.py's rules: each layer's cache is
 (k_cache, v_cache, k_scale, v_scale), the caches [P, S, K, H] of float8_e4m3fn or int8 and
-the scales f32[K]. `quantized_attend` wraps an attend of the torch runner: the step's keys
+the scales f32[K]. `attend_quantized` wraps an attend of the torch runner: the step's keys
 and values are quantized before the write, the queries of kv head k are multiplied by its
 key scale and the output by its value scale, so the Triton kernels and the PyTorch
 reference read one-byte values and convert them as they convert any cache dtype.
@@ -44,7 +44,7 @@ def _per_query_head(scale: torch.Tensor, num_heads: int) -> torch.Tensor:
     return scale.repeat_interleave(num_heads // scale.shape[0])[None, :, None]
 
 
-def quantized_attend(write: Callable, attention: Callable) -> Callable:
+def attend_quantized(write: Callable, attention: Callable) -> Callable:
     """attend(q, k, v, (k_cache, v_cache, k_scale, v_scale), batch, *, scale,
     sliding_window, soft_cap) -> out [T, N, H], from write(k_cache, v_cache, k, v,
     slot_mapping) and attention(q, k_cache, v_cache, batch, scale=, sliding_window=,

@@ -22,6 +22,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from jaxserve.backends.torch.batch import TorchSamplingInputs
 from jaxserve.core.sampling_params import MAX_LOGPROBS
 
 _GREEDY_EPS = 1e-5  # as vLLM: temperatures below this are greedy
@@ -76,7 +77,8 @@ class StepFlags:
 
     @classmethod
     def of(cls, s: dict, num_seqs: int, vocab: int) -> StepFlags:
-        """s: input_builder's sampling arrays; rows past num_seqs are padding."""
+        """s: input_builder's sampling arrays (numpy, by step_fields' names); rows past
+        num_seqs are padding."""
         live = slice(0, num_seqs)
         top_k = s["top_k"][live]
         return cls(
@@ -91,45 +93,46 @@ class StepFlags:
             logprobs=bool(s["wants_logprobs"][live].any()))
 
 
-def update_penalty_state(state: PenaltyState, token_ids, positions, s: dict, seq, valid):
+def update_penalty_state(state: PenaltyState, token_ids, positions, s: TorchSamplingInputs,
+                         seq, valid):
     """Fold this step's input tokens into the rows of their sequences (in place).
 
     token_ids, positions: i32[T]; s: the sampling tensors; seq: i64[T] row of each token;
     valid: bool[T]. Prompt tokens set prompt_mask; output tokens (fed back after being
     sampled, or recomputed after preemption) add to the counts."""
-    reset_rows = torch.where(s["reset_state"], s["state_slots"], 0).long()
+    reset_rows = torch.where(s.reset_state, s.state_slots, 0).long()
     state.output_counts[reset_rows] = 0
     state.prompt_mask[reset_rows] = False
-    rows = torch.where(valid, s["state_slots"][seq], 0).long()
+    rows = torch.where(valid, s.state_slots[seq], 0).long()
     tokens = token_ids.long()
-    is_prompt = positions < s["prompt_lens"][seq]
+    is_prompt = positions < s.prompt_lens[seq]
     state.prompt_mask[torch.where(is_prompt, rows, 0), tokens] = True
     state.output_counts.index_put_((torch.where(is_prompt, 0, rows), tokens),
                                    torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
 
 
-def _apply_penalties(logits, state: PenaltyState, s: dict):
-    slots = s["state_slots"].long()
+def _apply_penalties(logits, state: PenaltyState, s: TorchSamplingInputs):
+    slots = s.state_slots.long()
     counts = state.output_counts[slots]  # i32[R, V]
     seen = state.prompt_mask[slots] | (counts > 0)
-    rep = s["repetition_penalty"][:, None]
+    rep = s.repetition_penalty[:, None]
     logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    logits = logits - s["frequency_penalty"][:, None] * counts
-    return logits - s["presence_penalty"][:, None] * (counts > 0)
+    logits = logits - s.frequency_penalty[:, None] * counts
+    return logits - s.presence_penalty[:, None] * (counts > 0)
 
 
-def _truncate(logits, s: dict):
+def _truncate(logits, s: TorchSamplingInputs):
     """Mask tokens outside top-k, then outside the top-p nucleus, as sampler._truncate."""
     vocab = logits.shape[-1]
     sorted_desc = torch.sort(logits, dim=-1, descending=True).values
-    top_k = s["top_k"].long()
+    top_k = s.top_k.long()
     k = torch.where(top_k > 0, torch.clamp(top_k, max=vocab), vocab)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     kth = sorted_desc.gather(-1, (k - 1)[:, None])
     sorted_desc = torch.where(ranks < k[:, None], sorted_desc, float("-inf"))
     probs = torch.softmax(sorted_desc, dim=-1)
     before = torch.cumsum(probs, dim=-1) - probs
-    keep = (before < s["top_p"][:, None]).sum(-1)  # >= 1: the first is always kept
+    keep = (before < s.top_p[:, None]).sum(-1)  # >= 1: the first is always kept
     cutoff = sorted_desc.gather(-1, (keep - 1)[:, None])
     return torch.where(logits < torch.maximum(kth, cutoff), float("-inf"), logits)
 
@@ -154,17 +157,17 @@ def uniforms(seeds, positions):
     return ((bits >> 8) + 1).float() * 2.0 ** -24
 
 
-def _draw(logits, s: dict, truncation: bool):
+def _draw(logits, s: TorchSamplingInputs, truncation: bool):
     """Temperature, top-k/top-p, min-p, then one inverse-CDF draw per row."""
     vocab = logits.shape[-1]
-    temperature = s["temperature"]
+    temperature = s.temperature
     greedy = temperature < _GREEDY_EPS
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
     if truncation:
         scaled = _truncate(scaled, s)
     probs = torch.softmax(scaled, dim=-1)
-    probs = torch.where(probs < s["min_p"][:, None] * probs.amax(-1, keepdim=True), 0.0, probs)
-    u = uniforms(s["seeds"], s["sample_positions"])
+    probs = torch.where(probs < s.min_p[:, None] * probs.amax(-1, keepdim=True), 0.0, probs)
+    u = uniforms(s.seeds, s.sample_positions)
     cdf = torch.cumsum(probs, dim=-1)
     below = cdf < (u * cdf[:, -1])[:, None]
     return torch.clamp(below.sum(-1), max=vocab - 1)
@@ -187,33 +190,34 @@ def _ban(logits, banned_ids):
     return logits
 
 
-def _apply_grammar(logits, state: PenaltyState, s: dict):
+def _apply_grammar(logits, state: PenaltyState, s: TorchSamplingInputs):
     """Tokens the row's grammar does not allow next get -inf (structured outputs)."""
-    words = state.grammar_mask[s["state_slots"].long()]  # i32[R, W]
+    words = state.grammar_mask[s.state_slots.long()]  # i32[R, W]
     ids = torch.arange(logits.shape[-1], device=logits.device)
     allowed = ((words[:, ids // 32] >> (ids % 32)) & 1) != 0  # bool[R, V]
-    return torch.where(s["has_grammar"][:, None] & ~allowed, float("-inf"), logits)
+    return torch.where(s.has_grammar[:, None] & ~allowed, float("-inf"), logits)
 
 
-def sample(logits, state: PenaltyState, s: dict, flags: StepFlags) -> SampleResult:
+def sample(logits, state: PenaltyState, s: TorchSamplingInputs,
+           flags: StepFlags) -> SampleResult:
     """logits: f32[R, V] raw model logits for each sequence's last token; s: the step's
-    sampling tensors (input_builder's names). As sampler.sample: bias and bans before the
-    penalties, logprobs of the raw logits."""
+    sampling tensors. As sampler.sample: bias and bans before the penalties, logprobs of
+    the raw logits."""
     raw_logits = logits
     if flags.bias:
-        bias = state.logit_bias[s["state_slots"].long()]
-        logits = torch.where(s["has_bias"][:, None], logits + bias, logits)
+        bias = state.logit_bias[s.state_slots.long()]
+        logits = torch.where(s.has_bias[:, None], logits + bias, logits)
     if flags.grammar:
         logits = _apply_grammar(logits, state, s)
     if flags.penalties:
         logits = _apply_penalties(logits, state, s)
     if flags.bans:
-        logits = _ban(logits, s["banned_ids"])
+        logits = _ban(logits, s.banned_ids)
     greedy_ids = torch.argmax(logits, dim=-1)
     if flags.all_greedy:
         token_ids = greedy_ids
     else:
-        greedy = s["temperature"] < _GREEDY_EPS
+        greedy = s.temperature < _GREEDY_EPS
         token_ids = torch.where(greedy, greedy_ids, _draw(logits, s, flags.truncation))
     token_ids = token_ids.int()
     rows, k = logits.shape[0], min(MAX_LOGPROBS, logits.shape[-1])
