@@ -15,14 +15,13 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
-import json
 import logging
 import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
@@ -30,14 +29,18 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from jaxserve.config.version import VERSION
 from jaxserve.server.async_engine import AsyncLLMEngine
-from jaxserve.server.dev_routes import install_dev_routes
+from jaxserve.server.dev_routes import dev_routes
 from jaxserve.server.errors import APIError, from_validation_error
-from jaxserve.server.lora_models import LoraModels, LoraSettings, install_lora_routes
+from jaxserve.server.lora_models import LoraModels, LoraSettings, lora_routes
 from jaxserve.server.openai.options import ChatSettings, ResponseOptions
-from jaxserve.server.openai.serving import REQUEST_ID_KEY, OpenAIServing
+from jaxserve.server.openai.routes import completion_routes, tokenize_routes
+from jaxserve.server.openai.serving import OpenAIServing
+from jaxserve.server.pooling.routes import pooling_routes
 from jaxserve.server.pooling.serving import PoolingServing
+from jaxserve.server.responses.routes import responses_routes
 from jaxserve.server.responses.serving import OpenAIResponses
 from jaxserve.server.responses.store import ResponseStore
+from jaxserve.server.routing import REQUEST_ID_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +167,7 @@ class ServerState:
         self.serving = OpenAIServing(engine, config.served_names, config.chat,
                                      grammar_pool=self.grammar_workers, encoders=self.encoders,
                                      options=config.responses)
-        self.serving.loras = LoraModels(engine.engine.processor, config.served_names,
+        self.serving.loras = LoraModels(engine.processor, config.served_names,
                                         config.lora)
         self.responses_api = OpenAIResponses(self.serving,
                                              ResponseStore(config.max_stored_responses,
@@ -206,7 +209,6 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                            allow_headers=list(config.cors_headers),
                            allow_credentials=config.cors_credentials)
     _install_routes(app, state)
-    install_dev_routes(app, state)  # VLLM_SERVER_DEV_MODE=1: /sleep, /wake_up, ...
     return app
 
 
@@ -356,92 +358,49 @@ def _replay(messages: list, receive):
     return replay
 
 
-def _encoded(fn, *args) -> bytes:
-    """fn(*args) as JSON bytes (in a worker thread: a long prompt's ids are megabytes)."""
-    return json.dumps(fn(*args), ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-
-
-def _json(content: bytes) -> Response:
-    return Response(content, media_type="application/json")
-
-
 def _too_large(config: ServerConfig) -> JSONResponse:
     return APIError(413, f"The request body is larger than {config.max_body_bytes} bytes.",
                     code="body_too_large").response()
 
 
 def _install_routes(app: FastAPI, state: ServerState) -> None:
-    serving, responses = state.serving, state.responses_api
-    engine = state.engine
-    config = state.config
+    """The route table: one router per API, in this order (no two routes' paths overlap, so
+    the order decides only how /openapi.json lists them). The guard (_Guard) runs before
+    every one of them: API keys, draining, the body read."""
+    routers = (completion_routes(state), responses_routes(state), pooling_routes(state),
+               lora_routes(state), _model_routes(state), tokenize_routes(state),
+               _health_routes(state),
+               dev_routes(state))  # VLLM_SERVER_DEV_MODE=1: /sleep, /wake_up, ...
+    for router in routers:
+        if router is not None:  # (LoRA's and the dev routes exist only when turned on)
+            app.include_router(router)
 
-    def request_ids(request: Request) -> tuple[str | None, str]:
-        """(the X-Request-Id header or None, this HTTP request's own id)."""
-        return (request.headers.get("x-request-id") or None,
-                request.scope.get("state", {}).get(REQUEST_ID_KEY) or uuid.uuid4().hex)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        async with state.preparing():
-            prepared = await state.off_loop(serving.prepare_completion, await request.body(),
-                                            request_ids(request))
-            prepared = await serving.with_grammar(prepared)
-        return await serving.respond(prepared, request)
+def _model_routes(state: ServerState) -> APIRouter:
+    """/v1/models: the served names and the LoRA adapters, with what the model serves."""
+    router = APIRouter()
+    engine, config = state.engine, state.config
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        async with state.preparing():
-            prepared = await state.off_loop(serving.prepare_chat, await request.body(),
-                                            request_ids(request))
-            prepared = await serving.with_grammar(prepared)
-        return await serving.respond(prepared, request)
-
-    @app.post("/v1/responses")
-    async def create_response(request: Request):
-        async with state.preparing():
-            prepared = await state.off_loop(responses.prepare, await request.body(),
-                                            request_ids(request))
-            prepared = await responses.with_grammar(prepared)
-        return await responses.respond(prepared, request)
-
-    @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str, request: Request):
-        return await responses.retrieve(response_id, request.query_params)
-
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str):
-        return responses.delete(response_id)
-
-    @app.post("/v1/responses/{response_id}/cancel")
-    async def cancel_response(response_id: str):
-        return responses.cancel(response_id)
-
-    _install_pooling_routes(app, state, request_ids)
-    install_lora_routes(app, state)
-
-    @app.get("/v1/models")
+    @router.get("/v1/models")
     async def models():
         # tasks (a jaxserve extension): what the model serves, in vLLM's task names
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": int(state.started),
-            "owned_by": "jaxserve", "root": engine.engine.config.model.model,
-            "max_model_len": engine.engine.config.model.max_model_len,
-            "tasks": state.pooling.tasks}
+            "owned_by": "jaxserve", "root": engine.model_config.model,
+            "max_model_len": engine.max_model_len, "tasks": state.pooling.tasks}
             for name in config.served_names] + state.serving.loras.cards(
-                int(state.started), engine.engine.config.model.max_model_len)}
+                int(state.started), engine.max_model_len)}
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        async with state.preparing():
-            return _json(await state.off_loop(_encoded, serving.tokenize, await request.body()))
+    return router
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        async with state.preparing():
-            return _json(await state.off_loop(_encoded, serving.detokenize,
-                                              await request.body()))
 
-    @app.get("/health")
+def _health_routes(state: ServerState) -> APIRouter:
+    """/health, /ready, /version and /metrics (the first three open without an API key; the
+    last too unless --metrics-require-auth)."""
+    router = APIRouter()
+    engine = state.engine
+
+    @router.get("/health")
     async def health():
         if not engine.is_running:
             reason = engine.dead_reason or "the engine loop has stopped"
@@ -455,7 +414,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
                                       for rank, why in stats.replicas_lost]}
         return Response(status_code=200)
 
-    @app.get("/ready")
+    @router.get("/ready")
     async def ready():
         # Ready: the loop runs, every bucket is compiled, and we are not draining. /health
         # answers 200 earlier: requests are served while the warm-up compiles in background.
@@ -466,34 +425,13 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
                             "are served meanwhile.", code="warming_up").response()
         return {"status": "ready"}
 
-    @app.get("/version")
+    @router.get("/version")
     async def version():
         return {"version": VERSION}
 
-    @app.get("/metrics")
+    @router.get("/metrics")
     async def metrics():
         body = engine.metrics.render() if engine.metrics else b""
         return PlainTextResponse(body, media_type="text/plain; version=0.0.4")
 
-
-def _install_pooling_routes(app: FastAPI, state: ServerState, request_ids) -> None:
-    """vLLM's pooling routes (server/pooling/serving.py): on a generating model each answers a 400
-    that says why, as the generation routes do on a pooling model."""
-    pooling = state.pooling
-
-    def route(prepare):
-        async def pooled(request: Request):
-            async with state.preparing():
-                prepared = await state.off_loop(prepare, await request.body(),
-                                                request_ids(request))
-            return await pooling.respond(prepared, request)
-        return pooled
-
-    routes = {("/v1/embeddings",): pooling.prepare_embeddings,
-              ("/pooling",): pooling.prepare_pooling, ("/classify",): pooling.prepare_classify,
-              ("/score", "/v1/score"): pooling.prepare_score,
-              ("/rerank", "/v1/rerank", "/v2/rerank"): pooling.prepare_rerank}
-    for paths, prepare in routes.items():
-        for path in paths:
-            app.add_api_route(path, route(prepare), methods=["POST"],
-                              name=prepare.__name__.removeprefix("prepare_"))
+    return router

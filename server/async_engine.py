@@ -10,6 +10,8 @@ consumer goes away (client disconnect, cancelled task) is aborted and its KV blo
 on the next loop turn. Pooling requests (embeddings, classifications, scores) take the same
 path and end with one output (encode, encode_many). Calls on the engine (the prefix-cache
 flush, sleep mode, weight updates) cross the same queue and are awaited: engine_calls.py.
+What the front ends read of the engine (its admission path, tokenizer, model config) is
+engine_view.py's: no front end reaches into the engine itself.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from jaxserve.engine.outputs import PoolingRequestOutput, RequestOutput
 from jaxserve.engine.sleep_mode import EngineSleepingError
 from jaxserve.engine.stats import EngineStats
 from jaxserve.server.engine_calls import EngineAsleepError, EngineCalls, run_call
+from jaxserve.server.engine_view import EngineView
 from jaxserve.server.loads import RollingRate
 from jaxserve.server.metrics import EngineMetrics
 from jaxserve.server.request_log import log_finished
@@ -103,7 +106,7 @@ class _Stream:
                 return item
 
 
-class AsyncLLMEngine(EngineCalls):
+class AsyncLLMEngine(EngineCalls, EngineView):
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int = 4096,
                  metrics: EngineMetrics | None = None, log_requests: bool = False,
                  log_outputs: bool = False, log_stats: bool = True,
@@ -215,12 +218,9 @@ class AsyncLLMEngine(EngineCalls):
                 f"(--max-waiting-requests): it can never be admitted. Send at most "
                 f"{self.max_waiting_requests} (fewer inputs or prompts, or a smaller n), or "
                 "raise --max-waiting-requests.")
-        loop = asyncio.get_running_loop()
-        max_len = self.engine.config.model.max_model_len
+        loop, max_len = asyncio.get_running_loop(), self.max_model_len
         streams = [_Stream(loop, time.monotonic(), len(r.prompt_token_ids), r.params.n,
-                           min(r.params.max_tokens or max_len,
-                               max_len - len(r.prompt_token_ids)))
-                   for r in requests]
+                           r.budget(max_len)) for r in requests]
         ids = [r.request_id for r in requests]
         with self._lock:
             waiting = self._stats.waiting + self._pending

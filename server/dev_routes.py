@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 
+from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import Response
@@ -54,14 +55,24 @@ def dev_mode(environ=os.environ) -> bool:
 def install_dev_routes(app, state) -> bool:
     """Add the routes to `app` (state: its ServerState) when the environment asks for
     development mode; whether it did."""
+    router = dev_routes(state)
+    if router is not None:
+        app.include_router(router)
+    return router is not None
+
+
+def dev_routes(state) -> APIRouter | None:
+    """The routes (state: the app's ServerState) when the environment asks for development
+    mode, else None."""
     if not dev_mode():
-        return False
+        return None
     logger.warning("Development mode (%s=1): POST /sleep, /wake_up, /update_weights and GET "
                    "/is_sleeping are served; expose this server to trusted clients only.",
                    DEV_MODE_ENV)
     engine = state.engine
+    router = APIRouter()
 
-    @app.post("/sleep")
+    @router.post("/sleep")
     async def sleep(request: Request):
         await _no_body(request, "level as a query parameter, e.g. /sleep?level=2")
         query = _query(request, ("level",))
@@ -69,19 +80,19 @@ def install_dev_routes(app, state) -> bool:
         await _engine_call(engine.sleep(level))
         return Response(status_code=200)
 
-    @app.post("/wake_up")
+    @router.post("/wake_up")
     async def wake_up(request: Request):
         await _no_body(request, "tags as query parameters, e.g. /wake_up?tags=weights")
         tags = _tags(_query(request, ("tags",)).get("tags", []))
         await _engine_call(engine.wake_up(tags))
         return Response(status_code=200)
 
-    @app.get("/is_sleeping")
+    @router.get("/is_sleeping")
     async def is_sleeping(request: Request):
         _query(request, ())
         return {"is_sleeping": await _engine_call(engine.is_sleeping())}
 
-    @app.post("/update_weights")
+    @router.post("/update_weights")
     async def update_weights(request: Request):
         _query(request, ())
         body = await state.off_loop(parse_body, await request.body(), UpdateWeightsBody)
@@ -96,7 +107,7 @@ def install_dev_routes(app, state) -> bool:
         count = await _engine_call(engine.update_weights(body.path), param="path")
         return {"updated": count}
 
-    return True
+    return router
 
 
 async def _no_body(request: Request, instead: str) -> None:

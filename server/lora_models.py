@@ -23,6 +23,7 @@ import json
 import os
 import threading
 
+from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 
@@ -226,20 +227,23 @@ class LoraModels:
         return real
 
 
-def install_lora_routes(app, state) -> None:
+def lora_routes(state) -> APIRouter | None:
     """POST /v1/load_lora_adapter and /v1/unload_lora_adapter, when runtime updates are on
-    (as vLLM registers them only then). state: the app's ServerState."""
+    (as vLLM registers them only then; None otherwise). state: the app's ServerState."""
     loras = state.serving.loras
     if loras is None or not loras.runtime_updates:
-        return
+        return None
+    router = APIRouter()
 
-    @app.post("/v1/load_lora_adapter")
+    @router.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):
         async with state.preparing():
             return PlainTextResponse(await state.off_loop(loras.load, await request.body()))
 
-    @app.post("/v1/unload_lora_adapter")
+    @router.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request):
         async with state.preparing():
             return PlainTextResponse(await state.off_loop(loras.unload,
                                                           await request.body()))
+
+    return router

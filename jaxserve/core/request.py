@@ -34,7 +34,10 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  *, seed: int, max_model_len: int, eos_token_ids: frozenset[int],
                  priority: int = 0, constraints: TokenConstraints | None = None,
-                 grammar=None, pooling=None, lora=None) -> None:
+                 grammar=None, pooling=None, lora=None,
+                 max_output_tokens: int | None = None) -> None:
+        """max_output_tokens: its output budget as admission computed it
+        (EngineRequest.budget); None: max_tokens cut to what max_model_len leaves."""
         self.request_id = request_id
         self.params = params
         self.seed = seed
@@ -42,8 +45,9 @@ class Request:
         self.arrival_time = time.monotonic()
         self.scheduled_time: float | None = None  # first admitted to running (queue time)
         self.num_prompt_tokens = len(prompt_token_ids)
-        budget = max_model_len - self.num_prompt_tokens
-        self.max_output_tokens = min(params.max_tokens or budget, budget)
+        room = max_model_len - self.num_prompt_tokens
+        self.max_output_tokens = (max_output_tokens if max_output_tokens is not None else
+                                  min(params.max_tokens or room, room))
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         # Its sampling settings as its step rows take them (kept by state slot).
         self.sampling_row = sampling_row(

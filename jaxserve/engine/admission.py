@@ -9,13 +9,18 @@ order, so that the cheap checks come before any expensive work:
    check_request_id, check_identifier, check_prompt_count, check_priority likewise (a pooling request:
    check_pooling_count, and its PoolingParams resolved against the engine's pooler);
 2. render_chat / encode: chat templates and tokenization (request text stays text);
-3. process: truncation, the model's checks (length, vocabulary), bad words tokenized, the
-   worst-case response size, the structured output's start token: an EngineRequest
-   (process_pooling for embeddings, classifications and scores);
+3. process / process_prompts: truncation (once per prompt), the model's checks (the
+   context length: ContextLengthError; the vocabulary), the output budget (computed here
+   once: EngineRequest.max_output_tokens), bad words tokenized, the worst-case response
+   size, the structured output's start token: an EngineRequest (process_pooling for
+   embeddings, classifications and scores);
 4. compile_grammar: the constraint compiled, first in the sandbox process
    (grammar_sandbox.py), then here; the server runs it on threads of its own, so grammar
    compiles never occupy the threads that parse ordinary requests.
-Every refusal is a ValueError naming the field (a 400 / INVALID_ARGUMENT in the servers).
+Every refusal is a ValueError naming the field (a 400 / INVALID_ARGUMENT in the servers);
+a prompt that does not fit the context is a ContextLengthError carrying the numbers, which
+each front end words in its own terms (the OpenAI server as OpenAI's
+context_length_exceeded, gRPC as INVALID_ARGUMENT, the offline LLM as this message).
 The engine takes EngineRequests as they are: its own checks only assert this contract.
 The server calls 1-3 (and 4) off the event loop.
 """
@@ -50,6 +55,44 @@ _TOKEN_BYTES = 16
 _LOGPROB_ENTRY_BYTES = 96
 
 
+def output_budget(max_tokens: int | None, prompt_tokens: int, max_model_len: int) -> int:
+    """The most tokens each sequence of a prompt_tokens-token prompt may generate: max_tokens
+    capped by what the context leaves (max_model_len - prompt_tokens); all of that when
+    max_tokens is not set."""
+    room = max_model_len - prompt_tokens
+    return room if max_tokens is None else min(max_tokens, room)
+
+
+class ContextLengthError(ValueError):
+    """A prompt (truncated) that leaves no room for output (a pooling prompt, which gets
+    none: one longer than max_model_len), or a max_tokens that does not fit beside it where
+    the front end refuses that rather than cut it (strict). The message is the engine's
+    wording; the servers word it from the numbers in their protocol's terms."""
+
+    def __init__(self, prompt_tokens: int, max_model_len: int, max_tokens: int | None = None,
+                 *, pooling: bool = False) -> None:
+        self.prompt_tokens, self.max_model_len = prompt_tokens, max_model_len
+        self.max_tokens = max_tokens  # the output asked for; None: the prompt alone is too long
+        self.pooling = pooling
+        if max_tokens is not None:
+            message = (f"max_tokens={max_tokens} does not fit beside the {prompt_tokens}-token "
+                       f"prompt: this model's maximum context length is {max_model_len} "
+                       f"tokens; lower max_tokens or shorten the prompt.")
+        elif pooling:
+            message = (f"prompt is {prompt_tokens} tokens long, but may be at most "
+                       f"max_model_len={max_model_len} tokens (truncate_prompt_tokens keeps "
+                       "the last ones).")
+        else:
+            message = (f"prompt is {prompt_tokens} tokens long, but must be shorter than "
+                       f"max_model_len={max_model_len} to leave room for output.")
+        super().__init__(message)
+
+    @property
+    def requested(self) -> int:
+        """The tokens the request asked the context to hold (prompt and output)."""
+        return self.prompt_tokens + (self.max_tokens or 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineRequest:
     """A request the admission path has checked: the engine runs it as it is."""
@@ -67,6 +110,9 @@ class EngineRequest:
     # engine's internal one-token SamplingParams (pooling_sampling_params). None: generation.
     pooling: PoolingParams | None = None
     lora: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
+    # The most tokens each of its sequences may generate (output_budget, computed once, at
+    # admission); None only in a request built by hand, which gets what the context leaves.
+    max_output_tokens: int | None = None
 
     def with_grammar(self, grammar) -> EngineRequest:
         return dataclasses.replace(self, grammar=grammar)
@@ -80,6 +126,13 @@ class EngineRequest:
         if self.cache_salt is not None:
             keys += ("cache_salt", str(self.cache_salt))
         return keys
+
+    def budget(self, max_model_len: int) -> int:
+        """The most tokens each of its sequences may generate: max_output_tokens, as
+        admission computed it."""
+        if self.max_output_tokens is not None:
+            return self.max_output_tokens
+        return output_budget(self.params.max_tokens, len(self.prompt_token_ids), max_model_len)
 
 
 def pooling_sampling_params() -> SamplingParams:
@@ -255,52 +308,77 @@ class InputProcessor:
         return with_special_tokens(self.tokenizer, ids) if add_special_tokens else ids
 
     # ---- 3. the model's checks -------------------------------------------------------------
-    def truncate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
-        """The prompt as params.truncate_prompt_tokens keeps it, as vLLM: k tokens (-1:
-        max_model_len - 1), the last k unless truncation_side is "right"."""
-        k = params.truncate_prompt_tokens
+    def truncate(self, prompt_token_ids: list[int],
+                 params: SamplingParams | PoolingParams) -> list[int]:
+        """The prompt as params.truncate_prompt_tokens keeps it, as vLLM: k tokens (-1: all
+        the context holds with room for output, max_model_len - 1; a pooling request's,
+        which gets no output, max_model_len), the last k unless truncation_side is
+        "right"."""
+        k, pooling = params.truncate_prompt_tokens, isinstance(params, PoolingParams)
         if k is None:
             return prompt_token_ids
         if k == -1:
-            k = self.max_model_len - 1
+            k = self.max_model_len - (0 if pooling else 1)
         if k > self.max_model_len:
             raise ValueError(f"truncate_prompt_tokens={k} cannot be greater than "
                              f"max_model_len={self.max_model_len}; request a smaller "
                              "truncation size.")
-        if params.truncation_side == "right":
+        if getattr(params, "truncation_side", "left") == "right":
             return list(prompt_token_ids[:k])
         return list(prompt_token_ids[-k:])
 
     def process(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                 params: SamplingParams, priority: int = 0, cache_salt: str | None = None,
-                *, compile_grammar: bool = True,
-                lora: LoRARequest | None = None) -> EngineRequest:
-        """One prompt of a request, ready for the engine (its params already through
-        check_params). compile_grammar=False leaves the grammar to compile_grammar (the
-        server runs that on its grammar threads) and with_grammar. lora: the adapter it runs
-        with (check_lora)."""
+                *, compile_grammar: bool = True, lora: LoRARequest | None = None,
+                strict_context: bool = False) -> EngineRequest:
+        """One prompt of a request, ready for the engine (process_prompts for one)."""
+        return self.process_prompts([request_id], [(prompt, prompt_token_ids)], params,
+                                    priority, cache_salt, compile_grammar=compile_grammar,
+                                    lora=lora, strict_context=strict_context)[0]
+
+    def process_prompts(self, request_ids: list[str],
+                        prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
+                        priority: int = 0, cache_salt: str | None = None, *,
+                        compile_grammar: bool = True, lora: LoRARequest | None = None,
+                        strict_context: bool = False) -> list[EngineRequest]:
+        """The prompts of one request ((text or None, token ids) each, with one SamplingParams
+        already through check_params), ready for the engine, all or none: each truncated
+        once and checked against the context (ContextLengthError) and the vocabulary, its
+        output budget computed (max_output_tokens), the worst-case response size of them
+        all checked. strict_context: a max_tokens that does not fit beside a prompt is
+        refused (the servers, as OpenAI's and vLLM's) rather than cut to what the context
+        leaves (the offline LLM, as vLLM's). compile_grammar=False leaves the grammar to
+        compile_grammar (the server runs that on its grammar threads) and with_grammar.
+        lora: the adapter they run with (check_lora)."""
         if self.pooler is not None:
             raise ValueError(f"This model is served for pooling ({self.pooler.task}: "
                              "runner='pooling'): it generates no text. Send embedding, "
                              "classification or scoring requests, or start the engine with "
                              "runner='generate' on a generative model.")
-        self.check_request_id(request_id)
+        for request_id in request_ids:
+            self.check_request_id(request_id)
         self.check_priority(priority)
+        checked, budgets = [], []
+        for _, ids in prompts:
+            ids = self.check_prompt(self.truncate(ids, params))
+            checked.append(ids)
+            budgets.append(self.check_context(len(ids), params.max_tokens,
+                                              strict=strict_context))
+        self._check_response_size(params, [len(ids) for ids in checked], budgets)
         self.check_lora(lora)
-        ids = self.check_prompt(self.truncate(prompt_token_ids, params))
-        self.check_response_size(params, [len(ids)])
         vocab = self.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab}), got "
                              f"{params.stop_token_ids[:8]}.")
         constraints = self._constraints(params)
-        grammar = grammar_start = None
-        if params.structured_outputs is not None:
-            grammar_start = self._grammar_start(params, ids)
-            if compile_grammar:
-                grammar = self.compile_grammar(params)
-        return EngineRequest(request_id, prompt, ids, params, priority, cache_salt,
-                             constraints, grammar, grammar_start, lora=lora)
+        starts = [self._grammar_start(params, ids) for ids in checked]
+        grammar = None
+        if params.structured_outputs is not None and compile_grammar:
+            grammar = self.compile_grammar(params)
+        return [EngineRequest(request_id, text, ids, params, priority, cache_salt,
+                              constraints, grammar, start, lora=lora, max_output_tokens=budget)
+                for request_id, (text, _), ids, start, budget
+                in zip(request_ids, prompts, checked, starts, budgets)]
 
     def process_pooling(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                         params: PoolingParams, priority: int = 0,
@@ -316,31 +394,20 @@ class InputProcessor:
         params = params.resolve(self.pooler)
         self.check_request_id(request_id)
         self.check_priority(priority)
-        ids = prompt_token_ids
-        k = params.truncate_prompt_tokens
-        if k is not None:
-            if k > self.max_model_len:
-                raise ValueError(f"truncate_prompt_tokens={k} cannot be greater than "
-                                 f"max_model_len={self.max_model_len}.")
-            ids = list(ids[-(self.max_model_len if k == -1 else k):])
-        ids = self.check_prompt(ids, pooling=True)
-        return EngineRequest(request_id, prompt, ids, pooling_sampling_params(), priority,
-                             cache_salt, pooling=params)
+        ids = self.check_prompt(self.truncate(prompt_token_ids, params), pooling=True)
+        sampling = pooling_sampling_params()
+        return EngineRequest(request_id, prompt, ids, sampling, priority, cache_salt,
+                             pooling=params, max_output_tokens=self.check_context(
+                                 len(ids), sampling.max_tokens, pooling=True))
 
     def check_prompt(self, prompt_token_ids, pooling: bool = False) -> list[int]:
-        """The prompt as a list of ints in the vocabulary, shorter than max_model_len (a
-        pooling prompt, which gets no output, at most max_model_len)."""
-        max_len, vocab = self.max_model_len, self.vocab_size
+        """The prompt as a list of ints in the vocabulary that fits the context
+        (check_context)."""
+        vocab = self.vocab_size
         count = len(prompt_token_ids)
         if count == 0:
             raise ValueError("prompt must not be empty (it has 0 tokens).")
-        if pooling and count > max_len:
-            raise ValueError(f"prompt is {count} tokens long, but may be at most "
-                             f"max_model_len={max_len} tokens (truncate_prompt_tokens keeps "
-                             "the last ones).")
-        if not pooling and count >= max_len:
-            raise ValueError(f"prompt is {count} tokens long, but must be shorter than "
-                             f"max_model_len={max_len} to leave room for output.")
+        self.check_context(count, pooling=pooling)
         try:
             ids = np.asarray(prompt_token_ids)
         except (ValueError, TypeError):
@@ -353,19 +420,36 @@ class InputProcessor:
                              f"vocabulary); got {bad!r:.80}.")
         return ids.tolist()
 
+    def check_context(self, prompt_tokens: int, max_tokens: int | None = None, *,
+                      pooling: bool = False, strict: bool = False) -> int:
+        """The context-length check, the one place it is made: ContextLengthError for a
+        prompt shorter than max_model_len leaves no room for output (a pooling prompt, which
+        gets none, may fill it), and, strict, for a max_tokens that does not fit beside it.
+        Returns the output budget (output_budget: max_tokens cut to what the context
+        leaves)."""
+        limit = self.max_model_len
+        if prompt_tokens > limit - (0 if pooling else 1):
+            raise ContextLengthError(prompt_tokens, limit, pooling=pooling)
+        budget = output_budget(max_tokens, prompt_tokens, limit)
+        if strict and max_tokens is not None and budget < max_tokens:
+            raise ContextLengthError(prompt_tokens, limit, max_tokens)
+        return budget
+
     def check_response_size(self, params: SamplingParams, prompt_lengths: list[int]) -> None:
         """The worst case of what the request's responses could hold (every choice running
-        to its max_tokens, each token with its logprob entries) against max_response_bytes."""
+        to its output budget, each token with its logprob entries) against
+        max_response_bytes."""
+        self._check_response_size(params, prompt_lengths, [
+            output_budget(params.max_tokens, n, self.max_model_len) for n in prompt_lengths])
+
+    def _check_response_size(self, params: SamplingParams, prompt_lengths: list[int],
+                             budgets: list[int]) -> None:
         per_token = _TOKEN_BYTES + _LOGPROB_ENTRY_BYTES * (
             params.logprobs + 1 if params.logprobs is not None else 0)
         per_prompt_token = _LOGPROB_ENTRY_BYTES * (
             params.prompt_logprobs + 1 if params.prompt_logprobs is not None else 0)
-        total = 0
-        for length in prompt_lengths:
-            new = self.max_model_len - length
-            if params.max_tokens is not None:
-                new = min(new, params.max_tokens)
-            total += params.n * (new * per_token + length * per_prompt_token)
+        total = sum(params.n * (new * per_token + length * per_prompt_token)
+                    for length, new in zip(prompt_lengths, budgets))
         limit = self.limits.max_response_bytes
         if total > limit:
             fields = "max_tokens, n" + (", logprobs" if params.logprobs is not None else "") \
@@ -412,8 +496,10 @@ class InputProcessor:
 
     def _grammar_start(self, params: SamplingParams, prompt: list[int]) -> int | None:
         """The token a constraint waits for (structured_outputs.starts_after), or None when
-        it applies at once: none is set, or the prompt already holds it after the last
-        opening "<think>" (a template that turned thinking off)."""
+        it applies at once: no constraint or none is set, or the prompt already holds it
+        after the last opening "<think>" (a template that turned thinking off)."""
+        if params.structured_outputs is None:
+            return None
         after = params.structured_outputs.starts_after
         if after is None:
             return None

@@ -155,7 +155,9 @@ class EngineCoreClient(EngineInterface):
         max_len = self.config.model.max_model_len
         children = [Request(f"{request.request_id}#{i}", request.prompt_token_ids, params,
                             seed=0, max_model_len=max_len, eos_token_ids=self.eos_token_ids,
-                            priority=request.priority) for i in range(params.n)]
+                            priority=request.priority,
+                            max_output_tokens=request.budget(max_len))
+                    for i in range(params.n)]
         tracked = track(request, children, self.tokenizer)
         # The compiled grammar (an llguidance matcher) does not cross processes: the core
         # compiles it again.

@@ -17,7 +17,8 @@ from jaxserve.engine.stats import EngineStats
 
 
 class EngineInterface(abc.ABC):
-    # Set by an implementation's __init__:
+    # Set by an implementation's __init__ (what front ends read: server/engine_view.py):
+    config: object  # the engine's config (config.engine_config.EngineConfig)
     tokenizer: object  # the model's tokenizer (inputs.tokenizer.Tokenizer)
     processor: object  # the admission path (engine.admission.InputProcessor)
     runner: object  # the device side (backends.protocol.Runner); a replica's, under DP

@@ -192,6 +192,7 @@ class LLMEngine(EngineInterface):
             raise ValueError(f"request_id {request.request_id!r} is already in use.")
         self._check_awake()  # (sleep mode: sleep() below)
         children = []
+        budget = request.budget(self.config.model.max_model_len)  # (admission's, carried)
         for i in range(params.n):
             seed = (params.seed + i if params.seed is not None
                     else int(self._rng.integers(0, 2**32)))
@@ -203,7 +204,7 @@ class LLMEngine(EngineInterface):
                             max_model_len=self.config.model.max_model_len,
                             eos_token_ids=self.eos_token_ids, priority=request.priority,
                             constraints=request.constraints, grammar=grammar, pooling=pooling,
-                            lora=request.lora)
+                            lora=request.lora, max_output_tokens=budget)
             child.grammar_waits_for = request.grammar_start
             child.extra_keys = request.cache_keys()
             children.append(child)

@@ -71,8 +71,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
     def __init__(self, state) -> None:
         """state: the HTTP app's ServerState (engine, config, draining flag, workers)."""
         self.state = state
-        self.async_engine = state.engine
-        self.engine = state.engine.engine
+        self.engine = state.engine  # the AsyncLLMEngine (its reads: server/engine_view.py)
         self.last_receive = 0.0  # wall time of the last Generate
         # Decided once, at start-up, as the HTTP side installs its development routes.
         self.dev_mode = dev_mode()
@@ -87,7 +86,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "The server is shutting down.")
         engine_request = await self._admit(request, context)
         try:
-            stream = self.async_engine.submit(engine_request)
+            stream = self.engine.submit(engine_request)
         except OverloadedError as err:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
         except EngineDeadError as err:
@@ -204,14 +203,12 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             raise BadRequest(f"sampling_params: {err}") from None
         params = processor.check_params(params)
         prompt = prompt_of(request, processor.encode)
-        ids = processor.truncate(prompt.token_ids, params)
-        limit = self.engine.config.model.max_model_len
-        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
-            raise BadRequest(f"max_tokens={params.max_tokens} does not fit beside the "
-                             f"{len(ids)}-token prompt: this model's maximum context length "
-                             f"is {limit} tokens.")
-        return processor.process(request_id, prompt.text, ids, params, compile_grammar=False,
-                                 lora=self._lora(lora_name))
+        # (a max_tokens that does not fit beside the prompt is refused, not cut: a
+        # ContextLengthError, answered INVALID_ARGUMENT in the engine's words, which name
+        # max_tokens or the prompt and the numbers)
+        return processor.process(request_id, prompt.text, prompt.token_ids, params,
+                                 compile_grammar=False, lora=self._lora(lora_name),
+                                 strict_context=True)
 
     def _lora(self, name: str | None):
         """The adapter the `lora-name` metadata names (None: the base model)."""
@@ -238,7 +235,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
 
         def expire() -> None:
             expired.set()
-            self.async_engine.stop_request(request_id)
+            self.engine.stop_request(request_id)
 
         loop = asyncio.get_running_loop()
         return loop.call_later(max(0.0, remaining - _DEADLINE_MARGIN_S), expire), expired
@@ -250,14 +247,14 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request_ids: at most {limit} ids in one Abort (request limit "
                                 f"max_abort_ids), got {len(request.request_ids)}.")
-        self.async_engine.stop_requests(request.request_ids)
+        self.engine.stop_requests(request.request_ids)
         return pb.AbortResponse()
 
     async def HealthCheck(self, request, context) -> pb.HealthCheckResponse:
         if self.state.draining:
             return pb.HealthCheckResponse(healthy=False, message="The server is shutting down.")
-        if not self.async_engine.is_running:
-            return pb.HealthCheckResponse(healthy=False, message=self.async_engine.dead_reason)
+        if not self.engine.is_running:
+            return pb.HealthCheckResponse(healthy=False, message=self.engine.dead_reason)
         return pb.HealthCheckResponse(healthy=True, message="Health")
 
     async def FlushCache(self, request: common_pb2.FlushCacheRequest, context):
@@ -273,7 +270,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         # Forgetting the cached blocks' hashes never waits for running requests (they keep
         # their blocks), so it succeeds at once.
         try:
-            await self.async_engine.reset_prefix_cache()
+            await self.engine.reset_prefix_cache()
         except EngineDeadError as err:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         return common_pb2.FlushCacheResponse(success=True,
@@ -302,7 +299,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         config = self.engine.config
         reasoning = self.state.serving.chat.reasoning_parser
         return pb.GetServerInfoResponse(
-            active_requests=self.async_engine.num_in_flight, is_paused=self.state.draining,
+            active_requests=self.engine.num_in_flight, is_paused=self.state.draining,
             last_receive_timestamp=self.last_receive,
             uptime_seconds=time.time() - self.state.started, server_type="vllm-grpc",
             data_parallel_size=1, kv_cache_dtype=config.cache.kv_cache_dtype,
@@ -318,9 +315,9 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"dp_rank={request.dp_rank}: this engine reports one data-"
                                 "parallel rank, 0.")
-        engine = self.async_engine
+        engine = self.engine
         stats = engine.stats
-        load = scheduler_load(stats, max_num_seqs=self.engine.config.scheduler.max_num_seqs,
+        load = scheduler_load(stats, max_num_seqs=engine.config.scheduler.max_num_seqs,
                               gen_throughput=engine.generation_rate.rate(),
                               waiting_prompt_tokens=engine.waiting_prompt_tokens(stats.waiting))
         return pb.GetLoadsResponse(
@@ -359,7 +356,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err)[:1000])
         timer, expired = self._deadline_timer(context, request_id)
         try:
-            output = await self.async_engine.encode(engine_request)
+            output = await self.engine.encode(engine_request)
         except OverloadedError as err:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
         except EngineDeadError as err:

@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.engine.admission import EngineRequest
+from jaxserve.engine.admission import ContextLengthError, EngineRequest
 from jaxserve.parsers.reasoning import END as REASONING_END
 from jaxserve.parsers.tools import PARSERS
 from jaxserve.server.async_engine import (
@@ -101,11 +101,9 @@ class OpenAIServing:
             tuple(served_names)
         self.model_name = self.served_names[0]
         self.chat = chat or ChatSettings()
-        self.processor = engine.engine.processor
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.config.model.max_model_len
-        self.vocab_size = engine.engine.config.model.vocab_size
-        self.sampling_defaults = engine.engine.config.model.sampling_defaults
+        self.processor, self.tokenizer = engine.processor, engine.tokenizer
+        self.max_model_len, self.vocab_size = engine.max_model_len, engine.vocab_size
+        self.sampling_defaults = engine.sampling_defaults
         self.grammar_pool, self.encoders = grammar_pool, encoders
         self.loras: LoraModels | None = None  # the LoRA adapters by name (the server sets)
 
@@ -214,18 +212,16 @@ class OpenAIServing:
 
     def _admit(self, kind: str, body, params: SamplingParams, prompts, param: str, model: str,
                request_id: str) -> Prepared:
-        """Each prompt through the admission path: truncation, OpenAI's context-length
-        error, the worst-case response size, the model's checks."""
-        processor = self.processor
+        """The prompts through the admission path (process_prompts: truncation, the context
+        length, the worst-case response size, the model's checks); a max_tokens that does
+        not fit beside a prompt is refused, as OpenAI and vLLM refuse it."""
         try:
-            prompts = [(text, processor.truncate(ids, params)) for text, ids in prompts]
-            self._check_context(prompts, params, param)
-            processor.check_response_size(params, [len(ids) for _, ids in prompts])
-            lora = self.lora_of(model)
-            requests = [processor.process(f"{request_id}-{i}", text, ids, params,
-                                          body.priority, body.cache_salt,
-                                          compile_grammar=False, lora=lora)
-                        for i, (text, ids) in enumerate(prompts)]
+            requests = self.processor.process_prompts(
+                [f"{request_id}-{i}" for i in range(len(prompts))], prompts, params,
+                body.priority, body.cache_salt, compile_grammar=False,
+                lora=self.lora_of(model), strict_context=True)
+        except ContextLengthError as err:
+            raise context_length_error(err, param) from None
         except ValueError as err:
             raise from_value_error(err, param) from None
         return Prepared(kind, body, params, requests, param, model, request_id)
@@ -234,24 +230,6 @@ class OpenAIServing:
         """Whether the grammar can wait for the end of the reasoning: its marker is one
         token (Qwen3, DeepSeek-R1); otherwise it applies from the start."""
         return len(self.tokenizer.encode(REASONING_END, add_special_tokens=False)) == 1
-
-    def _check_context(self, prompts, params, param: str) -> None:
-        """OpenAI's (and vLLM's) context-length error, which clients and gateways recognise:
-        for a prompt that leaves no room for output, and for a max_tokens that does not fit
-        next to its prompt (400, code context_length_exceeded)."""
-        limit = self.max_model_len
-        for _, ids in prompts:
-            if len(ids) >= limit:
-                raise APIError(400, f"This model's maximum context length is {limit} tokens. "
-                               f"However, your request has {len(ids)} input tokens. Please "
-                               f"reduce the length of the input {param}.", param=param,
-                               code="context_length_exceeded")
-            if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
-                raise APIError(400, f"This model's maximum context length is {limit} tokens. "
-                               f"However, you requested {len(ids) + params.max_tokens} tokens "
-                               f"({len(ids)} in the {param}, {params.max_tokens} in the "
-                               f"completion). Please reduce the length of the {param} or "
-                               "completion.", param=param, code="context_length_exceeded")
 
     def tokenize(self, raw: bytes) -> dict:
         body = parse_body(raw, TokenizeRequest)
@@ -446,6 +424,24 @@ def _retrieve(future: asyncio.Future) -> None:
     to report first as "never retrieved"."""
     if not future.cancelled():
         future.exception()
+
+
+def context_length_error(err: ContextLengthError, param: str) -> APIError:
+    """The admission path's ContextLengthError in OpenAI's (and vLLM's) words, which clients
+    and gateways recognise (400, code context_length_exceeded): a prompt that leaves no room
+    for output, or a max_tokens that does not fit next to its prompt. param: the field the
+    prompt came in (prompt, messages)."""
+    limit, prompt = err.max_model_len, err.prompt_tokens
+    if err.max_tokens is None:
+        message = (f"This model's maximum context length is {limit} tokens. However, your "
+                   f"request has {prompt} input tokens. Please reduce the length of the "
+                   f"input {param}.")
+    else:
+        message = (f"This model's maximum context length is {limit} tokens. However, you "
+                   f"requested {err.requested} tokens ({prompt} in the {param}, "
+                   f"{err.max_tokens} in the completion). Please reduce the length of the "
+                   f"{param} or completion.")
+    return APIError(400, message, param=param, code="context_length_exceeded")
 
 
 def _grammar_error(err: ValueError, field: str) -> APIError:
