@@ -70,6 +70,25 @@ class Request:
         # and the device slot the scheduler gave it while it runs (-1: none).
         self.lora = lora
         self.lora_slot = -1
+        self._init_tokens(prompt_token_ids)
+        self._init_kv_state()
+        self._init_policies(params, constraints, grammar, pooling)
+        self.num_cached_tokens: int | None = None  # cache hits at its first admission
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.num_proposed = 0  # proposals in its last scheduled step (speculative decoding)
+        self.spec_drafts = 0  # its steps that verified proposals
+        self.spec_first_kept = 0  # of those, the ones that kept the first proposal
+        self.state_slot = 0  # row of the device-side penalty state; 0 = none held
+        # Set when a row is handed out; cleared when the next step is scheduled (the step
+        # that reset the row has been dispatched by then).
+        self.needs_state_reset = False
+        self.cumulative_logprob = 0.0  # of the output tokens, when logprobs are asked for
+
+    def _init_tokens(self, prompt_token_ids: list[int]) -> None:
+        """Its token array (prompt, then room for its output budget) and the counts of what
+        is known, computed and in flight."""
         # i32[max_model_len]: prompt then outputs; the first num_tokens entries are valid.
         self.token_ids = np.zeros(self.num_prompt_tokens + self.max_output_tokens, np.int32)
         self.token_ids[: self.num_prompt_tokens] = prompt_token_ids
@@ -82,6 +101,9 @@ class Request:
         # scheduling schedules the next step before they come): its next input may be one.
         self.num_placeholders = 0
         self.steps_in_flight = 0  # scheduled steps holding it that are not folded in yet
+
+    def _init_kv_state(self) -> None:
+        """What it holds of the KV cache: its blocks and their prefix-cache hashes."""
         # Its KV blocks: one list per KV group (kv_cache_manager.py), all of one length;
         # [] while it holds none. dropped_blocks: per group, the leading entries released
         # behind a sliding window.
@@ -95,19 +117,23 @@ class Request:
         # The computed-token count its blocks hold with nothing for the KV cache manager to
         # do (no new block, no block to name): kept by the manager, read by the scheduler.
         self.kv_room = 0
+
+    def _init_policies(self, params: SamplingParams, constraints: TokenConstraints | None,
+                       grammar, pooling) -> None:
+        """What its settings allow the scheduler and input builder (prefix-cache hits,
+        speculation, steps over placeholders), decided once."""
+        no_penalties = (params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+                        and params.repetition_penalty == 1.0)
         # Prompt scoring needs every prompt position computed, and the device-side penalty
         # state counts only the tokens fed to the model: both must compute everything.
         # So does mean or first-token pooling (every position's hidden state is pooled).
-        self.reads_prefix_cache = params.prompt_logprobs is None and (
-            params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
-            and params.repetition_penalty == 1.0) and not (
+        self.reads_prefix_cache = params.prompt_logprobs is None and no_penalties and not (
             pooling is not None and pooling.reads_all_tokens)
         # Speculative decoding proposes tokens only where every sampling stage is the same at
         # each proposed position: not with penalties (their counts would have to include the
         # proposals), bad words or structured outputs (their masks depend on the tokens
         # before), nor below min_tokens (see may_speculate).
-        self.speculates = params.presence_penalty == 0.0 and params.frequency_penalty == 0.0 \
-            and params.repetition_penalty == 1.0 and grammar is None and not (
+        self.speculates = no_penalties and grammar is None and not (
                 constraints is not None and constraints.bad_sequences)
         # What its step inputs read from its known output tokens, not only their count:
         # then no step is scheduled for it while a token it needs is still a placeholder.
@@ -117,18 +143,6 @@ class Request:
         # below min_tokens or by bad words): the input builder looks at those rows alone.
         self.step_extras = grammar is not None or params.min_tokens > 0 or (
             constraints is not None and bool(constraints.bad_sequences))
-        self.num_cached_tokens: int | None = None  # cache hits at its first admission
-        self.status = RequestStatus.WAITING
-        self.stop_reason: int | str | None = None
-        self.num_preemptions = 0
-        self.num_proposed = 0  # proposals in its last scheduled step (speculative decoding)
-        self.spec_drafts = 0  # its steps that verified proposals
-        self.spec_first_kept = 0  # of those, the ones that kept the first proposal
-        self.state_slot = 0  # row of the device-side penalty state; 0 = none held
-        # Set when a row is handed out; cleared when the next step is scheduled (the step
-        # that reset the row has been dispatched by then).
-        self.needs_state_reset = False
-        self.cumulative_logprob = 0.0  # of the output tokens, when logprobs are asked for
 
     @property
     def grammar_active(self) -> bool:
