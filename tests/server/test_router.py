@@ -178,8 +178,12 @@ def test_a_client_that_leaves_the_router_aborts_the_request_on_its_worker(router
     while sum(aborted(w) for w in workers) - sum(before) < 1:
         assert time.monotonic() < deadline, "no worker saw the abort"
         time.sleep(0.1)
-    for worker in workers:  # and nothing runs any more
-        with grpc.insecure_channel(f"127.0.0.1:{worker.grpc_port}") as channel:
-            load = pb_grpc.VllmEngineStub(channel).GetLoads(pb.GetLoadsRequest(),
-                                                            timeout=10).loads[0]
-        assert load.num_running_reqs == 0 and load.num_waiting_reqs == 0
+    for worker in workers:  # and nothing runs any more, once the engine's stats snapshot
+        while True:         # (published after the step that aborted it) has caught up
+            with grpc.insecure_channel(f"127.0.0.1:{worker.grpc_port}") as channel:
+                load = pb_grpc.VllmEngineStub(channel).GetLoads(pb.GetLoadsRequest(),
+                                                                timeout=10).loads[0]
+            if load.num_running_reqs == 0 and load.num_waiting_reqs == 0:
+                break
+            assert time.monotonic() < deadline, f"still running after the abort: {load}"
+            time.sleep(0.1)
