@@ -171,10 +171,86 @@ def median_ratio(rows: dict, num: str, den: str) -> float:
                             for a, b in zip(rows[num], rows[den])]))
 
 
+def time_rounds(engine_of: dict, prompts: list[list[int]], loras: dict, args) -> tuple:
+    """An untimed warm-up pass of each configuration (adapters loaded into their slots,
+    caches warm), then args.repeats timed rounds, the configurations taking turns: (the
+    rows of each configuration, the compilations after the warm-up)."""
+    from jaxserve.backends.compile_stats import compilation_count
+
+    for name in CONFIGS:
+        warm = run_pass(engine_of[name], prompts, loras[name], args)
+        say(f"warm-up pass {name}: {warm['wall_s']:.1f} s")
+    compiled = compilation_count()
+    rows: dict = {name: [] for name in CONFIGS}
+    for r in range(args.repeats):
+        order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
+        for name in order:
+            result = run_pass(engine_of[name], prompts, loras[name], args)
+            rows[name].append(result)
+            say(f"round {r + 1}/{args.repeats} {name:8s} {result['wall_s']:6.2f} s, "
+                f"{result['output_tok_s']:7.1f} output tok/s, {result['steps']} steps, "
+                f"{result['step_ms']:.1f} ms/step")
+    return rows, compilation_count() - compiled
+
+
+def make_report(model: str, args, prompts: list[list[int]], folders: list, rows: dict,
+                recompilations: int) -> dict:
+    """Every number of the run: each configuration's medians, the ratios, the checks."""
+    lengths = [len(p) for p in prompts]
+    summary = {}
+    for name in CONFIGS:
+        tok_s = [row["output_tok_s"] for row in rows[name]]
+        summary[name] = {"output_tok_s": float(np.median(tok_s)), "output_tok_s_all": tok_s,
+                         "wall_s_all": [row["wall_s"] for row in rows[name]],
+                         "step_ms": float(np.median([row["step_ms"] for row in rows[name]])),
+                         "steps": rows[name][0]["steps"]}
+    base_tokens, lora_tokens = rows["base"][0]["tokens"], rows["lora"][0]["tokens"]
+    return {
+        "model": model, "dtype": args.dtype, "cpus": os.cpu_count(),
+        "prompts": len(prompts), "prompt_tokens": sum(lengths),
+        "output_len": args.output_len, "output_tokens": args.output_len * len(prompts),
+        "num_adapters": args.num_adapters, "rank": args.rank, "repeats": args.repeats,
+        "engine_args": engine_args(args), "adapters": [str(f) for f in folders],
+        "configs": summary,
+        "ratio_lora_vs_base": median_ratio(rows, "lora", "base"),
+        "ratio_lora_off_vs_base": median_ratio(rows, "lora-off", "base"),
+        "ratio_lora_vs_lora_off": median_ratio(rows, "lora", "lora-off"),
+        "ratio_of_medians_lora_vs_base":
+            summary["lora"]["output_tok_s"] / summary["base"]["output_tok_s"],
+        "recompilations_after_warm_up": recompilations,
+        "lora_off_tokens_identical_to_base": rows["lora-off"][0]["tokens"] == base_tokens,
+        "prompts_changed_by_adapters": sum(a != b for a, b in zip(lora_tokens, base_tokens)),
+        "goal": GOAL, "total_s": time.perf_counter() - START,
+    }
+
+
+def print_report(report: dict, args) -> None:
+    print(f"\n== multi-LoRA: {pathlib.Path(report['model']).name}, {args.dtype}, "
+          f"{report['prompts']} prompts ({report['prompt_tokens']} tokens) x "
+          f"{args.output_len} output tokens, {args.num_adapters} adapters of rank "
+          f"{args.rank} (all 7 projections), median of {args.repeats} rounds ==")
+    labels = {"base": "base model, engine without LoRA",
+              "lora": f"{args.num_adapters} adapters, LoRA engine",
+              "lora-off": "no adapter, LoRA engine"}
+    for name in CONFIGS:
+        s = report["configs"][name]
+        print(f"{labels[name]:32s} {s['output_tok_s']:8.1f} output tok/s  "
+              f"{s['step_ms']:7.1f} ms/step ({s['steps']} steps)")
+    verdict = "meets" if report["ratio_lora_vs_base"] >= GOAL else "BELOW"
+    print(f"ratios (median of the rounds' own): lora / base {report['ratio_lora_vs_base']:.3f} "
+          f"({verdict} the goal {GOAL}); lora-off / base "
+          f"{report['ratio_lora_off_vs_base']:.3f}; lora / lora-off "
+          f"{report['ratio_lora_vs_lora_off']:.3f}")
+    same_off = report["lora_off_tokens_identical_to_base"]
+    print(f"compilations after warm-up: {report['recompilations_after_warm_up']}; lora-off "
+          f"tokens {'identical to' if same_off else 'DIFFER from'} the base model's; the "
+          f"adapters changed {report['prompts_changed_by_adapters']} of {report['prompts']} "
+          f"outputs; {report['total_s']:.0f} s in all")
+
+
 def main() -> int:
     args = parse_args()
     from jaxserve import LoRARequest
-    from jaxserve.backends.compile_stats import compilation_count
 
     model = args.model or str(ensure_small_checkpoint())
     vocab = json.loads((pathlib.Path(model) / "config.json").read_text())["vocab_size"]
@@ -192,71 +268,12 @@ def main() -> int:
     engine_of = {"base": engines["base"], "lora": engines["lora"],
                  "lora-off": engines["lora"]}
     try:
-        warm: dict = {}
-        for name in CONFIGS:  # untimed: adapters loaded into their slots, caches warm
-            warm[name] = run_pass(engine_of[name], prompts, loras[name], args)
-            say(f"warm-up pass {name}: {warm[name]['wall_s']:.1f} s")
-        compiled = compilation_count()
-        rows: dict = {name: [] for name in CONFIGS}
-        for r in range(args.repeats):
-            order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
-            for name in order:
-                result = run_pass(engine_of[name], prompts, loras[name], args)
-                rows[name].append(result)
-                say(f"round {r + 1}/{args.repeats} {name:8s} {result['wall_s']:6.2f} s, "
-                    f"{result['output_tok_s']:7.1f} output tok/s, {result['steps']} steps, "
-                    f"{result['step_ms']:.1f} ms/step")
-        recompilations = compilation_count() - compiled
+        rows, recompilations = time_rounds(engine_of, prompts, loras, args)
     finally:
         for llm in engines.values():
             llm.close()
-
-    summary = {}
-    for name in CONFIGS:
-        tok_s = [row["output_tok_s"] for row in rows[name]]
-        summary[name] = {"output_tok_s": float(np.median(tok_s)), "output_tok_s_all": tok_s,
-                         "wall_s_all": [row["wall_s"] for row in rows[name]],
-                         "step_ms": float(np.median([row["step_ms"] for row in rows[name]])),
-                         "steps": rows[name][0]["steps"]}
-    base_tokens, lora_tokens = rows["base"][0]["tokens"], rows["lora"][0]["tokens"]
-    same_off = rows["lora-off"][0]["tokens"] == base_tokens
-    changed = sum(a != b for a, b in zip(lora_tokens, base_tokens))
-    report = {
-        "model": model, "dtype": args.dtype, "cpus": os.cpu_count(),
-        "prompts": len(prompts), "prompt_tokens": sum(lengths),
-        "output_len": args.output_len, "output_tokens": args.output_len * len(prompts),
-        "num_adapters": args.num_adapters, "rank": args.rank, "repeats": args.repeats,
-        "engine_args": engine_args(args), "adapters": [str(f) for f in folders],
-        "configs": summary,
-        "ratio_lora_vs_base": median_ratio(rows, "lora", "base"),
-        "ratio_lora_off_vs_base": median_ratio(rows, "lora-off", "base"),
-        "ratio_lora_vs_lora_off": median_ratio(rows, "lora", "lora-off"),
-        "ratio_of_medians_lora_vs_base":
-            summary["lora"]["output_tok_s"] / summary["base"]["output_tok_s"],
-        "recompilations_after_warm_up": recompilations,
-        "lora_off_tokens_identical_to_base": same_off,
-        "prompts_changed_by_adapters": changed,
-        "goal": GOAL, "total_s": time.perf_counter() - START,
-    }
-    print(f"\n== multi-LoRA: {pathlib.Path(model).name}, {args.dtype}, {len(prompts)} prompts "
-          f"({sum(lengths)} tokens) x {args.output_len} output tokens, {args.num_adapters} "
-          f"adapters of rank {args.rank} (all 7 projections), median of {args.repeats} "
-          "rounds ==")
-    labels = {"base": "base model, engine without LoRA",
-              "lora": f"{args.num_adapters} adapters, LoRA engine",
-              "lora-off": "no adapter, LoRA engine"}
-    for name in CONFIGS:
-        s = summary[name]
-        print(f"{labels[name]:32s} {s['output_tok_s']:8.1f} output tok/s  "
-              f"{s['step_ms']:7.1f} ms/step ({s['steps']} steps)")
-    verdict = "meets" if report["ratio_lora_vs_base"] >= GOAL else "BELOW"
-    print(f"ratios (median of the rounds' own): lora / base {report['ratio_lora_vs_base']:.3f} "
-          f"({verdict} the goal {GOAL}); lora-off / base "
-          f"{report['ratio_lora_off_vs_base']:.3f}; lora / lora-off "
-          f"{report['ratio_lora_vs_lora_off']:.3f}")
-    print(f"compilations after warm-up: {recompilations}; lora-off tokens "
-          f"{'identical to' if same_off else 'DIFFER from'} the base model's; the adapters "
-          f"changed {changed} of {len(prompts)} outputs; {report['total_s']:.0f} s in all")
+    report = make_report(model, args, prompts, folders, rows, recompilations)
+    print_report(report, args)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
         say(f"wrote {args.json}")

@@ -114,6 +114,31 @@ class LoraCollector:
         yield info
 
 
+class _Series:
+    """Makes series in one registry, each labelled with the model's name."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.registry, self.model_name = registry, model_name
+
+    def gauge(self, name: str, doc: str):
+        return Gauge(name, doc, ["model_name"], registry=self.registry).labels(
+            model_name=self.model_name)
+
+    def counter(self, name: str, doc: str):
+        return Counter(name, doc, ["model_name"], registry=self.registry).labels(
+            model_name=self.model_name)
+
+    def histogram(self, name: str, doc: str, buckets):
+        return Histogram(name, doc, ["model_name"], buckets=buckets,
+                         registry=self.registry).labels(model_name=self.model_name)
+
+    def by(self, kind, name: str, doc: str, label: str, values) -> dict:
+        """One series of kind (Gauge, Counter) per value of a second label."""
+        family = kind(name, doc, ["model_name", label], registry=self.registry)
+        return {value: family.labels(model_name=self.model_name, **{label: value})
+                for value in values}
+
+
 class EngineMetrics:
     def __init__(self, model_name: str, *,
                  warm_up_done: Callable[[], bool] = lambda: True,
@@ -125,99 +150,103 @@ class EngineMetrics:
         speculative decoding (0: off, and no vllm:spec_decode_* series); compile_records:
         the compile records of the engine's process (default: this one's); lora_stats: the
         engine's latest EngineStats, with LoRA on (vllm:lora_requests_info)."""
+        self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(CompileCollector(model_name, warm_up_done, compile_records))
         if lora_stats is not None:
             self.registry.register(LoraCollector(model_name, lora_stats))
-        labels = {"model_name": model_name}
-        r = self.registry
-
-        def gauge(name, doc):
-            return Gauge(name, doc, list(labels), registry=r).labels(**labels)
-
-        def counter(name, doc):
-            return Counter(name, doc, list(labels), registry=r).labels(**labels)
-
-        def histogram(name, doc, buckets):
-            return Histogram(name, doc, list(labels), buckets=buckets,
-                             registry=r).labels(**labels)
-
-        self.running = gauge("vllm:num_requests_running", "Requests being computed.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to run.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
-        self.gpu_cache_usage = gauge("vllm:gpu_cache_usage_perc",
-                                     "Same as vllm:kv_cache_usage_perc (older name).")
-        replicas = Gauge("jaxserve:data_parallel_replicas",
-                         "Data-parallel replicas serving, and lost (their host died).",
-                         ["model_name", "state"], registry=r)
-        self.replicas = {state: replicas.labels(model_name=model_name, state=state)
-                         for state in ("serving", "lost")}
-        self.replicas["serving"].set(1)
-        self.preemptions = counter("vllm:num_preemptions", "Preemptions (recompute).")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens admitted.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
-        self.prefix_cache_queries = counter(
-            "vllm:prefix_cache_queries", "Prefix cache queries, in tokens looked up.")
-        self.prefix_cache_hits = counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in tokens served from the cache.")
-        self.request_success = Counter("vllm:request_success", "Finished requests.",
-                                       ["model_name", "finished_reason"], registry=r)
-        self._request_success_labels = labels
-        self.time_to_first_token = histogram("vllm:time_to_first_token_seconds",
-                                             "Time to first token.", _TTFT_BUCKETS)
-        self.inter_token_latency = histogram("vllm:inter_token_latency_seconds",
-                                             "Time between output tokens.",
-                                             _TOKEN_LATENCY_BUCKETS)
-        self.time_per_output_token = histogram(
-            "vllm:time_per_output_token_seconds",
-            "Same as vllm:inter_token_latency_seconds (older name).", _TOKEN_LATENCY_BUCKETS)
-        self.request_time_per_output_token = histogram(
-            "vllm:request_time_per_output_token_seconds",
-            "Mean time per output token of each request (its decode time / (tokens - 1)).",
-            _TOKEN_LATENCY_BUCKETS)
-        self.e2e_latency = histogram("vllm:e2e_request_latency_seconds",
-                                     "End-to-end request latency.", _REQUEST_LATENCY_BUCKETS)
-        self.queue_time = histogram("vllm:request_queue_time_seconds",
-                                    "Time from arrival to first scheduling.",
-                                    _REQUEST_LATENCY_BUCKETS)
-        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
-                                      "Time from first scheduling to the first token.",
-                                      _REQUEST_LATENCY_BUCKETS)
-        self.decode_time = histogram("vllm:request_decode_time_seconds",
-                                     "Time from the first token to the last.",
-                                     _REQUEST_LATENCY_BUCKETS)
-        self.inference_time = histogram("vllm:request_inference_time_seconds",
-                                        "Time from first scheduling to the last token.",
-                                        _REQUEST_LATENCY_BUCKETS)
-        tokens = one_two_five_buckets(max_model_len)
-        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
-                                               "Prompt tokens of each request.", tokens)
-        self.request_generation_tokens = histogram(
-            "vllm:request_generation_tokens", "Generated tokens of each request (all its "
-            "sequences).", tokens)
-        self.request_max_generation_tokens = histogram(
-            "vllm:request_max_num_generation_tokens", "Most tokens generated by one sequence "
-            "of each request.", tokens)
-        self.request_params_max_tokens = histogram(
-            "vllm:request_params_max_tokens", "max_tokens of each request.", tokens)
-        self.request_params_n = histogram("vllm:request_params_n", "n of each request.",
-                                          _N_BUCKETS)
-        self.spec_decode = None
-        if num_speculative_tokens:
-            self.spec_decode = [
-                counter("vllm:spec_decode_num_drafts",
-                        "Steps of a sequence that verified speculative proposals."),
-                counter("vllm:spec_decode_num_draft_tokens", "Proposals verified."),
-                counter("vllm:spec_decode_num_accepted_tokens", "Proposals accepted.")]
-            per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
-                              "Proposals accepted, by their position among a step's "
-                              "proposals.", ["model_name", "position"], registry=r)
-            self.spec_decode_per_pos = [per_pos.labels(position=str(i), **labels)
-                                        for i in range(num_speculative_tokens)]
-        self._spec_seen = (0, 0, 0, (0,) * num_speculative_tokens)
+        series = _Series(self.registry, model_name)
+        self._init_engine_series(series)
+        self._init_latency_series(series)
+        self._init_token_series(series, max_model_len)
+        self._init_spec_decode_series(series, num_speculative_tokens)
         self._preemptions_seen = 0
         self._prefix_cache_seen = (0, 0)  # (queries, hits) already counted
         self._tokens = [0, 0]
+
+    def _init_engine_series(self, series: _Series) -> None:
+        """The engine's load (gauges set after every step) and its running counters."""
+        self.running = series.gauge("vllm:num_requests_running", "Requests being computed.")
+        self.waiting = series.gauge("vllm:num_requests_waiting", "Requests waiting to run.")
+        self.kv_usage = series.gauge("vllm:kv_cache_usage_perc",
+                                     "Fraction of KV blocks in use (0-1).")
+        self.gpu_cache_usage = series.gauge("vllm:gpu_cache_usage_perc",
+                                            "Same as vllm:kv_cache_usage_perc (older name).")
+        self.replicas = series.by(
+            Gauge, "jaxserve:data_parallel_replicas",
+            "Data-parallel replicas serving, and lost (their host died).",
+            "state", ("serving", "lost"))
+        self.replicas["serving"].set(1)
+        self.preemptions = series.counter("vllm:num_preemptions", "Preemptions (recompute).")
+        self.prompt_tokens = series.counter("vllm:prompt_tokens", "Prompt tokens admitted.")
+        self.generation_tokens = series.counter("vllm:generation_tokens", "Tokens generated.")
+        self.prefix_cache_queries = series.counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in tokens looked up.")
+        self.prefix_cache_hits = series.counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in tokens served from the cache.")
+        self.request_success = Counter("vllm:request_success", "Finished requests.",
+                                       ["model_name", "finished_reason"],
+                                       registry=self.registry)
+
+    def _init_latency_series(self, series: _Series) -> None:
+        """Each finished request's times, on vLLM's buckets."""
+        self.time_to_first_token = series.histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        self.inter_token_latency = series.histogram(
+            "vllm:inter_token_latency_seconds", "Time between output tokens.",
+            _TOKEN_LATENCY_BUCKETS)
+        self.time_per_output_token = series.histogram(
+            "vllm:time_per_output_token_seconds",
+            "Same as vllm:inter_token_latency_seconds (older name).", _TOKEN_LATENCY_BUCKETS)
+        self.request_time_per_output_token = series.histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Mean time per output token of each request (its decode time / (tokens - 1)).",
+            _TOKEN_LATENCY_BUCKETS)
+        for attribute, name, doc in (
+                ("e2e_latency", "vllm:e2e_request_latency_seconds",
+                 "End-to-end request latency."),
+                ("queue_time", "vllm:request_queue_time_seconds",
+                 "Time from arrival to first scheduling."),
+                ("prefill_time", "vllm:request_prefill_time_seconds",
+                 "Time from first scheduling to the first token."),
+                ("decode_time", "vllm:request_decode_time_seconds",
+                 "Time from the first token to the last."),
+                ("inference_time", "vllm:request_inference_time_seconds",
+                 "Time from first scheduling to the last token.")):
+            setattr(self, attribute, series.histogram(name, doc, _REQUEST_LATENCY_BUCKETS))
+
+    def _init_token_series(self, series: _Series, max_model_len: int) -> None:
+        """Each finished request's token counts (1-2-5 buckets up to max_model_len) and n."""
+        tokens = one_two_five_buckets(max_model_len)
+        self.request_prompt_tokens = series.histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens of each request.", tokens)
+        self.request_generation_tokens = series.histogram(
+            "vllm:request_generation_tokens", "Generated tokens of each request (all its "
+            "sequences).", tokens)
+        self.request_max_generation_tokens = series.histogram(
+            "vllm:request_max_num_generation_tokens", "Most tokens generated by one sequence "
+            "of each request.", tokens)
+        self.request_params_max_tokens = series.histogram(
+            "vllm:request_params_max_tokens", "max_tokens of each request.", tokens)
+        self.request_params_n = series.histogram("vllm:request_params_n",
+                                                 "n of each request.", _N_BUCKETS)
+
+    def _init_spec_decode_series(self, series: _Series, num_speculative_tokens: int) -> None:
+        """The vllm:spec_decode_* counters, with speculative decoding on (K > 0) only."""
+        self.spec_decode = None
+        self._spec_seen = (0, 0, 0, (0,) * num_speculative_tokens)
+        if not num_speculative_tokens:
+            return
+        self.spec_decode = [
+            series.counter("vllm:spec_decode_num_drafts",
+                           "Steps of a sequence that verified speculative proposals."),
+            series.counter("vllm:spec_decode_num_draft_tokens", "Proposals verified."),
+            series.counter("vllm:spec_decode_num_accepted_tokens", "Proposals accepted.")]
+        per_pos = series.by(Counter, "vllm:spec_decode_num_accepted_tokens_per_pos",
+                            "Proposals accepted, by their position among a step's "
+                            "proposals.", "position",
+                            [str(i) for i in range(num_speculative_tokens)])
+        self.spec_decode_per_pos = list(per_pos.values())
 
     def update_gauges(self, *, running: int, waiting: int, kv_usage: float,
                       preemptions: int, prefix_cache: tuple[int, int] = (0, 0),
@@ -258,7 +287,7 @@ class EngineMetrics:
         self._spec_seen = (drafts, draft_tokens, accepted, tuple(accepted_per_pos))
 
     def finished(self, reason: str) -> None:
-        self.request_success.labels(finished_reason=reason, **self._request_success_labels).inc()
+        self.request_success.labels(model_name=self.model_name, finished_reason=reason).inc()
 
     def request_finished(self, output, arrival: float, first_token: float | None, now: float,
                          n: int, max_tokens: int) -> None:

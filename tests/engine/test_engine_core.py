@@ -137,10 +137,13 @@ def test_abort_ends_a_request_at_once_and_frees_its_id(engines):
 
 def test_waiting_counts_requests_on_their_way_to_the_core(engines):
     client, _ = engines
-    params = SamplingParams(temperature=0.0, max_tokens=2)
+    # Long enough that the core cannot have finished them by the time stats() is read
+    # (a two-token request could finish there before this front end folds its outputs).
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
     client.add_request("w", None, [5, 6], params.clone(n=2))
-    assert client.stats().waiting + client.stats().running >= 2
-    assert client.stats().unfinished_requests == 1
+    stats = client.stats()  # one snapshot: waiting and running from the same moment
+    assert stats.waiting + stats.running >= 2
+    assert stats.unfinished_requests == 1
     _finals(client, [])
     assert client.stats().waiting == 0
 
