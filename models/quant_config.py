@@ -200,61 +200,19 @@ def _group_text(group: int) -> str:
 
 
 def _compressed_tensors(qc: dict) -> LinearQuant:
-    status = qc.get("quantization_status", "compressed")
-    if status != "compressed":
-        raise _refuse("compressed-tensors", f"quantization_status {status!r}",
-                      "compressed checkpoints")
-    if qc.get("kv_cache_scheme"):
-        raise _refuse("compressed-tensors", "a kv_cache_scheme (calibrated KV-cache scales)",
-                      "weight and activation schemes; jaxserve calibrates its own KV scales "
-                      "(--kv-cache-dtype fp8)")
-    if qc.get("sparsity_config"):
-        raise _refuse("compressed-tensors", "a sparsity_config", "dense quantized weights")
-    groups = qc.get("config_groups") or {}
-    if not isinstance(groups, dict) or not groups:
-        raise ValueError("compressed-tensors quantization_config has no config_groups.")
-    schemes = {}
-    for name, group in groups.items():
-        if not isinstance(group, dict):
-            raise ValueError(f"compressed-tensors config group {name!r} is not an object.")
-        fmt = group.get("format") or qc.get("format")
-        key = repr((fmt, group.get("weights"), group.get("input_activations")))
-        schemes.setdefault(key, (name, fmt, group))
-    if len(schemes) > 1:
-        raise _refuse("compressed-tensors", f"{len(schemes)} different schemes "
-                      f"({', '.join(n for n, _, _ in schemes.values())}) for different layers",
-                      "one scheme for every quantized layer")
-    name, fmt, group = next(iter(schemes.values()))
+    group = _ct_scheme(qc)
+    fmt = group.get("format") or qc.get("format")
     if group.get("output_activations"):
         raise _refuse("compressed-tensors", "output activation quantization",
                       "weight and input activation quantization")
     weights = group.get("weights") or {}
     bits, kind = weights.get("num_bits"), weights.get("type", "int")
-    strategy = weights.get("strategy", "tensor")
-    readers = {("float-quantized", "float", 8): "ct-float",
-               ("naive-quantized", "float", 8): "ct-float",  # fp8 weights, 16-bit activations
-               ("int-quantized", "int", 8): "ct-int", ("naive-quantized", "int", 8): "ct-int",
-               ("pack-quantized", "int", 4): "ct-pack", ("pack-quantized", "int", 8): "ct-pack"}
-    reader = readers.get((fmt, kind, bits))
+    reader = _CT_READERS.get((fmt, kind, bits))
     if reader is None:
         raise _refuse("compressed-tensors", f"format {fmt!r} ({kind} weights of {bits} bits)",
                       "float-quantized 8-bit float, int-quantized 8-bit int and "
                       "pack-quantized 4- or 8-bit int weights")
-    if weights.get("dynamic"):
-        raise _refuse("compressed-tensors", "dynamic weight quantization", "static weights")
-    if strategy not in ("tensor", "channel", "group", "block"):
-        raise _refuse("compressed-tensors", f"weight strategy {strategy!r}",
-                      "tensor, channel, group and block weights")
-    group_size = block_rows = 0
-    if strategy == "group":
-        group_size = _group_size(weights.get("group_size"), "compressed-tensors")
-    if strategy == "block":
-        block = weights.get("block_structure")
-        if not (isinstance(block, list) and len(block) == 2
-                and all(isinstance(b, int) and b > 0 for b in block)):
-            raise ValueError(f"compressed-tensors block_structure must be two positive "
-                             f"integers, got {block!r}.")
-        group_size, block_rows = block[1], block[0]
+    strategy, group_size, block_rows = _ct_weight_layout(weights)
     symmetric = weights.get("symmetric", True)
     if not symmetric and reader != "ct-pack":
         raise _refuse("compressed-tensors", f"asymmetric {fmt} weights",
@@ -277,6 +235,64 @@ def _compressed_tensors(qc: dict) -> LinearQuant:
                        else 0, act_order=act_order, activations=acts,
                        activation_codes=act_codes, activation_group=act_group,
                        kinds=_ct_kinds(group.get("targets")), label=label)
+
+
+# compressed-tensors (format, weight type, bits) -> the reader of its tensors
+_CT_READERS = {("float-quantized", "float", 8): "ct-float",
+               ("naive-quantized", "float", 8): "ct-float",  # fp8 weights, 16-bit activations
+               ("int-quantized", "int", 8): "ct-int", ("naive-quantized", "int", 8): "ct-int",
+               ("pack-quantized", "int", 4): "ct-pack", ("pack-quantized", "int", 8): "ct-pack"}
+
+
+def _ct_scheme(qc: dict) -> dict:
+    """The one config group of a compressed checkpoint (several groups may name the same
+    scheme for different layers); what jaxserve does not read is refused."""
+    status = qc.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise _refuse("compressed-tensors", f"quantization_status {status!r}",
+                      "compressed checkpoints")
+    if qc.get("kv_cache_scheme"):
+        raise _refuse("compressed-tensors", "a kv_cache_scheme (calibrated KV-cache scales)",
+                      "weight and activation schemes; jaxserve calibrates its own KV scales "
+                      "(--kv-cache-dtype fp8)")
+    if qc.get("sparsity_config"):
+        raise _refuse("compressed-tensors", "a sparsity_config", "dense quantized weights")
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError("compressed-tensors quantization_config has no config_groups.")
+    schemes = {}
+    for name, group in groups.items():
+        if not isinstance(group, dict):
+            raise ValueError(f"compressed-tensors config group {name!r} is not an object.")
+        fmt = group.get("format") or qc.get("format")
+        key = repr((fmt, group.get("weights"), group.get("input_activations")))
+        schemes.setdefault(key, (name, group))
+    if len(schemes) > 1:
+        raise _refuse("compressed-tensors", f"{len(schemes)} different schemes "
+                      f"({', '.join(n for n, _ in schemes.values())}) for different layers",
+                      "one scheme for every quantized layer")
+    return next(iter(schemes.values()))[1]
+
+
+def _ct_weight_layout(weights: dict) -> tuple[str, int, int]:
+    """(strategy, group size, block rows) of static weights: a group's columns, or a
+    block's (rows, columns); 0 where the strategy has none."""
+    if weights.get("dynamic"):
+        raise _refuse("compressed-tensors", "dynamic weight quantization", "static weights")
+    strategy = weights.get("strategy", "tensor")
+    if strategy not in ("tensor", "channel", "group", "block"):
+        raise _refuse("compressed-tensors", f"weight strategy {strategy!r}",
+                      "tensor, channel, group and block weights")
+    if strategy == "group":
+        return strategy, _group_size(weights.get("group_size"), "compressed-tensors"), 0
+    if strategy == "block":
+        block = weights.get("block_structure")
+        if not (isinstance(block, list) and len(block) == 2
+                and all(isinstance(b, int) and b > 0 for b in block)):
+            raise ValueError(f"compressed-tensors block_structure must be two positive "
+                             f"integers, got {block!r}.")
+        return strategy, block[1], block[0]
+    return strategy, 0, 0
 
 
 def _ct_activations(args) -> tuple[str, str, int]:

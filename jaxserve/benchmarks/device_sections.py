@@ -47,41 +47,11 @@ def run_engine_sections(report: Report, folder: pathlib.Path, seed: int,
                         save=lambda: None) -> None:
     """Build the engine on random weights, run the three sections the budget allows, then
     the torch backend's (save() first writes what is in)."""
-    import jax
-
-    from jaxserve import LLM
-
     plan, clock, data = report.plan, report.clock, report.data
-    write_model_folder(folder, plan.model_config)
-    engine_args = dict(load_format="dummy", dtype="bfloat16", seed=seed, precompile=True,
-                       **plan.engine_args)
-    data["engine_args"] = engine_args
-    clock.say(f"building the engine (random weights on the device, compiling every bucket): "
-              f"{plan.engine_args}")
-    start = time.perf_counter()
-    llm = LLM(str(folder), **engine_args)
+    llm, floor_s = build_engine(report, folder, seed)
     engine = llm.engine
-    data["warm_up_s"] = time.perf_counter() - start
-    leaves = jax.tree.leaves(engine.runner.params)
-    weight_bytes = sum(leaf.nbytes for leaf in leaves)
-    floor_s = weight_bytes / data["bandwidth"]["bytes_per_s"]
-    data["weights"] = {"bytes": weight_bytes, "params": sum(leaf.size for leaf in leaves),
-                       "floor_s": floor_s}
-    data["kv_cache"] = {"blocks": engine.runner.num_blocks,
-                        "bytes_per_block": engine.runner.bytes_per_block}
-    clock.say(f"engine ready in {data['warm_up_s']:.1f} s: {data['weights']['params'] / 1e9:.3f}"
-              f" B parameters, {weight_bytes / 1e9:.3f} GB of weights -> weight-read floor "
-              f"{1e3 * floor_s:.3f} ms per step")
     id_limit = min(len(llm.get_tokenizer()), plan.model_config["vocab_size"])
-    workload = make_workload(argparse.Namespace(workload="sharegpt-like", seed=seed,
-                                                num_prompts=plan.requests), id_limit, None)
-    data["workload"] = {"name": workload.name, "requests": len(workload.prompts),
-                        "prompt_tokens": workload.prompt_tokens,
-                        "output_tokens": workload.output_tokens,
-                        "token_ids": [FIRST_REGULAR_ID, id_limit]}
-    clock.say(f"workload {workload.name}: {len(workload.prompts)} requests, "
-              f"{workload.prompt_tokens} prompt + {workload.output_tokens} output tokens "
-              f"(ids in [{FIRST_REGULAR_ID}, {id_limit}))")
+    workload = engine_workload(report, seed, id_limit)
 
     # The JAX and HF sections leave the torch backend's section (4.) and the quantized
     # engines' (5.) the time they need.
@@ -98,37 +68,7 @@ def run_engine_sections(report: Report, folder: pathlib.Path, seed: int,
             report.failed("throughput", err)
 
     # 2. decode step time against the weight-bandwidth floor
-    rng = np.random.default_rng(seed + 1)
-    data["decode"] = {"batches": []}
-    for batch in plan.decode_batches:
-        if not report.fits("decode", reserve):
-            break
-        try:
-            r = measure_decode(engine, batch, plan.decode_prompt, plan.decode_steps, rng,
-                               id_limit, deadline)
-        except TimeoutError as err:
-            report.skip("decode", f"batch {batch}: {err}")
-            break
-        except Exception as err:  # noqa: BLE001
-            report.failed("decode", err)
-            break
-        data["decode"]["batches"].append(r)
-        clock.say(f"decode batch {batch:3d}: " + add_floor(r, plan, data["bandwidth"], floor_s))
-        if batch == plan.decode_batches[-1] and report.fits("decode", reserve):
-            # The same batch with synchronous scheduling: what hiding host work gains.
-            engine.async_scheduling = False
-            try:
-                sync = measure_decode(engine, batch, plan.decode_prompt, plan.decode_steps,
-                                      rng, id_limit, deadline)
-                r["sync_step_s"] = sync["step_s"]
-                r["async_speedup"] = sync["step_s"] / r["step_s"]
-                clock.say(f"decode batch {batch:3d} with async scheduling off: step "
-                          f"{1e3 * sync['step_s']:.3f} ms; async scheduling is "
-                          f"{r['async_speedup']:.2f}x faster per step")
-            except Exception as err:  # noqa: BLE001 - report it, run the other sections
-                report.failed("decode", err)
-            finally:
-                engine.async_scheduling = True
+    run_decode_section(report, engine, seed, id_limit, floor_s, reserve, deadline)
 
     # 3. HF transformers generate on the same device, same requests
     if report.fits("hf", reserve):
@@ -156,6 +96,90 @@ def run_engine_sections(report: Report, folder: pathlib.Path, seed: int,
     if report.fits("quantized"):
         save()
         run_quantized_section(report, folder, id_limit=id_limit, seed=seed)
+
+
+def build_engine(report: Report, folder: pathlib.Path, seed: int) -> tuple:
+    """The bf16 engine on random weights, every bucket compiled: (the LLM, the weight-read
+    floor of one step in seconds); its weights and KV cache go in the report."""
+    import jax
+
+    from jaxserve import LLM
+
+    plan, clock, data = report.plan, report.clock, report.data
+    write_model_folder(folder, plan.model_config)
+    engine_args = dict(load_format="dummy", dtype="bfloat16", seed=seed, precompile=True,
+                       **plan.engine_args)
+    data["engine_args"] = engine_args
+    clock.say(f"building the engine (random weights on the device, compiling every bucket): "
+              f"{plan.engine_args}")
+    start = time.perf_counter()
+    llm = LLM(str(folder), **engine_args)
+    engine = llm.engine
+    data["warm_up_s"] = time.perf_counter() - start
+    leaves = jax.tree.leaves(engine.runner.params)
+    weight_bytes = sum(leaf.nbytes for leaf in leaves)
+    floor_s = weight_bytes / data["bandwidth"]["bytes_per_s"]
+    data["weights"] = {"bytes": weight_bytes, "params": sum(leaf.size for leaf in leaves),
+                       "floor_s": floor_s}
+    data["kv_cache"] = {"blocks": engine.runner.num_blocks,
+                        "bytes_per_block": engine.runner.bytes_per_block}
+    clock.say(f"engine ready in {data['warm_up_s']:.1f} s: {data['weights']['params'] / 1e9:.3f}"
+              f" B parameters, {weight_bytes / 1e9:.3f} GB of weights -> weight-read floor "
+              f"{1e3 * floor_s:.3f} ms per step")
+    return llm, floor_s
+
+
+def engine_workload(report: Report, seed: int, id_limit: int) -> Workload:
+    """The sharegpt-like requests every section runs (token ids in [FIRST_REGULAR_ID,
+    id_limit))."""
+    workload = make_workload(argparse.Namespace(workload="sharegpt-like", seed=seed,
+                                                num_prompts=report.plan.requests), id_limit,
+                             None)
+    report.data["workload"] = {"name": workload.name, "requests": len(workload.prompts),
+                               "prompt_tokens": workload.prompt_tokens,
+                               "output_tokens": workload.output_tokens,
+                               "token_ids": [FIRST_REGULAR_ID, id_limit]}
+    report.clock.say(f"workload {workload.name}: {len(workload.prompts)} requests, "
+                     f"{workload.prompt_tokens} prompt + {workload.output_tokens} output "
+                     f"tokens (ids in [{FIRST_REGULAR_ID}, {id_limit}))")
+    return workload
+
+
+def run_decode_section(report: Report, engine, seed: int, id_limit: int, floor_s: float,
+                       reserve: float, deadline: float) -> None:
+    """Decode step times of each batch against the weight-read floor; the largest batch
+    again with synchronous scheduling (what hiding host work gains)."""
+    plan, clock, data = report.plan, report.clock, report.data
+    rng = np.random.default_rng(seed + 1)
+    data["decode"] = {"batches": []}
+    for batch in plan.decode_batches:
+        if not report.fits("decode", reserve):
+            break
+        try:
+            r = measure_decode(engine, batch, plan.decode_prompt, plan.decode_steps, rng,
+                               id_limit, deadline)
+        except TimeoutError as err:
+            report.skip("decode", f"batch {batch}: {err}")
+            break
+        except Exception as err:  # noqa: BLE001
+            report.failed("decode", err)
+            break
+        data["decode"]["batches"].append(r)
+        clock.say(f"decode batch {batch:3d}: " + add_floor(r, plan, data["bandwidth"], floor_s))
+        if batch == plan.decode_batches[-1] and report.fits("decode", reserve):
+            engine.async_scheduling = False
+            try:
+                sync = measure_decode(engine, batch, plan.decode_prompt, plan.decode_steps,
+                                      rng, id_limit, deadline)
+                r["sync_step_s"] = sync["step_s"]
+                r["async_speedup"] = sync["step_s"] / r["step_s"]
+                clock.say(f"decode batch {batch:3d} with async scheduling off: step "
+                          f"{1e3 * sync['step_s']:.3f} ms; async scheduling is "
+                          f"{r['async_speedup']:.2f}x faster per step")
+            except Exception as err:  # noqa: BLE001 - report it, run the other sections
+                report.failed("decode", err)
+            finally:
+                engine.async_scheduling = True
 
 
 def run_hf_section(engine, plan: Plan, workload: Workload, backend: str, clock: Clock,
