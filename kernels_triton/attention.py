@@ -51,10 +51,12 @@ triton.language is imported in the mode TRITON_INTERPRET chose then. An interpre
 cannot call a compiled one, and calling an interpreted one leaves triton.language patched
 for the interpreter, which breaks every later compile in the process. So reductions are
 tl.reduce (a builtin) with triton.language's own combine functions, which the interpreter
-recognises and runs as numpy reductions, and zeros are tl.full.
+recognises and runs as numpy reductions (the compiled build gets them as JITFunctions
+whatever the mode), and zeros are tl.full.
 """
 
 import dataclasses
+import types
 
 import torch
 import triton
@@ -66,6 +68,13 @@ TARGET_PROGRAMS = 264  # two waves on an H100/H200 (132 SMs): splits fill a smal
 MAX_SPLITS = 16
 MIN_DOT_ROWS = 16  # tl.dot needs every dimension >= 16 on the GPU
 MAX_TILE_ELEMENTS = 64 * 128  # M * H of a query tile: registers for q and the accumulator
+
+# The combine functions of the kernels' tl.reduce calls: triton.language's own, which the
+# interpreter recognises (by identity) and runs as numpy reductions. They are jit'd
+# functions built in the mode TRITON_INTERPRET chose at import; _builds gives the compiled
+# build JITFunctions of them.
+_MAX_COMBINE = tl.standard._elementwise_max
+_SUM_COMBINE = tl.standard._sum_combine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,11 +333,11 @@ def _attention_kernel(
         if HAS_WINDOW:
             visible = visible & (key[None, :] > pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-        m_next = tl.maximum(m, tl.reduce(s, 1, tl.standard._elementwise_max))
+        m_next = tl.maximum(m, tl.reduce(s, 1, _MAX_COMBINE))
         m_safe = tl.where(m_next == float("-inf"), 0.0, m_next)  # rows that saw no key yet
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
-        denom = denom * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
+        denom = denom * alpha + tl.reduce(p, 1, _SUM_COMBINE)
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
         m = m_next
 
@@ -367,7 +376,7 @@ def _merge_kernel(
     stat_all = splits[:, None] * m_sx + stat_off[None, :]  # [X, heads]
     m_all = tl.load(m_ptr + stat_all, mask=ok[None, :], other=float("-inf"))
     l_all = tl.load(l_ptr + stat_all, mask=ok[None, :], other=0.0)
-    m_max = tl.reduce(tl.where(l_all > 0, m_all, float("-inf")), 0, tl.standard._elementwise_max)
+    m_max = tl.reduce(tl.where(l_all > 0, m_all, float("-inf")), 0, _MAX_COMBINE)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
 
     m_x_ptr = m_ptr + stat_off
@@ -391,10 +400,23 @@ def _merge_kernel(
              mask=(heads < NUM_HEADS)[:, None])
 
 
+def _as_compiled(fn):
+    """fn (a function of triton.language, built for the mode TRITON_INTERPRET chose at
+    import) as a JITFunction, which a compiled kernel can call."""
+    return fn if isinstance(fn, JITFunction) else JITFunction(fn.fn)
+
+
 def _builds(fn):
     """{interpret: kernel}: the compiled (CUDA) and interpreted (host) builds of fn, made
-    directly rather than through triton.jit, which picks one by TRITON_INTERPRET."""
-    return {False: JITFunction(fn), True: InterpretedFunction(fn)}
+    directly rather than through triton.jit, which picks one by TRITON_INTERPRET. The
+    interpreted build reads the module's globals, so its reductions combine with
+    triton.language's own functions; the compiled build reads a copy of them in which the
+    combine functions are JITFunctions."""
+    compiled_globals = {**fn.__globals__, "_MAX_COMBINE": _as_compiled(_MAX_COMBINE),
+                        "_SUM_COMBINE": _as_compiled(_SUM_COMBINE)}
+    compiled_fn = types.FunctionType(fn.__code__, compiled_globals, fn.__name__,
+                                     fn.__defaults__, fn.__closure__)
+    return {False: JITFunction(compiled_fn), True: InterpretedFunction(fn)}
 
 
 _ATTENTION = _builds(_attention_kernel)
