@@ -82,5 +82,6 @@ def write_latent(cache, new, slot_mapping):
         new = jax.lax.bitcast_convert_type(new, cache.dtype)
     else:
         new = new.astype(cache.dtype)
-    flat = cache.reshape(shape[0] * shape[1], shape[2])
-    return flat.at[slot_mapping].set(new).reshape(shape)
+    # Indexed by (page, offset), not through a [P * S, C + R] view: XLA:TPU lays such a view
+    # out transposed for the scatter, a copy of the whole cache in and out of each layer.
+    return cache.at[slot_mapping // shape[1], slot_mapping % shape[1]].set(new)

@@ -134,8 +134,7 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
     (i32[T], flat slot = page * S + offset). Padding tokens point at the null page 0. A cache
     of unsigned integers (kv_storage_dtype) takes the bits of k and v (of a quantized cache:
     k and v already quantized, kv_quant.quantize)."""
-    shape = k_cache.shape
-    flat = (shape[0] * shape[1], *shape[2:])
+    pages, offsets = slot_mapping // k_cache.shape[1], slot_mapping % k_cache.shape[1]
 
     def write(cache, new):
         if not _stores_bits(cache):
@@ -145,7 +144,9 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
         else:
             raise ValueError(f"A {cache.dtype} cache stores the bits of a float of the same "
                              f"width (kv_storage_dtype); got {new.dtype} keys/values.")
-        return cache.reshape(flat).at[slot_mapping].set(new).reshape(shape)
+        # Indexed by (page, offset), not through a [P * S, K, H] view, which XLA:TPU may lay
+        # out otherwise for the scatter: a copy of the whole cache in and out of each layer.
+        return cache.at[pages, offsets].set(new)
 
     return write(k_cache, k), write(v_cache, v)
 

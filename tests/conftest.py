@@ -16,6 +16,17 @@ from support.pooling_helpers import KINDS, make_pooling_checkpoint
 from jaxserve.benchmarks import checkpoint_checks, checkpoints
 
 
+def pytest_configure(config):
+    """The suite runs on the CPU: JAX_PLATFORMS=cpu unless set, or unless the run selects
+    the accelerator tests (-m accelerator). With libtpu installed (the dev extra, for the
+    compile-only TPU targets) every JAX start-up would otherwise look for a TPU first and
+    warn that it found none."""
+    selected = config.getoption("markexpr") or ""
+    if "accelerator" in selected.replace("not accelerator", ""):
+        return
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--checkpoint-cache", default=None, metavar="DIR",

@@ -1,7 +1,8 @@
 """The `jaxserve` command line: `generate` (offline), `serve` (the OpenAI-compatible HTTP and
-gRPC servers), `plan` (memory and buckets, without loading weights), `convert` (an Orbax
+gRPC servers), `plan` (memory and buckets, without loading weights), `compile` (every bucket compiled for
+a TPU slice without one), `convert` (an Orbax
 checkpoint) and `bench serve`; engine flags come from EngineArgs. One module per command
-(generate.py, serve.py, plan.py, convert.py, bench.py); common.py holds what they share and
+(generate.py, serve.py, plan.py, compile.py, convert.py, bench.py); common.py holds what they share and
 hosts.py the multi-host flags."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 
 from jaxserve.cli.bench import add_bench_parser
 from jaxserve.cli.common import LOG_LEVELS, help_for
+from jaxserve.cli.compile import add_compile_parser
 from jaxserve.cli.convert import add_convert_parser
 from jaxserve.cli.generate import add_generate_parser
 from jaxserve.cli.plan import add_plan_parser
@@ -18,7 +20,7 @@ from jaxserve.cli.serve import add_log_format_args, add_serve_parser
 from jaxserve.config import logs
 from jaxserve.config.version import VERSION
 
-_SUBCOMMANDS = ("generate", "serve", "plan", "convert")
+_SUBCOMMANDS = ("generate", "serve", "plan", "compile", "convert")
 
 
 def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
@@ -37,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
     add_serve_parser(sub)
     add_plan_parser(sub)
+    add_compile_parser(sub)
     add_convert_parser(sub)
     add_bench_parser(sub)
     return parser

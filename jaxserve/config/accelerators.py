@@ -82,6 +82,9 @@ class Accelerator:
     # the model's dtype differs (the engine's comes from --dtype and the checkpoint).
     dtype: str = "bfloat16"
     pattern: str | None = None  # a regex for device_kind spellings that vary (GPUs)
+    # Peak dense bfloat16 matmul FLOP/s of one JAX device (the roofline of `jaxserve
+    # compile`; 0: unknown). Sources below the table.
+    bf16_flops: float = 0.0
 
     def __post_init__(self) -> None:
         if self.platform not in ("tpu", "gpu"):
@@ -114,31 +117,45 @@ _TILES_256 = KernelTiles(keys_per_chunk=256, vmem_limit_bytes=32 * MiB)
 
 ACCELERATORS: tuple[Accelerator, ...] = (
     Accelerator("TPU v2", "tpu", ("TPU v2",), 8 * GiB, 7.16e11 / 2, devices_per_chip=2,
-                vmem_bytes=16 * MiB, kernel=False, kernel_note=_NO_MOSAIC),
+                vmem_bytes=16 * MiB, kernel=False, kernel_note=_NO_MOSAIC,
+                bf16_flops=45e12 / 2),
     Accelerator("TPU v3", "tpu", ("TPU v3",), 16 * GiB, 8.25e11 / 2, devices_per_chip=2,
-                vmem_bytes=16 * MiB, kernel=False, kernel_note=_NO_MOSAIC),
+                vmem_bytes=16 * MiB, kernel=False, kernel_note=_NO_MOSAIC,
+                bf16_flops=123e12 / 2),
     Accelerator("TPU v4", "tpu", ("TPU v4",), 32 * GiB, 1.23e12, vmem_bytes=16 * MiB,
-                tiles=_TILES_128),
+                tiles=_TILES_128, bf16_flops=275e12),
     Accelerator("TPU v5e", "tpu", ("TPU v5 lite", "TPU v5e"), 16 * GiB, 8.2e11,
-                vmem_bytes=128 * MiB, tiles=_TILES_128),
+                vmem_bytes=128 * MiB, tiles=_TILES_128, bf16_flops=197e12),
     Accelerator("TPU v5p", "tpu", ("TPU v5", "TPU v5p"), 95 * GiB, 2.46e12,
-                vmem_bytes=64 * MiB, tiles=_TILES_128),
+                vmem_bytes=64 * MiB, tiles=_TILES_128, bf16_flops=459e12),
     Accelerator("TPU v6e", "tpu", ("TPU v6 lite", "TPU v6e"), 32 * GiB, 1.64e12,
-                vmem_bytes=128 * MiB, tiles=_TILES_256),
+                vmem_bytes=128 * MiB, tiles=_TILES_256, bf16_flops=918e12),
     Accelerator("TPU v7x", "tpu", ("TPU7x",), 96 * GiB, 7.4e12 / 2, devices_per_chip=2,
-                vmem_bytes=64 * MiB, tiles=_TILES_256),
+                vmem_bytes=64 * MiB, tiles=_TILES_256, bf16_flops=2307e12 / 2),
     # GPUs: device_kind is the CUDA / ROCm device name ("NVIDIA A100-SXM4-80GB", "NVIDIA
     # H100 80GB HBM3", "AMD Instinct MI300X"); the more specific rows come first.
     Accelerator("NVIDIA A100 80GB", "gpu", (), 80 * GiB, 2.039e12,
-                pattern=r"A100.*80\s*GB"),
-    Accelerator("NVIDIA A100 40GB", "gpu", (), 40 * GiB, 1.555e12, pattern=r"A100"),
-    Accelerator("NVIDIA H100 NVL", "gpu", (), 94 * GiB, 3.9e12, pattern=r"H100.*NVL"),
-    Accelerator("NVIDIA H100", "gpu", (), 80 * GiB, 3.35e12, pattern=r"H100"),
-    Accelerator("NVIDIA H200", "gpu", (), 141 * GiB, 4.8e12, pattern=r"H200"),
-    Accelerator("NVIDIA B200", "gpu", (), 180 * GiB, 8.0e12, pattern=r"B200"),
-    Accelerator("NVIDIA L4", "gpu", (), 24 * GiB, 3.0e11, pattern=r"\bL4\b"),
-    Accelerator("AMD MI300X", "gpu", (), 192 * GiB, 5.3e12, pattern=r"MI300X"),
+                pattern=r"A100.*80\s*GB", bf16_flops=312e12),
+    Accelerator("NVIDIA A100 40GB", "gpu", (), 40 * GiB, 1.555e12, pattern=r"A100",
+                bf16_flops=312e12),
+    Accelerator("NVIDIA H100 NVL", "gpu", (), 94 * GiB, 3.9e12, pattern=r"H100.*NVL",
+                bf16_flops=835e12),
+    Accelerator("NVIDIA H100", "gpu", (), 80 * GiB, 3.35e12, pattern=r"H100",
+                bf16_flops=989e12),
+    Accelerator("NVIDIA H200", "gpu", (), 141 * GiB, 4.8e12, pattern=r"H200",
+                bf16_flops=989e12),
+    Accelerator("NVIDIA B200", "gpu", (), 180 * GiB, 8.0e12, pattern=r"B200",
+                bf16_flops=2250e12),
+    Accelerator("NVIDIA L4", "gpu", (), 24 * GiB, 3.0e11, pattern=r"\bL4\b",
+                bf16_flops=121e12),
+    Accelerator("AMD MI300X", "gpu", (), 192 * GiB, 5.3e12, pattern=r"MI300X",
+                bf16_flops=1307e12),
 )
+# bf16_flops: peak dense bf16 matmul FLOP/s per chip, divided among its JAX devices. Google
+# Cloud's TPU pages: v2 45, v3 123, v4 275, v5e 197, v5p 459, v6e 918 TFLOP/s per chip;
+# TPU7x (Ironwood) 4,614 TFLOP/s of FP8, half that in bf16. NVIDIA's data sheets, dense
+# (half the "with sparsity" figure): A100 312, H100 SXM and H200 989, H100 NVL 835, B200
+# 2,250, L4 121 TFLOP/s; AMD's MI300X: 1,307 TFLOP/s.
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
@@ -179,6 +196,9 @@ class DevicePreset:
     num_devices: int
     num_hosts: int = 1
     note: str = ""
+    # TPU: libtpu's name of the slice's topology ("v5e:2x4"), which `jaxserve compile`
+    # compiles for without a TPU (jax.experimental.topologies); "" for GPUs.
+    topology: str = ""
 
     @property
     def device(self) -> Accelerator:
@@ -199,21 +219,23 @@ class DevicePreset:
 
 
 PRESETS: tuple[DevicePreset, ...] = (
-    DevicePreset("colab-v5e-1", "TPU v5e", 1, note="Colab's TPU v5e runtime"),
-    DevicePreset("kaggle-v3-8", "TPU v3", 8, note="Kaggle's TPU v3-8 (4 chips, 8 cores)"),
+    DevicePreset("colab-v5e-1", "TPU v5e", 1, note="Colab's TPU v5e runtime",
+                 topology="v5e:1x1"),
+    DevicePreset("kaggle-v3-8", "TPU v3", 8, note="Kaggle's TPU v3-8 (4 chips, 8 cores)",
+                 topology="v3:2x2"),
     DevicePreset("v4-8", "TPU v4", 4),
     DevicePreset("v4-16", "TPU v4", 8, num_hosts=2),
-    DevicePreset("v5e-1", "TPU v5e", 1),
-    DevicePreset("v5e-4", "TPU v5e", 4),
-    DevicePreset("v5e-8", "TPU v5e", 8),
-    DevicePreset("v5e-16", "TPU v5e", 16, num_hosts=4),
-    DevicePreset("v5p-8", "TPU v5p", 4),
-    DevicePreset("v5p-16", "TPU v5p", 8, num_hosts=2),
-    DevicePreset("v5p-64", "TPU v5p", 32, num_hosts=8),
-    DevicePreset("v6e-1", "TPU v6e", 1),
-    DevicePreset("v6e-4", "TPU v6e", 4),
-    DevicePreset("v6e-8", "TPU v6e", 8),
-    DevicePreset("v6e-16", "TPU v6e", 16, num_hosts=4),
+    DevicePreset("v5e-1", "TPU v5e", 1, topology="v5e:1x1"),
+    DevicePreset("v5e-4", "TPU v5e", 4, topology="v5e:2x2"),
+    DevicePreset("v5e-8", "TPU v5e", 8, topology="v5e:2x4"),
+    DevicePreset("v5e-16", "TPU v5e", 16, num_hosts=4, topology="v5e:4x4"),
+    DevicePreset("v5p-8", "TPU v5p", 4, topology="v5p:2x2x1"),
+    DevicePreset("v5p-16", "TPU v5p", 8, num_hosts=2, topology="v5p:2x2x2"),
+    DevicePreset("v5p-64", "TPU v5p", 32, num_hosts=8, topology="v5p:4x4x2"),
+    DevicePreset("v6e-1", "TPU v6e", 1, topology="v6e:1x1"),
+    DevicePreset("v6e-4", "TPU v6e", 4, topology="v6e:2x2"),
+    DevicePreset("v6e-8", "TPU v6e", 8, topology="v6e:2x4"),
+    DevicePreset("v6e-16", "TPU v6e", 16, num_hosts=4, topology="v6e:4x4"),
     DevicePreset("l4", "NVIDIA L4", 1),
     DevicePreset("a100-40gbx8", "NVIDIA A100 40GB", 8),
     DevicePreset("a100-80gbx8", "NVIDIA A100 80GB", 8),

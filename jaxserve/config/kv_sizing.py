@@ -30,12 +30,41 @@ def cache_element(model_dtype: str, kv_cache_dtype: str) -> str:
     return "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
 
 
+# A TPU stores an array's last two dims in tiles of 128 lanes by up to 8 rows of 32 bits.
+TPU_LANES = 128
+TPU_SUBLANES = 8
+
+
+def tpu_tiled(rows: int, minor: int, itemsize: int) -> int:
+    """Elements a TPU holds for the last two dims [rows, minor] of a row-major array (the
+    KV cache's layout, runner.py): minor in whole 128-lane tiles; rows in tiles of 8, or of
+    the next power of two for a smaller dim, never fewer than one 32-bit row packs (2 of
+    bf16, 4 of one byte). XLA:TPU's tiling, as libtpu's compiler reports it: [2, 64] bf16
+    takes [2, 128], [1, 128] bf16 [2, 128], [3, 128] f32 [4, 128]."""
+    packed = 4 // itemsize
+    tile = min(TPU_SUBLANES, max(packed, 1 << max(rows - 1, 0).bit_length()))
+    return -(-rows // tile) * tile * -(-minor // TPU_LANES) * TPU_LANES
+
+
+def min_kv_heads_per_device(element: str, tiled: bool) -> int:
+    """The fewest kv heads one device holds (mesh.plan_sharding replicates up to it): 2 on a
+    TPU for caches of less than 32 bits. There a page's [S, 1, H] is padded to 2 rows or
+    more anyway (tpu_tiled), and XLA:TPU writes new keys into a cache of one 16-bit head per
+    device out of place, copying each layer's cache in and out of every step; with two
+    heads it writes in place, in the same memory."""
+    return 2 if tiled and ITEMSIZE[element] < 4 else 1
+
+
 def bytes_per_block(num_layers: int, block_size: int, kv_heads_per_device: int,
-                    head_dim: int, element: str) -> int:
+                    head_dim: int, element: str, tiled: bool = False) -> int:
     """K and V of one block on one device (its share of the kv heads), every layer;
-    element: cache_element's. A quantized cache's scales (a float32 per layer and kv head)
-    are not per block."""
-    return 2 * num_layers * block_size * kv_heads_per_device * head_dim * ITEMSIZE[element]
+    element: cache_element's; tiled: as a TPU stores them (tpu_tiled's padding of
+    [K', H]). A quantized cache's scales (a float32 per layer and kv head) are not per
+    block."""
+    size = ITEMSIZE[element]
+    entry = (tpu_tiled(kv_heads_per_device, head_dim, size) if tiled
+             else kv_heads_per_device * head_dim)
+    return 2 * num_layers * block_size * entry * size
 
 
 # Bytes per vocabulary entry of one sampler-state row (sampler.PenaltyState, on every device):
@@ -78,23 +107,27 @@ def kv_budget(cache: CacheConfig, per_block: int, *, device_limit: int | None, i
 
 
 def latent_bytes_per_block(num_layers: int, block_size: int, latent_dim: int,
-                           element: str) -> int:
+                           element: str, tiled: bool = False) -> int:
     """One block of a latent cache (multi-head latent attention, DeepSeek): one [C + R] entry
-    per token and layer, the whole of it on every device (it is replicated)."""
-    return num_layers * block_size * latent_dim * ITEMSIZE[element]
+    per token and layer, the whole of it on every device (it is replicated); tiled: as a
+    TPU stores it (tpu_tiled's padding of [S, C + R])."""
+    size = ITEMSIZE[element]
+    block = (tpu_tiled(block_size, latent_dim, size) if tiled
+             else block_size * latent_dim)
+    return num_layers * block * size
 
 
 def device_bytes_per_block(config, groups, kv_heads_per_device: int, head_dim: int,
-                           latent_dim: int = 0) -> int:
+                           latent_dim: int = 0, tiled: bool = False) -> int:
     """bytes_per_block of an engine of `config` (an EngineConfig) whose blocks hold
     groups.num_slots layers (config/kv_groups.py), on one device; latent_dim C + R: a
-    latent cache's (latent_bytes_per_block) instead."""
+    latent cache's (latent_bytes_per_block) instead; tiled: on a TPU."""
     element = cache_element(config.model.dtype, config.cache.kv_cache_dtype)
     if latent_dim:
         return latent_bytes_per_block(groups.num_slots, config.cache.block_size, latent_dim,
-                                      element)
+                                      element, tiled)
     return bytes_per_block(groups.num_slots, config.cache.block_size, kv_heads_per_device,
-                           head_dim, element)
+                           head_dim, element, tiled)
 
 
 def device_blocks(config, groups, per_block: int, *, device_limit: int | None, in_use: int,

@@ -151,8 +151,12 @@ class ShardingPlan:
         return self.kv_heads // self.model
 
 
-def plan_sharding(dims: ModelDims, model: int, expert_parallel: bool = False) -> ShardingPlan:
-    """The split of one replica over `model` devices; ValueError if the model cannot split."""
+def plan_sharding(dims: ModelDims, model: int, expert_parallel: bool = False,
+                  min_kv_heads_per_device: int = 1) -> ShardingPlan:
+    """The split of one replica over `model` devices; ValueError if the model cannot split.
+    min_kv_heads_per_device: kv heads are replicated up to this many per device where the
+    query heads allow it (kv_sizing.min_kv_heads_per_device: 2 on a TPU; not a latent
+    cache's)."""
     problems = _split_problems(dims, model, expert_parallel)
     if problems:
         fits = [m for m in range(1, 65) if not _split_problems(dims, m, expert_parallel)]
@@ -161,6 +165,10 @@ def plan_sharding(dims: ModelDims, model: int, expert_parallel: bool = False) ->
                          f"{', '.join(map(str, fits))}.")
     k = dims.num_kv_heads
     kv_heads = k if k % model == 0 else model
+    wanted = model * min_kv_heads_per_device
+    if not dims.latent_dim and kv_heads < wanted and wanted % k == 0 and \
+            dims.num_heads % wanted == 0:
+        kv_heads = wanted
     if dims.hidden_size % model == 0:
         embed_axis = "hidden"
     elif dims.vocab_size % model == 0:

@@ -80,6 +80,7 @@ class Plan:
     kv_cache_dtype: str = "auto"  # CacheConfig.kv_cache_dtype
     kv_groups: KVGroups | None = None  # config/kv_groups.py; None: one group of every layer
     latent: LatentCache | None = None  # multi-head latent attention's cache (DeepSeek)
+    tpu_layout: bool = False  # bytes_per_block as a TPU lays the cache out (tpu_tiled)
 
     @property
     def groups(self) -> KVGroups:
@@ -165,25 +166,27 @@ class DoesNotFit(ValueError):
         self.brief = brief or shortfall  # one line: what does not fit, in numbers
 
 
-def make_plan(config: EngineConfig, device_memory_bytes: int) -> Plan:
-    """The plan of `config` on devices of `device_memory_bytes` each. DoesNotFit (a
-    ValueError saying what would help) when the weights do not fit, or the KV cache cannot
-    hold one sequence."""
+def make_plan(config: EngineConfig, device_memory_bytes: int, *, tiled: bool = False) -> Plan:
+    """The plan of `config` on devices of `device_memory_bytes` each; tiled: TPUs (the KV
+    cache as a TPU lays it out, kv_sizing.tpu_tiled). DoesNotFit (a ValueError saying what
+    would help) when the weights do not fit, or the KV cache cannot hold one sequence."""
     if device_memory_bytes <= 0:
         raise ValueError(f"device memory must be > 0 bytes, got {device_memory_bytes}.")
     hf, dtype = config.model.hf_config, config.model.dtype
     dims = ModelDims.from_hf(hf)
     mesh = config.parallel.mesh
-    sharding = plan_sharding(dims, mesh.model, config.parallel.expert_parallel)
+    element = kv_sizing.cache_element(dtype, config.cache.kv_cache_dtype)
+    sharding = plan_sharding(dims, mesh.model, config.parallel.expert_parallel,
+                             kv_sizing.min_kv_heads_per_device(element, tiled))
     scheme = config.model.weights_scheme
     weights = _weight_groups(hf, sharding, dtype, scheme)
     if config.lora is not None:  # the adapter slots live beside the weights from the start
         weights += (_lora_group(hf, sharding, dtype, config.lora),)
     arch = model_family(hf).arch_from_hf(hf)
     cache, sched = config.cache, config.scheduler
-    element = kv_sizing.cache_element(dtype, cache.kv_cache_dtype)
     groups = kv_groups_for(config)
-    per_block = _bytes_per_block(hf, sharding, cache.block_size, element, groups.num_slots)
+    per_block = _bytes_per_block(hf, sharding, cache.block_size, element, groups.num_slots,
+                                 tiled)
     state = kv_sizing.sampler_state_bytes(sched.max_num_seqs, arch.vocab_size)
     used = sum(g.bytes_per_device for g in weights) + state
     usable = device_memory_bytes * cache.gpu_memory_utilization
@@ -194,7 +197,7 @@ def make_plan(config: EngineConfig, device_memory_bytes: int) -> Plan:
     blocks, budget, source = kv.blocks, kv.budget_bytes, kv.source
     if used + max(blocks, needed) * per_block > usable:
         raise DoesNotFit(*_no_fit_message(config, device_memory_bytes, used,
-                                          max(blocks, needed) * per_block))
+                                          max(blocks, needed) * per_block, tiled))
     try:
         kv_sizing.check_holds_one_sequence(blocks, cache.block_size,
                                            config.model.max_model_len, held)
@@ -213,7 +216,7 @@ def make_plan(config: EngineConfig, device_memory_bytes: int) -> Plan:
         device_memory_bytes=int(device_memory_bytes),
         gpu_memory_utilization=cache.gpu_memory_utilization, weights=weights,
         sampler_state_bytes=state, kv_budget_bytes=int(budget), kv_budget_source=source,
-        bytes_per_block=per_block,
+        bytes_per_block=per_block, tpu_layout=tiled,
         block_size=cache.block_size, num_blocks=int(blocks),
         max_model_len=config.model.max_model_len, max_num_seqs=sched.max_num_seqs,
         max_num_batched_tokens=sched.max_num_batched_tokens,
@@ -222,20 +225,21 @@ def make_plan(config: EngineConfig, device_memory_bytes: int) -> Plan:
 
 
 def _bytes_per_block(hf: dict, sharding: ShardingPlan, block_size: int, element: str,
-                     layers: int | None = None) -> int:
+                     layers: int | None = None, tiled: bool = False) -> int:
     """runner.bytes_per_block: K and V of one block, this device's share of the kv heads, or
     a latent cache's block, whole; element: kv_sizing.cache_element's; layers: a block's
-    (KVGroups.num_slots; default every layer)."""
+    (KVGroups.num_slots; default every layer); tiled: on a TPU."""
     arch = model_family(hf).arch_from_hf(hf)
     if getattr(arch, "latent_dim", 0):
         return kv_sizing.latent_bytes_per_block(layers or arch.num_layers, block_size,
-                                                arch.latent_dim, element)
+                                                arch.latent_dim, element, tiled)
     return kv_sizing.bytes_per_block(layers or arch.num_layers, block_size,
-                                     sharding.kv_heads_per_device, arch.head_dim, element)
+                                     sharding.kv_heads_per_device, arch.head_dim, element,
+                                     tiled)
 
 
 def _no_fit_message(config: EngineConfig, memory: int, used: int,
-                    kv: int) -> tuple[str, str, str]:
+                    kv: int, tiled: bool = False) -> tuple[str, str, str]:
     """Why one replica's weights and KV cache do not fit on its devices, what would, and
     the why in one line (DoesNotFit's three parts)."""
     cache, mesh = config.cache, config.parallel.mesh
@@ -252,13 +256,14 @@ def _no_fit_message(config: EngineConfig, memory: int, used: int,
     hints = []
     for m in range(mesh.model + 1, 65):  # the smallest model axis that fits, if any
         try:
-            sharding = plan_sharding(ModelDims.from_hf(hf), m, config.parallel.expert_parallel)
+            sharding = plan_sharding(ModelDims.from_hf(hf), m, config.parallel.expert_parallel,
+                                     kv_sizing.min_kv_heads_per_device(element, tiled))
         except ValueError:
             continue
         weights = sum(g.bytes_per_device for g in _weight_groups(
             hf, sharding, dtype, config.model.weights_scheme))
-        if weights + state + needed * _bytes_per_block(hf, sharding, cache.block_size,
-                                                       element, groups.num_slots) <= usable:
+        if weights + state + needed * _bytes_per_block(
+                hf, sharding, cache.block_size, element, groups.num_slots, tiled) <= usable:
             hints.append(f"a model axis of {m} fits (--mesh {mesh.data}x{m}, "
                          f"{mesh.data * m} devices)")
             break

@@ -83,10 +83,11 @@ def variant(config: EngineConfig, *, mesh: MeshShape | None = None,
                                parallel=parallel)
 
 
-def attempt(config: EngineConfig, memory: int, flags: tuple[str, ...] = ()) -> Outcome:
+def attempt(config: EngineConfig, memory: int, flags: tuple[str, ...] = (),
+            tiled: bool = False) -> Outcome:
     """make_plan of config, as an Outcome."""
     try:
-        return Outcome(flags, config.parallel.mesh, make_plan(config, memory))
+        return Outcome(flags, config.parallel.mesh, make_plan(config, memory, tiled=tiled))
     except DoesNotFit as err:
         return Outcome(flags, config.parallel.mesh, None, err.brief)
 
@@ -101,11 +102,12 @@ def splits(config: EngineConfig, model_axis: int) -> bool:
     return True
 
 
-def mesh_options(config: EngineConfig, memory: int, num_devices: int) -> tuple[Outcome, ...]:
+def mesh_options(config: EngineConfig, memory: int, num_devices: int,
+                 tiled: bool = False) -> tuple[Outcome, ...]:
     """Every DxM mesh with D * M = num_devices whose model axis M the model splits over, most
     replicas first, each with its plan or why it does not fit."""
     return tuple(attempt(variant(config, mesh=MeshShape(num_devices // m, m)), memory,
-                         (f"--mesh {num_devices // m}x{m}",))
+                         (f"--mesh {num_devices // m}x{m}",), tiled)
                  for m in range(1, num_devices + 1)
                  if num_devices % m == 0 and splits(config, m))
 
@@ -121,7 +123,7 @@ def best_mesh(options: tuple[Outcome, ...]) -> Outcome | None:
 
 
 def suggest(config: EngineConfig, memory: int,
-            max_devices: int | None = None) -> tuple[Outcome, ...]:
+            max_devices: int | None = None, tiled: bool = False) -> tuple[Outcome, ...]:
     """What would fit where config does not, most quality kept first: each change alone
     (the narrowest wider model axis that fits, within max_devices; int8 weights; an fp8 KV
     cache, latent caches included; the longest max_model_len that fits), then, when none fits alone, int8 weights and an fp8 KV cache together, and with
@@ -132,7 +134,7 @@ def suggest(config: EngineConfig, memory: int,
     for m in range(mesh.model + 1, widest + 1):
         if splits(config, m):
             wider = attempt(variant(config, mesh=MeshShape(mesh.data, m)), memory,
-                            (f"--mesh {mesh.data}x{m}",))
+                            (f"--mesh {mesh.data}x{m}",), tiled)
             if wider.fits:
                 found.append(wider)
                 break
@@ -143,19 +145,21 @@ def suggest(config: EngineConfig, memory: int,
     if ITEMSIZE[element] > 1:
         steps.append(({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8"))
     for change, flag in steps:
-        found.append(attempt(variant(config, **change), memory, (flag,)))
-    found.append(shorter_max_model_len(config, memory))
+        found.append(attempt(variant(config, **change), memory, (flag,), tiled))
+    found.append(shorter_max_model_len(config, memory, tiled=tiled))
     if steps and not any(o and o.fits for o in found):  # all of them together
         change = {k: v for step, _ in steps for k, v in step.items()}
         flags = tuple(flag for _, flag in steps)
-        every = attempt(variant(config, **change), memory, flags) if len(steps) > 1 else None
+        every = (attempt(variant(config, **change), memory, flags, tiled) if len(steps) > 1
+                 else None)
         found.append(every if every is not None and every.fits
-                     else shorter_max_model_len(variant(config, **change), memory, flags))
+                     else shorter_max_model_len(variant(config, **change), memory, flags,
+                                                tiled))
     return tuple(o for o in found if o is not None)
 
 
 def shorter_max_model_len(config: EngineConfig, memory: int,
-                          flags: tuple[str, ...] = ()) -> Outcome | None:
+                          flags: tuple[str, ...] = (), tiled: bool = False) -> Outcome | None:
     """The longest max_model_len below config's that fits (a multiple of 1024, or of
     block_size below 2048), found by bisection over make_plan: what one sequence holds only
     grows with its length, so the lengths that fit are those up to some bound. None when
@@ -168,7 +172,7 @@ def shorter_max_model_len(config: EngineConfig, memory: int,
 
     def at(length: int) -> Outcome:
         return attempt(variant(config, max_model_len=length), memory,
-                       (*flags, f"--max-model-len {length}"))
+                       (*flags, f"--max-model-len {length}"), tiled)
 
     best = at(step)
     if not best.fits:
@@ -238,7 +242,8 @@ def plan_report(config: EngineConfig, memory: int, preset: DevicePreset | None =
     """The plan of config on devices of `memory` bytes, or on a preset's devices. With a
     multi-device preset and no mesh given, every mesh it can take is planned and the plan
     is the one that holds the most sequences. ValueError for a mesh larger than the
-    preset."""
+    preset. A TPU preset's KV cache is sized as a TPU lays it out (kv_sizing.tpu_tiled)."""
+    tiled = preset is not None and preset.device.platform == "tpu"
     need = config.parallel.mesh.num_devices
     if preset is not None and mesh_given and need > preset.num_devices:
         raise ValueError(f"mesh {config.parallel.mesh} needs {need} devices, but "
@@ -246,17 +251,17 @@ def plan_report(config: EngineConfig, memory: int, preset: DevicePreset | None =
                          f"{preset.num_devices} devices (or none, to see them all).")
     meshes, chosen = (), None
     if preset is not None and preset.num_devices > 1 and not mesh_given:
-        meshes = mesh_options(config, memory, preset.num_devices)
+        meshes = mesh_options(config, memory, preset.num_devices, tiled)
         chosen = best_mesh(meshes)
         # none fits: the widest model axis, whose suggestions need the fewest changes
         config = variant(config, mesh=chosen.mesh if chosen else meshes[-1].mesh)
     try:
-        return PlanReport(make_plan(config, memory), memory, config.model.dtype, preset,
-                          meshes, chosen)
+        return PlanReport(make_plan(config, memory, tiled=tiled), memory, config.model.dtype,
+                          preset, meshes, chosen)
     except DoesNotFit as err:
         return PlanReport(None, memory, config.model.dtype, preset, meshes, None,
                           err.shortfall, suggest(
-            config, memory, preset.num_devices if preset is not None else None))
+            config, memory, preset.num_devices if preset is not None else None, tiled))
 
 
 def format_report(report: PlanReport) -> str:

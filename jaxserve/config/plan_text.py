@@ -112,6 +112,20 @@ def _kv_split_text(plan) -> str:
     return f"kv heads {kv_split} -> {s.kv_heads_per_device} per device"
 
 
+def _tpu_padding(plan) -> str:
+    """How a TPU's tiles pad the cache's last two dims, when they do (plan.tpu_layout)."""
+    if not plan.tpu_layout:
+        return ""
+    size = kv_sizing.ITEMSIZE[plan.kv_element]
+    rows, minor = ((plan.block_size, plan.latent.dim) if plan.latent is not None
+                   else (plan.sharding.kv_heads_per_device, plan.head_dim))
+    stored = kv_sizing.tpu_tiled(rows, minor, size)
+    if stored == rows * minor:
+        return ""
+    return (f"; x {stored / (rows * minor):.2f} as a TPU tiles it: [{rows}, {minor}] in "
+            f"{stored:,} elements")
+
+
 def _kv_cache_lines(plan) -> list[str]:
     """`jaxserve plan`'s lines on the KV cache of a plan (plan.Plan): its bytes per token and
     block; for a latent cache, also multi-head attention's with the same heads, and both
@@ -119,17 +133,19 @@ def _kv_cache_lines(plan) -> list[str]:
     element, latent = plan.kv_element, plan.latent
     per_block = (f"{plan.bytes_per_block:,} B ({size_text(plan.bytes_per_block)}) per block "
                  f"of {plan.block_size} tokens")
+    padding = _tpu_padding(plan)
     if latent is None:
         return [f"KV cache per device  {plan.bytes_per_token:,} B per token (2 x "
                 f"{plan.num_layers} layers x {_count(plan.sharding.kv_heads_per_device, 'kv head')}"
-                f" x {plan.head_dim} x {kv_sizing.ITEMSIZE[element]} B {element}); {per_block}"
+                f" x {plan.head_dim} x {kv_sizing.ITEMSIZE[element]} B {element}{padding}); "
+                f"{per_block}"
                 + ("" if plan.kv_cache_dtype == "auto"
                    else "; plus a float32 scale per layer and kv head")]
     mha = plan.mha_bytes_per_block
     heads = latent.num_heads // latent.model
     return [
         f"KV cache per device  {plan.bytes_per_token:,} B per token "
-        f"({latent_text(latent, plan.num_layers, element)}); {per_block}"
+        f"({latent_text(latent, plan.num_layers, element)}{padding}); {per_block}"
         + ("" if plan.kv_cache_dtype == "auto"
            else "; plus a float32 scale per layer for the latent and one for the rope key"),
         f"  as plain MHA       {latent.num_heads} heads x ({latent.qk_head_dim} key + "

@@ -167,8 +167,7 @@ def test_plan_counts_window_layers_by_their_window(hybrid, concurrency, tmp_path
     65 each per sequence; 5.3x the sequences of every layer holding everything."""
     import json
 
-    from support.published_configs import GEMMA3_27B_TEXT
-
+    from jaxserve.benchmarks.published_configs import GEMMA3_27B_TEXT
     from jaxserve.config.engine_config import EngineConfig
     from jaxserve.config.plan import make_plan
     from jaxserve.config.plan_text import format_plan

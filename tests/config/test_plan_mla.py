@@ -10,6 +10,7 @@ import logging
 
 import pytest
 
+from jaxserve.benchmarks.published_configs import DEEPSEEK_V3
 from jaxserve.cli import main
 from jaxserve.config.accelerators import preset
 from jaxserve.config.engine_config import EngineConfig
@@ -20,25 +21,6 @@ from jaxserve.config.plan_advice import plan_report, suggest
 from jaxserve.config.plan_text import format_plan
 
 GiB = 2**30
-FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-       "weight_block_size": [128, 128]}
-# DeepSeek-V3's published config.json (the fields the engine reads)
-DEEPSEEK_V3 = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
-    "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
-    "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5,
-    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
-    "first_k_dense_replace": 3, "norm_topk_prob": True, "max_position_embeddings": 163840,
-    "rms_norm_eps": 1e-6, "rope_theta": 10000, "hidden_act": "silu",
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
-                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
-                     "type": "yarn"},
-    "scoring_func": "sigmoid", "topk_method": "noaux_tc", "tie_word_embeddings": False,
-    "vocab_size": 129280, "num_nextn_predict_layers": 1, "moe_layer_freq": 1,
-    "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
-    "quantization_config": FP8}
 # V, D, F (dense), F of an expert, layers (dense ones), N, Q, C, R, P (nope), H_v, E
 V, D, F, FE, L, DENSE, N, Q, C, R, P, HV, E = (129280, 7168, 18432, 2048, 61, 3, 128, 1536,
                                                512, 64, 128, 128, 256)
@@ -193,7 +175,8 @@ def test_v5p_64_meshes_plan_the_latent_cache(v3):
     report = plan_report(config, V5P_64.memory_bytes, V5P_64, mesh_given=False)
     fitting = [o for o in report.meshes if o.fits]
     assert [str(o.mesh) for o in fitting] == ["4x8", "2x16", "1x32"]
-    assert {o.plan.bytes_per_block for o in fitting} == {1_124_352}
+    # as a TPU tiles it: each token's 576 values in 5 tiles of 128 lanes (kv_sizing.tpu_tiled)
+    assert {o.plan.bytes_per_block for o in fitting} == {L * 16 * 640 * 2}
     assert str(report.chosen.mesh) == "2x16"
 
 

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from jaxserve.benchmarks.published_configs import LLAMA_3_1_8B
 from jaxserve.cli import main
 from jaxserve.config.accelerators import preset
 from jaxserve.config.engine_config import EngineConfig
@@ -17,16 +18,6 @@ from jaxserve.config.plan import make_plan
 from jaxserve.config.plan_advice import mesh_options, plan_report, suggest, variant
 
 GiB = 2**30
-# Llama-3.1-8B's config.json (the fields the engine reads)
-LLAMA_3_1_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-    "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
 V, D, F, L, N, K, H = 128256, 4096, 14336, 32, 32, 8, 128
 # int8 linear layers: a byte per weight and a float32 scale per output channel; embeddings,
 # lm_head and norms stay bfloat16
@@ -80,13 +71,14 @@ def test_v5e_16_lists_every_mesh_with_its_capacity(llama, capsys):
     rows = {line.split()[0]: line for line in table[2:] if line.strip()}
     for mesh in ("4x4", "2x8", "1x16", "8x2"):  # 8x2 fits: 7.48 GiB of weights per device
         data = int(mesh.split("x")[0])
-        plan = make_plan(config_for(llama, mesh=mesh), 16 * GiB)
+        plan = make_plan(config_for(llama, mesh=mesh), 16 * GiB, tiled=True)  # a TPU's
         assert rows[mesh].split()[3:] == [
             f"{plan.kv_tokens:,}", f"{plan.max_concurrency:,}", f"{data * plan.kv_tokens:,}",
             f"{data * plan.max_concurrency:,}"], mesh
     assert "does not fit: the weights alone do not fit" in rows["16x1"]
-    # the plan printed is the mesh that holds the most sequences over all replicas
-    assert "the plan below is 2x8" in out and "mesh         2x8: 2 replicas" in out
+    # the plan printed is the mesh that holds the most sequences over all replicas: 4x4, as
+    # a TPU holds one bf16 kv head per device (2x8, 1x16) in the tiles of two
+    assert "the plan below is 4x4" in out and "mesh         4x4: 4 replicas" in out
 
 
 def test_mesh_options_need_a_model_axis_the_heads_split_over(llama):
@@ -114,7 +106,7 @@ def test_kv_too_small_for_one_sequence_suggests_fp8_then_a_shorter_max_model_len
     assert report.plan is None and "too little room for the KV cache" in report.error
     fp8, shorter = report.suggestions
     assert fp8.flags == ("--kv-cache-dtype fp8",) and fp8.fits
-    assert fp8.plan == make_plan(variant(config, kv_cache_dtype="fp8"), 16 * GiB)
+    assert fp8.plan == make_plan(variant(config, kv_cache_dtype="fp8"), 16 * GiB, tiled=True)
     assert fp8.plan.kv_tokens == 2 * 46_320 + 16  # one byte per element: twice the blocks
     # the longest multiple of 1024 whose table (+ the null block) fits in 2,895 blocks
     assert shorter.flags == ("--max-model-len 46080",) and shorter.fits
@@ -148,7 +140,8 @@ def test_cli_device_flags(llama, capsys):
     assert main(["plan", llama, "--device", "kaggle-v3-8", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["device"]["pallas_kernel"] is False
-    assert report["mesh"] == {"data": 1, "model": 8, "num_devices": 8}
+    # 2x4: 1x8 would hold one bf16 kv head per device, in the tiles of two
+    assert report["mesh"] == {"data": 2, "model": 4, "num_devices": 8}
     assert [m["mesh"] for m in report["meshes"]] == ["8x1", "4x2", "2x4", "1x8"]
 
 

@@ -4,9 +4,9 @@ the models in bfloat16. Greedy parity with HF transformers is in test_parity.py.
 from __future__ import annotations
 
 import pytest
-from support.published_configs import GEMMA2_9B, GEMMA3_27B_TEXT
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.benchmarks.published_configs import GEMMA2_9B, GEMMA3_27B_TEXT
 from jaxserve.models import model_family
 
 

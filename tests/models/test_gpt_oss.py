@@ -12,29 +12,9 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.benchmarks.published_configs import gpt_oss as published
 from jaxserve.models import model_family, mxfp4
 from jaxserve.models.quant_config import checkpoint_quant
-
-
-def published(layers: int, experts: int) -> dict:
-    """openai/gpt-oss-20b's (24 layers, 32 experts) or -120b's (36, 128) config.json,
-    abridged to what the architecture reads."""
-    return dict(
-        architectures=["GptOssForCausalLM"], attention_bias=True, head_dim=64,
-        hidden_size=2880, intermediate_size=2880, max_position_embeddings=131072,
-        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
-                     for i in range(layers)],
-        num_attention_heads=64, num_experts_per_tok=4, num_hidden_layers=layers,
-        num_key_value_heads=8, num_local_experts=experts, rms_norm_eps=1e-5,
-        quantization_config={"quant_method": "mxfp4",
-                             "modules_to_not_convert": ["model.layers.*.self_attn",
-                                                        "model.layers.*.mlp.router",
-                                                        "model.embed_tokens", "lm_head"]},
-        rope_scaling={"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
-                      "original_max_position_embeddings": 4096, "rope_type": "yarn",
-                      "truncate": False},
-        rope_theta=150000, sliding_window=128, swiglu_limit=7.0, tie_word_embeddings=False,
-        vocab_size=201088, eos_token_id=200002, pad_token_id=199999)
 
 
 # The model cards' totals: 20.91B and 116.83B (transformers' own count of these configs).

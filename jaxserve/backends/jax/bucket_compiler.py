@@ -103,6 +103,10 @@ class CompiledFunctions:
         pending.set_result(compiled)
         return compiled
 
+    def keys(self) -> list[tuple]:
+        """Every function a warm-up builds, in its order."""
+        return self._warm_up_order()
+
     def _warm_up_order(self) -> list[tuple]:
         """Every function to compile, the first one alone able to serve: the smallest T with
         its largest R, then the decode buckets of a few sequences, then by T."""

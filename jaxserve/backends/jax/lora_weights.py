@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.backends.jax.weights import place
+from jaxserve.backends.jax.weights import device_bytes, place
 from jaxserve.config.lora import LoraConfig
 from jaxserve.models.lora import load_adapter, lora_targets
 from jaxserve.models.quantization import CONTRACTED
@@ -51,9 +51,10 @@ class DeviceLoras:
     """The adapter slots on the device, and which adapter each holds."""
 
     def __init__(self, config: LoraConfig, hf_config: dict, arch, shapes: dict, spec_of,
-                 mesh: Mesh, dtype, np_dtype) -> None:
+                 mesh: Mesh, dtype, np_dtype, allocate=lambda make: make()) -> None:
         """shapes: the family's param_shapes(arch) (unquantized); spec_of(kernel path) ->
-        the kernel's PartitionSpec; arch: the runner's (kv heads as replicated)."""
+        the kernel's PartitionSpec; arch: the runner's (kv heads as replicated); allocate:
+        the runner's (its arrays, or their shapes when compiling only)."""
         self.config, self.mesh, self.np_dtype = config, mesh, np_dtype
         self.targets = lora_targets(shapes)
         slots, rank = config.max_loras, config.max_lora_rank
@@ -70,9 +71,9 @@ class DeviceLoras:
             self._value_shapes[key] = (a_shape, b_shape)
             self.value_shardings[key] = (NamedSharding(mesh, PartitionSpec(*a_spec)),
                                          NamedSharding(mesh, PartitionSpec(*b_spec)))
-            self.arrays[key] = tuple(
+            self.arrays[key] = tuple(allocate(
                 jax.jit(functools.partial(jnp.zeros, (slots,) + shape, dtype),
-                        out_shardings=NamedSharding(mesh, PartitionSpec(None, *part)))()
+                        out_shardings=NamedSharding(mesh, PartitionSpec(None, *part))))
                 for shape, part in ((a_shape, a_spec), (b_shape, b_spec)))
         read = functools.partial(self._read, hf_config, arch)
         self.cache = AdapterCache(config.host_capacity, read)
@@ -82,9 +83,7 @@ class DeviceLoras:
                     slots, rank, len(self.targets), self.device_bytes() / 2**20)
 
     def device_bytes(self) -> int:
-        device = self.mesh.devices.flat[0]
-        return sum(shard.data.nbytes for leaf in jax.tree.leaves(self.arrays)
-                   for shard in leaf.addressable_shards if shard.device == device)
+        return device_bytes(self.arrays)
 
     def _read(self, hf_config: dict, arch, lora) -> dict:
         """An adapter's values for every target (zeros where it has none), as numpy."""

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import layout as xla_layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.backends.checkpoint import HOST_DTYPES
@@ -70,7 +71,7 @@ from jaxserve.backends.jax.sampler import (
 )
 from jaxserve.backends.jax.sleep import RunnerSleep
 from jaxserve.backends.jax.step import StepSettings, step_fn
-from jaxserve.backends.jax.weights import load_params, place, random_params
+from jaxserve.backends.jax.weights import device_bytes, load_params, place, random_params
 from jaxserve.backends.protocol import PaddingStats, RunnerStats, StepResult
 from jaxserve.config import kv_sizing
 from jaxserve.config.engine_config import EngineConfig
@@ -130,14 +131,16 @@ class ModelRunner:
         self.channel = distributed.step_channel(self.mesh) if jax.process_count() > 1 else None
         hf = config.model.hf_config
         family = model_family(hf)
+        platform = self.mesh.devices.flat[0].platform
+        element = kv_sizing.cache_element(config.model.dtype, config.cache.kv_cache_dtype)
         self.plan = plan_sharding(ModelDims.from_hf(hf), self.mesh.shape[MODEL],
-                                  config.parallel.expert_parallel)
+                                  config.parallel.expert_parallel,
+                                  kv_sizing.min_kv_heads_per_device(element, platform == "tpu"))
         arch = with_max_model_len(family.arch_from_hf(hf), config.model.max_model_len)
         # DeepSeek's multi-head latent attention: one latent cache per layer (attend_mla.py).
         self.latent_dim = getattr(arch, "latent_dim", 0)
         self.arch = arch if self.latent_dim else dataclasses.replace(
             arch, num_kv_heads=self.plan.kv_heads, kv_replicas=self.plan.kv_replicas)
-        platform = self.mesh.devices.flat[0].platform
         warn_if_cpu_fallback(platform)
         # Chosen first: a backend the platform cannot run fails before the weights load.
         self.attention_fn = (mla_attention_for(config.attention.backend, platform)
@@ -160,7 +163,7 @@ class ModelRunner:
         spec_of = lambda path: PartitionSpec(*param_spec(path, self.plan))
         self.loras = None if config.lora is None else DeviceLoras(
             config.lora, hf, self.arch, family.param_shapes(self.arch), spec_of, self.mesh,
-            self.dtype, np_dtype)
+            self.dtype, np_dtype, allocate=self._allocate)
 
     def _build_kv_cache(self) -> None:
         """The block geometry and KV groups, the penalty state (allocated first, so that the
@@ -171,8 +174,9 @@ class ModelRunner:
         self.blocks_per_seq = kv_sizing.blocks_per_seq(config.model.max_model_len,
                                                        self.block_size)
         self.kv_groups = kv_groups_for(config)  # layers sharing block tables and tensors
-        self.penalty_state = PenaltyState.zeros(config.scheduler.max_num_seqs + 1,
-                                                self.arch.vocab_size, self.replicated)
+        self.penalty_state = self._allocate(functools.partial(
+            PenaltyState.zeros, config.scheduler.max_num_seqs + 1, self.arch.vocab_size,
+            self.replicated))
         self.num_blocks = self._num_kv_blocks()
         # Per layer (slot): K and V [P, S, K', H], or one latent cache [P, S, C + R].
         self.cache_tensors = 1 if self.latent_dim else 2
@@ -183,10 +187,16 @@ class ModelRunner:
         self.cache_dtype = ref.kv_storage_dtype(kv_quant.value_dtype(kv_cache_dtype, self.dtype),
                                                 self.mesh.devices.flat[0].platform)
         spec = LATENT_CACHE_SPEC if self.latent_dim else KV_CACHE_SPEC
+        # Row-major, on every platform: a TPU's default layout of [P, S, K', H] puts P
+        # innermost (the fewest padded tiles), while the TPU kernel and the KV writes take
+        # the cache row-major, so under the default every step would copy each layer's
+        # cache in and out (temporaries of the whole cache: `jaxserve compile` on v5e).
+        self.cache_format = xla_layout.Format(xla_layout.Layout(tuple(range(len(shape)))),
+                                   NamedSharding(self.mesh, PartitionSpec(*spec)))
         zeros = jax.jit(functools.partial(jnp.zeros, shape, self.cache_dtype),
-                        out_shardings=NamedSharding(self.mesh, PartitionSpec(*spec)))
+                        out_shardings=self.cache_format)
         scales = self._calibrate_kv_scales() if kv_quant.is_quantized(kv_cache_dtype) else None
-        self.kv_caches = [tuple(zeros() for _ in range(self.cache_tensors))
+        self.kv_caches = [tuple(self._allocate(zeros) for _ in range(self.cache_tensors))
                           + (scales[i] if scales else ())
                           for i in range(self.kv_groups.num_slots)]
         self._kv_zeros = zeros  # (wake_up: the cache again, by the same compiled function)
@@ -209,7 +219,8 @@ class ModelRunner:
             step_fn, StepSettings(self.graphdef, self.attend, self.replicated,
                                   self.kv_groups if self.kv_groups.num_groups > 1 else None,
                                   self.num_speculative)),
-            donate_argnums=(1, 2), static_argnames=("layout",))
+            donate_argnums=(1, 2), static_argnames=("layout",),
+            out_shardings=(jax.tree.map(_format_of, self.kv_caches), None, None, None))
         self._score = jax.jit(self._score_fn)
         self._pool = jax.jit(self._pool_fn)
         self._set_bias = jax.jit(set_bias_row, donate_argnums=0)
@@ -217,12 +228,20 @@ class ModelRunner:
         # Shapes and shardings to compile for: the live arrays are donated at every step.
         spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
         self._params_spec = jax.tree.map(spec, self.params)
-        self._kv_spec = jax.tree.map(spec, self.kv_caches)
+        self._kv_spec = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_format_of(a)),
+            self.kv_caches)
         self._penalty_spec = jax.tree.map(spec, self.penalty_state)
         self.executables = executable_cache_for(config, self)
         self.compiled = CompiledFunctions(self._build, config.scheduler, self.executables,
                                           pooling=config.pooler is not None,
                                           extra=("lora",) if self.loras else ())
+
+    # ---- the arrays it places: compile_only.ShapesOnlyRunner gives their shapes instead ----
+    def _allocate(self, make):
+        """The arrays of make() (a function making zeroed device arrays on their shardings:
+        the KV cache, the penalty state, LoRA slots)."""
+        return make()
 
     def _load_model(self, abstract: nnx.Module) -> nnx.Module:
         """The weights into an abstract model, on their shardings: random ones
@@ -243,8 +262,7 @@ class ModelRunner:
     # ---- sizing -------------------------------------------------------------------------
     def _log_placement(self) -> None:
         """The split and the weight bytes one device holds (`jaxserve plan` predicts both)."""
-        held = sum(shard.data.nbytes for leaf in jax.tree.leaves(self.params)
-                   for shard in leaf.addressable_shards if shard.device == self.local_device)
+        held = device_bytes(self.params)
         plan, arch = self.plan, self.arch
         quantization = self.config.model.weights_label
         logger.info("Mesh %s: model axis %d; kv heads %d -> %d (%d per device); embeddings "
@@ -256,9 +274,9 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         """KV bytes of one block on each device (its share of the kv heads)."""
-        return kv_sizing.device_bytes_per_block(self.config, self.kv_groups,
-                                                self.plan.kv_heads_per_device, self.arch.head_dim,
-                                                self.latent_dim)
+        return kv_sizing.device_bytes_per_block(
+            self.config, self.kv_groups, self.plan.kv_heads_per_device, self.arch.head_dim,
+            self.latent_dim, tiled=self.mesh.devices.flat[0].platform == "tpu")
 
     def _calibrate_kv_scales(self) -> list[tuple[jax.Array, jax.Array]]:
         """Per layer (k_scale, v_scale) f32[K'] split as the kv heads, or latent f32[1] pairs."""
@@ -328,7 +346,7 @@ class ModelRunner:
             record_load()
             return compiled
         start = time.perf_counter()
-        lowered = self._lower(key)
+        lowered = self.lower(key)
         # With the inputs' tree and shapes: jit drops unused arguments from the HLO (scoring
         # reads only the embeddings), so models differing elsewhere lower to the same text.
         hlo = (f"{lowered.as_text()}\n// inputs: {lowered.in_tree} "
@@ -343,7 +361,9 @@ class ModelRunner:
             cache.store(name, hlo, compiled)
         return compiled
 
-    def _lower(self, key: tuple) -> jax.stages.Lowered:
+    def lower(self, key: tuple) -> jax.stages.Lowered:
+        """Key's function (bucket_compiler.py's keys) traced and lowered for the runner's
+        shapes and shardings."""
         if key[0] == "bias":
             row = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)
             values = jax.ShapeDtypeStruct((self.arch.vocab_size,), jnp.float32,
@@ -514,6 +534,12 @@ class ModelRunner:
         if scores is not None:
             scores = unpack_host(scores, self._result_like(step.num_tokens))
         return StepResult(result, scores, num_emitted, pooled)
+
+
+def _format_of(array):
+    """An array's (or ShapeDtypeStruct's) layout and sharding when it has a layout (the KV
+    cache tensors), else its sharding."""
+    return getattr(array, "format", None) or array.sharding
 
 
 def _local(array: jax.Array | None) -> jax.Array | None:

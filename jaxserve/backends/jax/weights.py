@@ -5,6 +5,7 @@ devices.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import jax
@@ -22,6 +23,13 @@ def place(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """A host array onto its sharding, each device taking only its slice. With several
     processes (multi-host) every process holds the same value and fills its own devices."""
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def device_bytes(tree) -> int:
+    """Bytes of one device's shard of every array (or ShapeDtypeStruct with a sharding) of
+    tree: the shardings here split evenly."""
+    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+               for leaf in jax.tree.leaves(tree))
 
 
 def load_params(abstract_model: nnx.Module, folder: str | Path, path_of, dtype, mesh: Mesh,
