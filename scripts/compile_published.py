@@ -33,6 +33,23 @@ CASES = {
                                                    "--expert-parallel",
                                                    "--kv-cache-dtype", "fp8"]),
 }
+# Decode buckets only, for the roofline beside a published measurement (docs/performance.md):
+# sglang-jax's Qwen3-8B on a v6e-4 at concurrency 8; JetStream's Llama-3-8B on a v5e-8 at
+# batch 128 (two replicas of 64 here); vLLM's Llama-3.1-8B on one H200 at 16 (its costs
+# compiled for one v6e device, predicted on an H200's peaks); decode at 1,536 tokens of
+# context (1,024-token prompts, halfway through 1,024 output tokens).
+DECODE = ["--max-num-batched-tokens", "16", "--context", "1536"]
+ANCHORS = {
+    "llama-3.1-8b-v5e-8-decode": (published.LLAMA_3_1_8B, [
+        "--device", "v5e-8", "--mesh", "2x4", "--max-num-seqs", "64",
+        "--max-num-batched-tokens", "64", "--context", "1536"]),
+    "qwen3-8b-v6e-4-decode": (published.QWEN3_8B, ["--device", "v6e-4", "--mesh", "1x4",
+                                                   "--max-num-seqs", "8", *DECODE]),
+    "llama-3.1-8b-h200-decode": (published.LLAMA_3_1_8B, [
+        "--device", "v6e-1", "--roofline-device", "h200x8", "--max-num-seqs", "16",
+        *DECODE]),
+}
+CASES.update(ANCHORS)
 
 
 def run_case(name: str, json_dir: pathlib.Path | None, extra: list[str]) -> int:

@@ -10,10 +10,10 @@ reads at run time): each sequence's K and V of `context` tokens read once per st
 plan's KV bytes per token on a device), and 4 FLOPs per query token, query head of the
 device and key, per head dimension (q . k and p . v; a latent cache's C + R).
 
-Decode: R sequences each sampling one token at `context` tokens of context; output
-tokens/s over all replicas = R x replicas / step. Prefill: a bucket's T tokens as R fresh
-prompts of T / R tokens (each token attends to half its prompt on average); tokens/s = T x
-replicas / step. Both ignore what is not in the step (host scheduling, transfers, the
+Decode (the buckets of the smallest T, and those with T = R): R sequences each sampling
+one token at `context` tokens of context; output tokens/s over all replicas = R x replicas
+/ step. Prefill (T > R): a bucket's T tokens as R fresh prompts of T / R tokens (each
+token attends to half its prompt on average); tokens/s = T x replicas / step. Both ignore what is not in the step (host scheduling, transfers, the
 gaps between steps): a lower bound on time, an upper bound on throughput.
 """
 
@@ -58,13 +58,13 @@ def predict(plan, key: tuple, flops: float, bytes_accessed: float, accelerator,
             context: int) -> Prediction:
     """The roofline of step bucket key = ("step", T, R) compiled with `flops` and
     `bytes_accessed` per device (cost_analysis), on `accelerator` (its bf16_flops and
-    hbm_bandwidth); decode at `context` tokens when T is the smallest bucket's, else
+    hbm_bandwidth); decode at `context` tokens when T is the smallest bucket's or R, else
     prefill. ValueError when the table has no peak FLOP/s for it."""
     if not accelerator.bf16_flops:
         raise ValueError(f"{accelerator.name}: the accelerator table has no peak FLOP/s.")
     _, tokens, rows = key
     replicas = plan.mesh.data
-    if tokens == plan.token_buckets[0]:  # decode: one new token per sequence
+    if tokens == plan.token_buckets[0] or tokens == rows:  # decode: a token per sequence
         mode, queries, keys, read = "decode", rows, context, rows * context
         produced = rows
     else:  # prefill: R prompts of T / R tokens

@@ -48,3 +48,9 @@ def test_an_accelerator_without_peak_flops_is_refused(plan):
     unknown = dataclasses.replace(preset("v5e-8").device, bf16_flops=0.0)
     with pytest.raises(ValueError, match="no peak FLOP/s"):
         predict(plan, ("step", 16, 8), 1.0, 1.0, unknown, context=16)
+
+
+def test_buckets_with_a_token_per_row_are_decode(plan):
+    v5e = preset("v5e-8").device
+    assert predict(plan, ("step", 128, 128), 1e9, 1e9, v5e, context=64).mode == "decode"
+    assert predict(plan, ("step", 128, 64), 1e9, 1e9, v5e, context=64).mode == "prefill"

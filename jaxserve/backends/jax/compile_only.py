@@ -8,7 +8,11 @@ number of blocks `jaxserve plan` gives (nothing is measured on a device). compil
 lowers and compiles each function a warm-up would (bucket_compiler.py's keys) with the
 target's real compiler (XLA:TPU and Mosaic, XLA:GPU), and reads per function its
 compiler's memory_analysis (bytes per device: arguments, outputs, aliased, temporaries,
-code) and cost_analysis (flops, bytes accessed), or the compiler's error.
+code) and cost_analysis (flops, bytes accessed), or the compiler's error. Each executable
+goes into the executable cache of the configuration (compilation_cache_dir), keyed as the
+runner on the target's hosts keys it (executable_cache.py: the HLO, versions, devices),
+so that a host of that slice with the same code and configuration (the number of KV
+blocks included: --num-gpu-blocks-override) loads it instead of compiling.
 """
 
 from __future__ import annotations
@@ -124,12 +128,14 @@ def compile_function(runner: ShapesOnlyRunner, key: tuple) -> FunctionReport:
     compiler error is reported, never raised."""
     start = time.perf_counter()
     try:
-        compiled = runner.lower(key).compile()
+        lowered = runner.lower(key)
+        compiled = lowered.compile()
     except Exception as error:  # the compiler's refusal is the report
         text = f"{type(error).__name__}: {error}"
         logger.warning("%s did not compile: %s", "-".join(map(str, key)), text[:400])
         return FunctionReport(key, time.perf_counter() - start, error=text)
     seconds = time.perf_counter() - start
+    runner.store(key, lowered, compiled)  # for the target's hosts (--compilation-cache-dir)
     memory = compiled.memory_analysis()
     costs = _costs(compiled)
     return FunctionReport(

@@ -192,7 +192,7 @@ class ModelRunner:
         # the cache row-major, so under the default every step would copy each layer's
         # cache in and out (temporaries of the whole cache: `jaxserve compile` on v5e).
         self.cache_format = xla_layout.Format(xla_layout.Layout(tuple(range(len(shape)))),
-                                   NamedSharding(self.mesh, PartitionSpec(*spec)))
+                                              NamedSharding(self.mesh, PartitionSpec(*spec)))
         zeros = jax.jit(functools.partial(jnp.zeros, shape, self.cache_dtype),
                         out_shardings=self.cache_format)
         scales = self._calibrate_kv_scales() if kv_quant.is_quantized(kv_cache_dtype) else None
@@ -347,19 +347,21 @@ class ModelRunner:
             return compiled
         start = time.perf_counter()
         lowered = self.lower(key)
-        # With the inputs' tree and shapes: jit drops unused arguments from the HLO (scoring
-        # reads only the embeddings), so models differing elsewhere lower to the same text.
-        hlo = (f"{lowered.as_text()}\n// inputs: {lowered.in_tree} "
-               f"{jax.tree.leaves(lowered.in_avals)}" if cache is not None else "")
-        compiled = cache.load_lowered(name, hlo) if cache is not None else None
+        compiled = (cache.load_lowered(name, _cache_text(lowered)) if cache is not None
+                    else None)
         if compiled is not None:
             record_load()
             return compiled
         compiled = lowered.compile()
         record_compile(key[0], time.perf_counter() - start)
-        if cache is not None:
-            cache.store(name, hlo, compiled)
+        self.store(key, lowered, compiled)
         return compiled
+
+    def store(self, key: tuple, lowered: jax.stages.Lowered, compiled) -> None:
+        """Key's executable into the executable cache, when there is one (also for an
+        executable compiled for devices that are not here: compile_only.py)."""
+        if self.executables is not None:
+            self.executables.store("-".join(map(str, key)), _cache_text(lowered), compiled)
 
     def lower(self, key: tuple) -> jax.stages.Lowered:
         """Key's function (bucket_compiler.py's keys) traced and lowered for the runner's
@@ -534,6 +536,14 @@ class ModelRunner:
         if scores is not None:
             scores = unpack_host(scores, self._result_like(step.num_tokens))
         return StepResult(result, scores, num_emitted, pooled)
+
+
+def _cache_text(lowered: jax.stages.Lowered) -> str:
+    """What the executable cache keys an entry by: the lowered HLO with the inputs' tree
+    and shapes (jit drops unused arguments from the HLO: scoring reads only the embeddings,
+    so models differing elsewhere lower to the same text)."""
+    inputs = jax.tree.leaves(lowered.in_avals)
+    return f"{lowered.as_text()}\n// inputs: {lowered.in_tree} {inputs}"
 
 
 def _format_of(array):
