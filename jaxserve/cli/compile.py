@@ -53,6 +53,8 @@ def run_compile(args: argparse.Namespace) -> int:
     # The compilers run on this host's CPU: JAX needs no accelerator here (and with libtpu
     # installed would look for a TPU first), so its platform is the CPU unless set.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if args.context < 1:  # before anything is planned or compiled
+        raise ValueError(f"--context must be >= 1 token, got {args.context}.")
     from jaxserve.config.plan_advice import plan_report
 
     model = model_folder(args, logger)
@@ -69,8 +71,6 @@ def run_compile(args: argparse.Namespace) -> int:
     logger.info("Compiling for %s (%s, %d devices) with mesh %s: %d KV blocks per device "
                 "(the plan's).", args.device.name, devices[0].device_kind, len(devices),
                 config.parallel.mesh, plan.num_blocks)
-    if args.context < 1:
-        raise ValueError(f"--context must be >= 1 token, got {args.context}.")
     functions = compile_engine(config, devices, plan.num_blocks)
     summary = compile_summary(plan, functions, args.device)
     summary["roofline"] = roofline_rows(plan, functions, args.roofline_device or args.device,
